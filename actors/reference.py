@@ -1,0 +1,179 @@
+"""Reference: a frozen copy of the initial policy that scores given token sequences.
+
+The reference model is loaded from disk by this actor alone, so it can never share
+storage with a trainable policy (the KL penalty would silently shrink to zero if
+the learner's updates leaked into it). Log-probs use the same temperature
+convention as the generator: log_softmax(logits / T).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from learner.ppo import logprobs_from_logits
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str, role: str) -> str:
+    """Fail early with a one-line error naming the path, instead of a deep HF traceback.
+
+    Hub ids ("org/name") that do not exist locally are passed through untouched.
+    """
+    if model is None or str(model).strip() == "":
+        raise ValueError(f"{role}: model path is empty")
+    path = Path(os.path.expanduser(str(model)))
+    looks_local = path.is_absolute() or str(model).startswith((".", "~")) or path.exists()
+    if not looks_local and str(model).count("/") == 1:
+        return str(model)
+    if not path.exists():
+        raise FileNotFoundError(f"{role}: model path {str(path)!r} does not exist")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(f"{role}: {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    return str(path)
+
+
+def resolve_dtype(dtype: str | torch.dtype, role: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"{role}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def pad_token_id(tokenizer, config, role: str) -> int:
+    """Padding positions are masked out, so any real id works; prefer pad, then eos."""
+    for source in (tokenizer, config):
+        pad = getattr(source, "pad_token_id", None) if source is not None else None
+        if pad is not None:
+            return int(pad)
+    for source in (tokenizer, config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            log.warning("%s: tokenizer has no pad token; padding with eos (id %d) under the attention mask",
+                        role, eos)
+            return int(eos)
+    log.warning("%s: tokenizer has neither pad nor eos token; padding with id 0 under the attention mask", role)
+    return 0
+
+
+def load_tokenizer(path: str, role: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any loader failure becomes one line naming the path
+        raise ValueError(f"{role}: cannot load tokenizer from {path!r}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def as_token_arrays(prompt_ids_batch, response_ids_batch, role: str):
+    if len(prompt_ids_batch) != len(response_ids_batch):
+        raise ValueError(f"{role}: {len(prompt_ids_batch)} prompts but {len(response_ids_batch)} responses")
+    prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompt_ids_batch]
+    responses = [np.asarray(r, dtype=np.int64).reshape(-1) for r in response_ids_batch]
+    return prompts, responses
+
+
+def length_sorted_chunks(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Group similar lengths so each padded batch wastes little compute."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+class Reference:
+    """Token log-probs of given (prompt, response) pairs under a frozen causal LM."""
+
+    def __init__(self, *, model: str, temperature: float = 1.0, dtype: str = "float32",
+                 batch_size: int = 16, device: str | None = None):
+        from transformers import AutoModelForCausalLM
+
+        role = "Reference"
+        if not (temperature > 0 and np.isfinite(temperature)):
+            raise ValueError(f"{role}: temperature must be a finite number > 0, got {temperature}")
+        if batch_size < 1:
+            raise ValueError(f"{role}: batch_size must be >= 1, got {batch_size}")
+        self.model_path = resolve_model_path(model, role)
+        self.temperature = float(temperature)
+        self.batch_size = int(batch_size)
+        self.dtype = resolve_dtype(dtype, role)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=self.dtype)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{role}: cannot load a causal LM from {self.model_path!r}: "
+                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        try:
+            tokenizer = load_tokenizer(self.model_path, role)
+        except ValueError:
+            tokenizer = None  # a weights-only directory is fine: we never decode
+        self.pad_id = pad_token_id(tokenizer, self.model.config, role)
+        # Computing the LM head only over response positions saves a [B, P, V] tensor.
+        params = inspect.signature(self.model.forward).parameters
+        self._logits_to_keep = "logits_to_keep" in params
+        self._counts = {"calls": 0, "sequences": 0, "tokens": 0, "seconds": 0.0}
+
+    def logprobs(self, prompt_ids_batch: list[np.ndarray],
+                 response_ids_batch: list[np.ndarray]) -> list[np.ndarray]:
+        """Per rollout, the [R] float32 log-probs of its response tokens under the reference."""
+        prompts, responses = as_token_arrays(prompt_ids_batch, response_ids_batch, "Reference.logprobs")
+        for i, p in enumerate(prompts):
+            if p.size == 0:
+                raise ValueError(f"Reference.logprobs: prompt {i} is empty; the first response token "
+                                 "needs at least one context token")
+        start = time.perf_counter()
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.float32) for _ in prompts]
+        todo = [i for i, r in enumerate(responses) if r.size > 0]
+        lengths = [prompts[i].size + responses[i].size for i in todo]
+        for chunk in length_sorted_chunks(lengths, self.batch_size):
+            rows = [todo[j] for j in chunk]
+            lps = self._forward([prompts[i] for i in rows], [responses[i] for i in rows])
+            for i, lp in zip(rows, lps):
+                out[i] = lp
+        self._counts["calls"] += 1
+        self._counts["sequences"] += len(prompts)
+        self._counts["tokens"] += int(sum(r.size for r in responses))
+        self._counts["seconds"] += time.perf_counter() - start
+        return out
+
+    @torch.inference_mode()
+    def _forward(self, prompts: list[np.ndarray], responses: list[np.ndarray]) -> list[np.ndarray]:
+        # Left-pad prompts and right-pad responses: every response then starts at column P,
+        # so one slice of the logits serves the whole batch.
+        P = max(p.size for p in prompts)
+        R = max(r.size for r in responses)
+        ids = np.full((len(prompts), P + R), self.pad_id, dtype=np.int64)
+        mask = np.zeros_like(ids)
+        for row, (p, r) in enumerate(zip(prompts, responses)):
+            ids[row, P - p.size:P] = p
+            ids[row, P:P + r.size] = r
+            mask[row, P - p.size:P + r.size] = 1
+        ids_t = torch.from_numpy(ids).to(self.device)
+        mask_t = torch.from_numpy(mask).to(self.device)
+        # Positions must count real tokens only, or left padding would shift every prompt.
+        positions = (mask_t.cumsum(-1) - 1).clamp_min(0)
+        kwargs = {"input_ids": ids_t, "attention_mask": mask_t, "position_ids": positions, "use_cache": False}
+        if self._logits_to_keep:
+            logits = self.model(**kwargs, logits_to_keep=R + 1).logits[:, :R]
+        else:
+            logits = self.model(**kwargs).logits[:, P - 1:P + R - 1]
+        lp = logprobs_from_logits(logits.float(), ids_t[:, P:], self.temperature)
+        lp = lp.cpu().numpy().astype(np.float32)
+        return [lp[row, :r.size].copy() for row, r in enumerate(responses)]
+
+    def health(self) -> dict:
+        return {"role": "reference", "ok": True, "model": self.model_path, "device": str(self.device),
+                "dtype": str(self.dtype).replace("torch.", ""), "temperature": self.temperature,
+                **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()}}

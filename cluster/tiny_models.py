@@ -1,0 +1,164 @@
+"""Tiny models built offline: tokenizer, Qwen2 causal LM, Qwen2 reward model.
+
+Nothing here touches the network. Each artefact is saved in Hugging Face format
+and cached on disk under a key derived from everything that shapes it (sizes,
+seed, corpus, this file's format version), so tests and the demo build it once
+and every loader in the project takes it like a real checkpoint.
+
+    python -m cluster.tiny_models            # build the defaults, print their paths
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+# Sentiment-bearing words double as the vocabulary of the demo's reward function.
+POSITIVE_WORDS = ("good", "great", "happy", "kind", "bright", "warm", "lovely", "calm",
+                  "brave", "joyful", "gentle", "wonderful", "sweet", "fine", "glad")
+NEGATIVE_WORDS = ("bad", "sad", "dark", "cold", "angry", "grim", "awful", "cruel",
+                  "dull", "bitter", "gloomy", "harsh", "weak", "sour", "lonely")
+_SUBJECTS = ("the cat", "a dog", "my friend", "the old man", "the child", "a bird", "the town",
+             "our teacher", "the river", "the garden", "a sailor", "the queen", "the baker")
+_VERBS = ("was", "seemed", "felt", "looked", "became", "stayed")
+_PLACES = ("in the morning", "by the sea", "at night", "after the rain", "in the park",
+           "near the hill", "on the road", "at home", "in winter", "in spring")
+_LINKS = ("and", "but", "so", "because", "while")
+
+
+def corpus(n_sentences: int = 2000, seed: int = 0) -> list[str]:
+    """A deterministic built-in English-like corpus mixing positive and negative sentences."""
+    rng = random.Random(seed)
+    words = POSITIVE_WORDS + NEGATIVE_WORDS
+    lines = []
+    for _ in range(n_sentences):
+        clause = lambda: f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(words)}"
+        s = clause()
+        if rng.random() < 0.5:
+            s += f" {rng.choice(_PLACES)}"
+        if rng.random() < 0.4:
+            s += f" {rng.choice(_LINKS)} {clause()}"
+        lines.append(s[0].upper() + s[1:] + ".")
+    return lines
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of a tiny Qwen2-family model. The defaults give ~1M parameters."""
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    def key(self, kind: str) -> str:
+        blob = json.dumps({"kind": kind, "v": FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ~30M parameters, for benchmarks that need a model big enough to show costs.
+SPEC_30M = TinySpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=10,
+                    num_attention_heads=8, num_key_value_heads=4)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether"))
+
+
+def _cached(path: Path, build) -> Path:
+    """Build into a temp dir beside `path`, then rename: readers never see half a model."""
+    if (path / "config.json").exists() or (path / "tokenizer.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def build_tokenizer(vocab_size: int = 1024) -> Path:
+    """Byte-level BPE trained on the built-in corpus, with eos and pad tokens."""
+    key = hashlib.sha256(f"tok-{vocab_size}-{FORMAT_VERSION}".encode()).hexdigest()[:16]
+
+    def build(out: Path) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(corpus(), trainer=trainer)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN,
+                                       pad_token=PAD_TOKEN, model_max_length=512)
+        fast.save_pretrained(out)
+
+    return _cached(cache_root() / f"tokenizer-{key}", build)
+
+
+def _qwen2_config(spec: TinySpec, tokenizer, **extra):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, torch_dtype="float32",
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id, **extra)
+
+
+def _build_model(spec: TinySpec, kind: str) -> Path:
+    def build(out: Path) -> None:
+        import torch
+        from transformers import (AutoTokenizer, Qwen2ForCausalLM,
+                                  Qwen2ForSequenceClassification)
+
+        tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(spec.vocab_size))
+        torch.manual_seed(spec.seed)
+        if kind == "policy":
+            model = Qwen2ForCausalLM(_qwen2_config(spec, tokenizer))
+        else:
+            model = Qwen2ForSequenceClassification(_qwen2_config(spec, tokenizer, num_labels=1))
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+
+    return _cached(cache_root() / f"{kind}-{spec.key(kind)}", build)
+
+
+def build_policy(spec: TinySpec = TinySpec()) -> Path:
+    """A randomly initialised Qwen2ForCausalLM with the tiny tokenizer beside it."""
+    return _build_model(spec, "policy")
+
+
+def build_reward_model(spec: TinySpec = TinySpec()) -> Path:
+    """A randomly initialised Qwen2ForSequenceClassification (num_labels=1)."""
+    return _build_model(spec, "reward")
+
+
+if __name__ == "__main__":
+    print("tokenizer:", build_tokenizer())
+    print("policy:   ", build_policy())
+    print("reward:   ", build_reward_model())

@@ -1,0 +1,453 @@
+"""PPO-for-RLHF numerics: pure tensor functions, no model or distributed state.
+
+Conventions used throughout (see DESIGN.md, "Numerics"):
+  * ``mask`` is ``[B, T]`` with 1.0 on valid response tokens and 0 on padding;
+    sequences are right-padded.
+  * Values at padding positions are never read: they are replaced with 0 via
+    ``torch.where`` (not multiplication, so NaN/inf garbage cannot leak).
+  * Shape mismatches and masks with no valid token raise ``ValueError``
+    instead of silently broadcasting or returning NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_shapes(fn: str, ref_name: str, ref_shape: Sequence[int], **tensors: Tensor) -> None:
+    """Every tensor in ``tensors`` must have exactly ``ref_shape`` (no broadcasting)."""
+    ref_shape = tuple(ref_shape)
+    for name, t in tensors.items():
+        if tuple(t.shape) != ref_shape:
+            raise ValueError(
+                f"{fn}: {name} shape {tuple(t.shape)} does not match {ref_name} shape {ref_shape}"
+            )
+
+
+def _check_masked(fn: str, mask: Tensor, *, two_d: bool = True, **tensors: Tensor) -> None:
+    """Shared checks for masked functions: shapes equal the mask's, mask non-empty."""
+    if two_d and mask.dim() != 2:
+        raise ValueError(f"{fn}: mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
+    _check_shapes(fn, "mask", mask.shape, **tensors)
+    # One host sync; worth it to turn a silent NaN into a loud error.
+    if not bool((mask != 0).any()):
+        raise ValueError(f"{fn}: mask has no valid tokens")
+
+
+def _check_temperature(fn: str, temperature: float) -> None:
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"{fn}: temperature must be a finite number > 0, got {temperature}")
+
+
+def _zero_pad(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask != 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# --------------------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Mean of ``x`` over entries where ``mask`` != 0 (mask values act as weights).
+
+    ``x`` and ``mask`` have the same shape (any rank). With ``dim=None`` returns a
+    scalar; otherwise reduces over ``dim`` and slices with no valid entry give 0
+    (they carry no information; callers that average them further should skip them).
+    """
+    _check_masked("masked_mean", mask, two_d=False, x=x)
+    m = mask.to(x.dtype)
+    weighted = _zero_pad(x, mask) * m
+    if dim is None:
+        return weighted.sum() / m.sum()
+    count = m.sum(dim)
+    return torch.where(count != 0, weighted.sum(dim) / count.clamp_min(1e-12), 0.0)
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Biased (population) variance of the valid entries of ``x``, as a scalar."""
+    _check_masked("masked_var", mask, two_d=False, x=x)
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise ``x`` [B, T] to unit variance with statistics of valid entries only.
+
+    Statistics are taken over the whole (local) batch. ``shift_mean=False`` adds the
+    mean back, i.e. only rescales (used for rewards, where the sign carries meaning).
+    Padding positions come out 0.
+    """
+    _check_masked("whiten", mask, two_d=False, x=x)
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return _zero_pad(out, mask)
+
+
+# --------------------------------------------------------------------------- logits -> logprobs
+
+
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    # Half-precision logsumexp over a large vocabulary loses too much; upcast those only.
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probability of ``tokens`` [B, T] under ``softmax(logits / temperature)``.
+
+    ``logits`` is [B, T, V] and is aligned with ``tokens`` (logits[:, t] scores
+    tokens[:, t]; the caller does any shift). The temperature must be the one used
+    for sampling so that the ratio matches the behaviour policy. Returns [B, T]
+    (float32 for half-precision logits). Padding positions are computed like any
+    other; mask them downstream.
+    """
+    fn = "logprobs_from_logits"
+    _check_temperature(fn, temperature)
+    if logits.dim() != tokens.dim() + 1:
+        raise ValueError(f"{fn}: logits shape {tuple(logits.shape)} must be tokens shape "
+                         f"{tuple(tokens.shape)} plus a vocabulary dimension")
+    _check_shapes(fn, "logits batch", logits.shape[:-1], tokens=tokens)
+    scaled = _tempered(logits, temperature)
+    # gather - logsumexp avoids a second [B, T, V] tensor for the full log-softmax.
+    picked = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy [B, T] of ``softmax(logits / temperature)`` for logits [B, T, V]."""
+    _check_temperature("entropy_from_logits", temperature)
+    scaled = _tempered(logits, temperature)
+    probs = torch.softmax(scaled, dim=-1)
+    # H = logsumexp(z) - sum(p * z); avoids log(p) underflow for tiny probabilities.
+    return torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(-1)
+
+
+# --------------------------------------------------------------------------- KL and rewards
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
+    """Per-token estimate [B, T] of KL(pi || ref) from samples drawn from pi.
+
+    With r = logprobs - ref_logprobs (Schulman, "Approximating KL divergence"):
+      k1 = r                     unbiased, can be negative, high variance
+      k2 = 0.5 * r**2            biased, >= 0, low variance
+      k3 = exp(-r) - 1 + r       unbiased, >= 0
+    """
+    fn = "kl_estimate"
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"{fn}: unknown estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    _check_shapes(fn, "ref_logprobs", ref_logprobs.shape, logprobs=logprobs)
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    # expm1 keeps precision for small r; the clamp removes rounding below the true
+    # minimum of 0 (k3 is non-negative mathematically).
+    return (torch.expm1(-log_ratio) + log_ratio).clamp_min(0.0)
+
+
+def _last_valid_index(fn: str, mask: Tensor) -> Tensor:
+    valid = mask != 0
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(valid, positions, -1).amax(dim=1)
+    if bool((last < 0).any()):
+        rows = (last < 0).nonzero().flatten().tolist()
+        raise ValueError(f"{fn}: rows {rows} of mask have no valid tokens")
+    return last
+
+
+def per_token_rewards(
+    kl: Tensor,
+    scores: Tensor,
+    mask: Tensor,
+    beta: float,
+    *,
+    truncated: Optional[Tensor] = None,
+    truncation_penalty: float = 0.0,
+    reward_clip: Optional[float] = None,
+) -> Tensor:
+    """Dense PPO rewards [B, T]: ``-beta * kl`` per valid token, score on the last one.
+
+    kl: [B, T] per-token KL estimate; scores: [B] reward-model score per sequence;
+    mask: [B, T]. The score is placed only on each row's last valid token (the EOS,
+    or the final token of a truncated response), never broadcast. If ``reward_clip``
+    is given the score is first clipped to [-reward_clip, reward_clip]; then rows
+    with ``truncated`` [B] (bool, cut at max length without EOS) get
+    ``truncation_penalty`` ADDED (so a penalty is normally negative, e.g. -1.0);
+    the penalty is not clipped. Padding is 0. Gradients are not stopped: call
+    under ``torch.no_grad()``.
+    """
+    fn = "per_token_rewards"
+    if mask.dim() != 2:
+        raise ValueError(f"{fn}: mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
+    _check_shapes(fn, "mask", mask.shape, kl=kl)
+    _check_shapes(fn, "mask rows", mask.shape[:1], scores=scores)
+    if truncated is not None:
+        _check_shapes(fn, "mask rows", mask.shape[:1], truncated=truncated)
+    if beta < 0:
+        raise ValueError(f"{fn}: beta must be >= 0, got {beta}")
+    if reward_clip is not None and not reward_clip > 0:
+        raise ValueError(f"{fn}: reward_clip must be > 0 or None, got {reward_clip}")
+    last = _last_valid_index(fn, mask)
+
+    score = scores.to(kl.dtype)
+    if reward_clip is not None:
+        score = score.clamp(-reward_clip, reward_clip)
+    if truncated is not None:
+        score = score + truncated.to(torch.bool).to(score.dtype) * truncation_penalty
+    rewards = _zero_pad(-beta * kl, mask)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    return rewards.index_put((rows, last), score, accumulate=True)
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> Tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over right-padded rows.
+
+    rewards, values, mask: [B, T]. The value after the last valid token is 0 (the
+    episode ends at EOS or truncation). Returns (advantages, returns), both [B, T],
+    detached, 0 on padding; returns = advantages + values, before any whitening.
+    """
+    _check_masked("gae", mask, rewards=rewards, values=values)
+    # Zeroing padding makes V(after last valid token) = 0 and keeps garbage out.
+    r = _zero_pad(rewards.detach(), mask)
+    v = _zero_pad(values.detach(), mask)
+    m = (mask != 0).to(v.dtype)
+    next_value = torch.zeros_like(v[:, 0])
+    running = torch.zeros_like(v[:, 0])
+    advantages = [None] * v.shape[1]
+    for t in reversed(range(v.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        # The mask factor stops the recursion from carrying across padding.
+        running = (delta + gamma * lam * running) * m[:, t]
+        advantages[t] = running
+        next_value = v[:, t]
+    adv = torch.stack(advantages, dim=1)
+    return adv, adv + v
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def aggregate_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    horizon: Optional[int] = None,
+) -> Tensor:
+    """Reduce a per-token loss [B, T] to a scalar.
+
+    token-mean:               sum(loss * mask) / num_valid_tokens.
+    seq-mean-token-mean:      mean over sequences of each sequence's token mean.
+    seq-mean-token-sum-norm:  each sequence's token sum / horizon (default T, the
+                              padded length, as in Dr. GRPO), then mean over sequences.
+    Sequences with no valid token are not counted. For data parallelism, pass
+    ``global_tokens`` (token-mean) or ``global_seqs`` (seq modes): the count over
+    all ranks is then the divisor instead of the local one, so the per-rank losses
+    SUM to the global-batch loss (gradients all-reduced with sum, not mean).
+    Arguments irrelevant to ``mode`` are ignored so callers can always pass both.
+    """
+    fn = "aggregate_loss"
+    if mode not in AGG_MODES:
+        raise ValueError(f"{fn}: unknown mode {mode!r}; valid: {', '.join(AGG_MODES)}")
+    _check_masked(fn, mask, loss_mat=loss_mat)
+    for name, val in (("global_tokens", global_tokens), ("global_seqs", global_seqs),
+                      ("horizon", horizon)):
+        if val is not None and not val > 0:
+            raise ValueError(f"{fn}: {name} must be > 0, got {val}")
+    m = mask.to(loss_mat.dtype)
+    weighted = _zero_pad(loss_mat, mask) * m
+    if mode == "token-mean":
+        return weighted.sum() / (global_tokens if global_tokens is not None else m.sum())
+
+    seq_tokens = m.sum(dim=1)
+    if mode == "seq-mean-token-mean":
+        per_seq = torch.where(seq_tokens != 0, weighted.sum(1) / seq_tokens.clamp_min(1e-12), 0.0)
+    else:
+        per_seq = weighted.sum(1) / (horizon if horizon is not None else mask.shape[1])
+    n_seqs = global_seqs if global_seqs is not None else (seq_tokens != 0).sum()
+    return per_seq.sum() / n_seqs
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    agg: str = "token-mean",
+    *,
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    horizon: Optional[int] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Clipped PPO surrogate. All tensors [B, T]; returns (loss, clip_frac, approx_kl).
+
+    ratio = exp(logprobs - old_logprobs), clipped to [1 - clip_low, 1 + clip_high]
+    (clip_high defaults to clip_low; a larger clip_high is "clip-higher").
+    ``dual_clip`` = c > 1 additionally caps the loss of negative-advantage tokens
+    at -A * c (Ye et al. 2020), so a huge ratio cannot dominate the update.
+    clip_frac: masked fraction of tokens where a clip bound (standard or dual) is
+    active, i.e. their gradient is zero. approx_kl: masked mean of
+    0.5 * (logprobs - old_logprobs)^2 (the k2 estimator). Metrics are detached.
+    """
+    fn = "policy_loss"
+    _check_masked(fn, mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    clip_high = clip_low if clip_high is None else clip_high
+    if not (0 < clip_low < 1) or not clip_high > 0:
+        raise ValueError(f"{fn}: need 0 < clip_low < 1 and clip_high > 0, "
+                         f"got clip_low={clip_low}, clip_high={clip_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"{fn}: dual_clip must be > 1, got {dual_clip}")
+
+    # Masked before exp so padding garbage cannot overflow into inf * 0 = NaN.
+    log_ratio = _zero_pad(logprobs - old_logprobs.detach(), mask)
+    adv = _zero_pad(advantages.detach(), mask)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(unclipped, clipped)
+    is_clipped = clipped > unclipped
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual_active = (adv < 0) & (pg > cap)
+        pg = torch.where(dual_active, cap, pg)
+        is_clipped = is_clipped | dual_active
+
+    loss = aggregate_loss(pg, mask, agg, global_tokens, global_seqs, horizon)
+    with torch.no_grad():
+        clip_frac = masked_mean(is_clipped.to(pg.dtype), mask)
+        approx_kl = masked_mean(0.5 * log_ratio**2, mask)
+    return loss, clip_frac, approx_kl
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: Optional[float] = 0.2,
+    agg: str = "token-mean",
+    *,
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    horizon: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2).
+
+    All tensors [B, T]. ``clip=None`` gives plain 0.5 * (V - R)^2. Returns
+    (loss, vf_clip_frac) where vf_clip_frac (detached) is the masked fraction of
+    tokens on which the clipped term is strictly larger (zero gradient there).
+    """
+    fn = "value_loss"
+    _check_masked(fn, mask, values=values, old_values=old_values, returns=returns)
+    if clip is not None and not clip > 0:
+        raise ValueError(f"{fn}: clip must be > 0 or None, got {clip}")
+    v = _zero_pad(values, mask)
+    old = _zero_pad(old_values.detach(), mask)
+    ret = _zero_pad(returns.detach(), mask)
+    err = (v - ret) ** 2
+    if clip is None:
+        loss_mat, is_clipped = 0.5 * err, torch.zeros_like(err, dtype=torch.bool)
+    else:
+        v_clipped = old + (v - old).clamp(-clip, clip)
+        err_clipped = (v_clipped - ret) ** 2
+        loss_mat, is_clipped = 0.5 * torch.maximum(err, err_clipped), err_clipped > err
+    loss = aggregate_loss(loss_mat, mask, agg, global_tokens, global_seqs, horizon)
+    with torch.no_grad():
+        clip_frac = masked_mean(is_clipped.to(err.dtype), mask)
+    return loss, clip_frac
+
+
+def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
+    """Pretraining (language-modelling) loss: masked token-mean cross-entropy.
+
+    logits [B, T, V] are ALREADY aligned with labels [B, T]: logits[:, t] predicts
+    labels[:, t]. The caller does the usual shift (logits[:, :-1] vs ids[:, 1:]).
+    Labels at masked positions may be anything (e.g. -100); they are never read.
+    """
+    fn = "ptx_loss"
+    _check_masked(fn, mask, labels=labels)
+    safe_labels = torch.where(mask != 0, labels.long(), 0)
+    nll = -logprobs_from_logits(logits, safe_labels)
+    return aggregate_loss(nll, mask, "token-mean")
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(R - V) / Var(R) over valid tokens, as a detached scalar.
+
+    1 is a perfect critic, 0 no better than a constant, negative worse. If the
+    returns have zero variance the ratio is undefined and NaN is returned.
+    """
+    _check_masked("explained_variance", mask, values=values, returns=returns)
+    with torch.no_grad():
+        var_r = masked_var(returns, mask)
+        var_resid = masked_var(returns - values, mask)
+        if bool(var_r == 0):
+            return torch.full_like(var_r, float("nan"))
+        return 1.0 - var_resid / var_r
+
+
+# --------------------------------------------------------------------------- KL controllers
+
+
+class FixedKLController:
+    """Constant KL coefficient; ``update`` is a no-op kept for interface parity."""
+
+    def __init__(self, beta: float):
+        if not (beta >= 0 and math.isfinite(beta)):
+            raise ValueError(f"FixedKLController: beta must be finite and >= 0, got {beta}")
+        self.value = float(beta)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        return None
+
+
+class AdaptiveKLController:
+    """Proportional KL controller of Ziegler et al. 2019.
+
+    error = clip(current_kl / target - 1, -0.2, 0.2);
+    beta <- beta * (1 + error * n_steps / horizon).
+    The clipping bounds how fast beta moves when the KL estimate is noisy.
+    """
+
+    def __init__(self, init_beta: float, target: float, horizon: float):
+        name = "AdaptiveKLController"
+        if not (init_beta >= 0 and math.isfinite(init_beta)):
+            raise ValueError(f"{name}: init_beta must be finite and >= 0, got {init_beta}")
+        if not target > 0:
+            raise ValueError(f"{name}: target must be > 0, got {target}")
+        if not horizon > 0:
+            raise ValueError(f"{name}: horizon must be > 0, got {horizon}")
+        self.value = float(init_beta)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        current_kl = float(current_kl)
+        if not math.isfinite(current_kl):
+            raise ValueError(f"AdaptiveKLController.update: current_kl must be finite, got {current_kl}")
+        if n_steps < 0:
+            raise ValueError(f"AdaptiveKLController.update: n_steps must be >= 0, got {n_steps}")
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon

