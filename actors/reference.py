@@ -51,20 +51,22 @@ def resolve_dtype(dtype: str | torch.dtype, role: str) -> torch.dtype:
 
 
 def pad_token_id(tokenizer, config, role: str) -> int:
-    """Padding positions are masked out, so any real id works; prefer pad, then eos."""
-    for source in (tokenizer, config):
-        pad = getattr(source, "pad_token_id", None) if source is not None else None
-        if pad is not None:
-            return int(pad)
-    for source in (tokenizer, config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            log.warning("%s: tokenizer has no pad token; padding with eos (id %d) under the attention mask",
-                        role, eos)
-            return int(eos)
-    log.warning("%s: tokenizer has neither pad nor eos token; padding with id 0 under the attention mask", role)
+    """Padding positions are masked out, so any real id works; prefer pad, then eos.
+
+    The tokenizer decides when there is one; a weights-only directory falls back to
+    the model config.
+    """
+    source = tokenizer if tokenizer is not None else config
+    if getattr(source, "pad_token_id", None) is not None:
+        return int(source.pad_token_id)
+    eos = getattr(source, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is not None:
+        log.warning("%s: tokenizer has no pad token; falling back to eos (id %d) for padding "
+                    "(masked out, so results are unaffected)", role, eos)
+        return int(eos)
+    log.warning("%s: tokenizer has neither pad nor eos token; padding with id 0 (masked out)", role)
     return 0
 
 
@@ -109,7 +111,7 @@ class Reference:
         self.dtype = resolve_dtype(dtype, role)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, torch_dtype=self.dtype)
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{role}: cannot load a causal LM from {self.model_path!r}: "
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

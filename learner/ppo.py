@@ -3,7 +3,7 @@
 Conventions used throughout (see DESIGN.md, "Numerics"):
   * ``mask`` is ``[B, T]`` with 1.0 on valid response tokens and 0 on padding;
     sequences are right-padded.
-  * Values at padding positions are never read: they are replaced with 0 via
+  * Masked functions never read padding positions: they are replaced with 0 via
     ``torch.where`` (not multiplication, so NaN/inf garbage cannot leak).
   * Shape mismatches and masks with no valid token raise ``ValueError``
     instead of silently broadcasting or returning NaN.
@@ -25,6 +25,11 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # --------------------------------------------------------------------------- validation
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
 def _check_shapes(fn: str, ref_name: str, ref_shape: Sequence[int], **tensors: Tensor) -> None:
     """Every tensor in ``tensors`` must have exactly ``ref_shape`` (no broadcasting)."""
     ref_shape = tuple(ref_shape)
@@ -37,17 +42,15 @@ def _check_shapes(fn: str, ref_name: str, ref_shape: Sequence[int], **tensors: T
 
 def _check_masked(fn: str, mask: Tensor, *, two_d: bool = True, **tensors: Tensor) -> None:
     """Shared checks for masked functions: shapes equal the mask's, mask non-empty."""
-    if two_d and mask.dim() != 2:
-        raise ValueError(f"{fn}: mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
+    _require(not two_d or mask.dim() == 2, f"{fn}: mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
     _check_shapes(fn, "mask", mask.shape, **tensors)
     # One host sync; worth it to turn a silent NaN into a loud error.
-    if not bool((mask != 0).any()):
-        raise ValueError(f"{fn}: mask has no valid tokens")
+    _require(bool((mask != 0).any()), f"{fn}: mask has no valid tokens")
 
 
 def _check_temperature(fn: str, temperature: float) -> None:
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"{fn}: temperature must be a finite number > 0, got {temperature}")
+    _require(temperature > 0 and math.isfinite(temperature),
+             f"{fn}: temperature must be a finite number > 0, got {temperature}")
 
 
 def _zero_pad(x: Tensor, mask: Tensor) -> Tensor:
@@ -172,14 +175,8 @@ def _last_valid_index(fn: str, mask: Tensor) -> Tensor:
 
 
 def per_token_rewards(
-    kl: Tensor,
-    scores: Tensor,
-    mask: Tensor,
-    beta: float,
-    *,
-    truncated: Optional[Tensor] = None,
-    truncation_penalty: float = 0.0,
-    reward_clip: Optional[float] = None,
+    kl: Tensor, scores: Tensor, mask: Tensor, beta: float, *,
+    truncated: Optional[Tensor] = None, truncation_penalty: float = 0.0, reward_clip: Optional[float] = None,
 ) -> Tensor:
     """Dense PPO rewards [B, T]: ``-beta * kl`` per valid token, score on the last one.
 
@@ -193,16 +190,14 @@ def per_token_rewards(
     under ``torch.no_grad()``.
     """
     fn = "per_token_rewards"
-    if mask.dim() != 2:
-        raise ValueError(f"{fn}: mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
+    _require(mask.dim() == 2, f"{fn}: mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
     _check_shapes(fn, "mask", mask.shape, kl=kl)
     _check_shapes(fn, "mask rows", mask.shape[:1], scores=scores)
     if truncated is not None:
         _check_shapes(fn, "mask rows", mask.shape[:1], truncated=truncated)
-    if beta < 0:
-        raise ValueError(f"{fn}: beta must be >= 0, got {beta}")
-    if reward_clip is not None and not reward_clip > 0:
-        raise ValueError(f"{fn}: reward_clip must be > 0 or None, got {reward_clip}")
+    _require(beta >= 0, f"{fn}: beta must be >= 0, got {beta}")
+    _require(reward_clip is None or reward_clip > 0,
+             f"{fn}: reward_clip must be > 0 or None, got {reward_clip}")
     last = _last_valid_index(fn, mask)
 
     score = scores.to(kl.dtype)
@@ -234,7 +229,7 @@ def gae(
     advantages = [None] * v.shape[1]
     for t in reversed(range(v.shape[1])):
         delta = r[:, t] + gamma * next_value - v[:, t]
-        # The mask factor stops the recursion from carrying across padding.
+        # Redundant for right padding (zeros stay zero); guards masks with interior gaps.
         running = (delta + gamma * lam * running) * m[:, t]
         advantages[t] = running
         next_value = v[:, t]
@@ -246,12 +241,8 @@ def gae(
 
 
 def aggregate_loss(
-    loss_mat: Tensor,
-    mask: Tensor,
-    mode: str = "token-mean",
-    global_tokens: Optional[float] = None,
-    global_seqs: Optional[float] = None,
-    horizon: Optional[int] = None,
+    loss_mat: Tensor, mask: Tensor, mode: str = "token-mean",
+    global_tokens: Optional[float] = None, global_seqs: Optional[float] = None, horizon: Optional[int] = None,
 ) -> Tensor:
     """Reduce a per-token loss [B, T] to a scalar.
 
@@ -262,17 +253,16 @@ def aggregate_loss(
     Sequences with no valid token are not counted. For data parallelism, pass
     ``global_tokens`` (token-mean) or ``global_seqs`` (seq modes): the count over
     all ranks is then the divisor instead of the local one, so the per-rank losses
-    SUM to the global-batch loss (gradients all-reduced with sum, not mean).
+    SUM to the global-batch loss. Gradients must then be summed over ranks; if the
+    framework averages them (DDP, DeepSpeed), scale the loss by the world size.
     Arguments irrelevant to ``mode`` are ignored so callers can always pass both.
     """
     fn = "aggregate_loss"
     if mode not in AGG_MODES:
         raise ValueError(f"{fn}: unknown mode {mode!r}; valid: {', '.join(AGG_MODES)}")
     _check_masked(fn, mask, loss_mat=loss_mat)
-    for name, val in (("global_tokens", global_tokens), ("global_seqs", global_seqs),
-                      ("horizon", horizon)):
-        if val is not None and not val > 0:
-            raise ValueError(f"{fn}: {name} must be > 0, got {val}")
+    for name, val in (("global_tokens", global_tokens), ("global_seqs", global_seqs), ("horizon", horizon)):
+        _require(val is None or val > 0, f"{fn}: {name} must be > 0, got {val}")
     m = mask.to(loss_mat.dtype)
     weighted = _zero_pad(loss_mat, mask) * m
     if mode == "token-mean":
@@ -288,18 +278,10 @@ def aggregate_loss(
 
 
 def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-    agg: str = "token-mean",
-    *,
-    global_tokens: Optional[float] = None,
-    global_seqs: Optional[float] = None,
-    horizon: Optional[int] = None,
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+    clip_low: float = 0.2, clip_high: Optional[float] = None, dual_clip: Optional[float] = None,
+    agg: str = "token-mean", *,
+    global_tokens: Optional[float] = None, global_seqs: Optional[float] = None, horizon: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Clipped PPO surrogate. All tensors [B, T]; returns (loss, clip_frac, approx_kl).
 
@@ -314,11 +296,9 @@ def policy_loss(
     fn = "policy_loss"
     _check_masked(fn, mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     clip_high = clip_low if clip_high is None else clip_high
-    if not (0 < clip_low < 1) or not clip_high > 0:
-        raise ValueError(f"{fn}: need 0 < clip_low < 1 and clip_high > 0, "
-                         f"got clip_low={clip_low}, clip_high={clip_high}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"{fn}: dual_clip must be > 1, got {dual_clip}")
+    _require(0 < clip_low < 1 and clip_high > 0,
+             f"{fn}: need 0 < clip_low < 1 and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
+    _require(dual_clip is None or dual_clip > 1, f"{fn}: dual_clip must be > 1, got {dual_clip}")
 
     # Masked before exp so padding garbage cannot overflow into inf * 0 = NaN.
     log_ratio = _zero_pad(logprobs - old_logprobs.detach(), mask)
@@ -342,16 +322,9 @@ def policy_loss(
 
 
 def value_loss(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    mask: Tensor,
-    clip: Optional[float] = 0.2,
-    agg: str = "token-mean",
-    *,
-    global_tokens: Optional[float] = None,
-    global_seqs: Optional[float] = None,
-    horizon: Optional[int] = None,
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+    clip: Optional[float] = 0.2, agg: str = "token-mean", *,
+    global_tokens: Optional[float] = None, global_seqs: Optional[float] = None, horizon: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2).
 
@@ -361,8 +334,7 @@ def value_loss(
     """
     fn = "value_loss"
     _check_masked(fn, mask, values=values, old_values=old_values, returns=returns)
-    if clip is not None and not clip > 0:
-        raise ValueError(f"{fn}: clip must be > 0 or None, got {clip}")
+    _require(clip is None or clip > 0, f"{fn}: clip must be > 0 or None, got {clip}")
     v = _zero_pad(values, mask)
     old = _zero_pad(old_values.detach(), mask)
     ret = _zero_pad(returns.detach(), mask)
@@ -415,8 +387,8 @@ class FixedKLController:
     """Constant KL coefficient; ``update`` is a no-op kept for interface parity."""
 
     def __init__(self, beta: float):
-        if not (beta >= 0 and math.isfinite(beta)):
-            raise ValueError(f"FixedKLController: beta must be finite and >= 0, got {beta}")
+        _require(beta >= 0 and math.isfinite(beta),
+                 f"FixedKLController: beta must be finite and >= 0, got {beta}")
         self.value = float(beta)
 
     def update(self, current_kl: float, n_steps: int) -> None:
@@ -433,21 +405,18 @@ class AdaptiveKLController:
 
     def __init__(self, init_beta: float, target: float, horizon: float):
         name = "AdaptiveKLController"
-        if not (init_beta >= 0 and math.isfinite(init_beta)):
-            raise ValueError(f"{name}: init_beta must be finite and >= 0, got {init_beta}")
-        if not target > 0:
-            raise ValueError(f"{name}: target must be > 0, got {target}")
-        if not horizon > 0:
-            raise ValueError(f"{name}: horizon must be > 0, got {horizon}")
+        _require(init_beta >= 0 and math.isfinite(init_beta),
+                 f"{name}: init_beta must be finite and >= 0, got {init_beta}")
+        _require(target > 0, f"{name}: target must be > 0, got {target}")
+        _require(horizon > 0, f"{name}: horizon must be > 0, got {horizon}")
         self.value = float(init_beta)
         self.target = float(target)
         self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         current_kl = float(current_kl)
-        if not math.isfinite(current_kl):
-            raise ValueError(f"AdaptiveKLController.update: current_kl must be finite, got {current_kl}")
-        if n_steps < 0:
-            raise ValueError(f"AdaptiveKLController.update: n_steps must be >= 0, got {n_steps}")
+        fn = "AdaptiveKLController.update"
+        _require(math.isfinite(current_kl), f"{fn}: current_kl must be finite, got {current_kl}")
+        _require(n_steps >= 0, f"{fn}: n_steps must be >= 0, got {n_steps}")
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon

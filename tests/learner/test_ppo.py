@@ -217,6 +217,15 @@ def test_value_loss_clipping_and_gradient():
     torch.testing.assert_close(frac, t(1 / 3))
 
 
+def test_value_loss_clips_around_old_values():
+    # V_old = 1, R = 0, c = 0.2: V = 2 -> clip(V) = 1.2; 1.44 < 4 so unclipped binds.
+    # V = 0.5 -> clip(V) = 0.8; 0.64 > 0.25 so the clipped term binds.
+    v = t([[2.0, 0.5]])
+    loss, frac = ppo.value_loss(v, torch.ones_like(v), torch.zeros_like(v), torch.ones_like(v), clip=0.2)
+    torch.testing.assert_close(loss, t(0.5 * (4.0 + 0.64) / 2))
+    torch.testing.assert_close(frac, t(0.5))
+
+
 def test_value_loss_without_clip():
     v = t([[0.5, 0.1, -0.5]])
     loss, frac = ppo.value_loss(v, torch.zeros_like(v), torch.ones_like(v), torch.ones_like(v), clip=None)
@@ -346,6 +355,12 @@ def test_aggregation_global_counts_sum_over_ranks():
         assert not torch.isclose(local, full)
 
 
+def test_aggregation_ignores_nan_padding():
+    loss = torch.where(MASK.bool(), LOSS, t(float("nan")))
+    for mode in ppo.AGG_MODES:
+        torch.testing.assert_close(ppo.aggregate_loss(loss, MASK, mode), ppo.aggregate_loss(LOSS, MASK, mode))
+
+
 def test_aggregation_skips_empty_sequences():
     loss = torch.cat([LOSS, t([[7.0, 7.0, 7.0, 7.0]])])
     mask = torch.cat([MASK, torch.zeros(1, 4, dtype=D)])
@@ -415,7 +430,7 @@ def test_ptx_loss_matches_cross_entropy():
     logits = torch.randn(2, 4, 7, generator=g, dtype=D)
     labels = torch.randint(0, 7, (2, 4), generator=g)
     mask = t([[1, 1, 1, 0], [1, 1, 0, 0]])
-    labels[mask == 0] = -100  # never read
+    labels[0, 3], labels[1, 2:] = 10**6, -100  # padding labels are never read
     valid = mask.bool()
     torch.testing.assert_close(ppo.ptx_loss(logits, labels, mask), F.cross_entropy(logits[valid], labels[valid]))
 

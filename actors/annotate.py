@@ -1,0 +1,96 @@
+"""annotate: join a generator's Rollouts with reference log-probs and reward scores.
+
+Pure function (numpy in, numpy out, torch only for the shared PPO math), so the
+reward shaping the learner trains on is defined in exactly one place: learner/ppo.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from actors.rollout import Rollout, ScoredRollout
+from learner.ppo import kl_estimate, per_token_rewards
+
+log = logging.getLogger(__name__)
+
+_ROLLOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Rollout))
+
+
+def _name(r: Rollout) -> str:
+    return f"rollout (prompt_index={r.prompt_index}, sample_index={r.sample_index})"
+
+
+def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], scores: np.ndarray, *,
+             beta: float, kl_estimator: str = "k1", truncation_penalty: float = 0.0,
+             reward_clip: Optional[float] = None) -> list[ScoredRollout]:
+    """Turn rollouts into ScoredRollouts with per-token KL and rewards.
+
+    ref_logprobs[i] is [R_i] (Reference.logprobs output); scores is [N], one per rollout,
+    all finite (filter invalid reward items first: a NaN here is a ValueError).
+    kl_t = kl_estimate(behaviour_logprobs, reference_logprobs, kl_estimator);
+    rewards_t = -beta * kl_t, plus on the last response token the score
+    (clipped to +-reward_clip if given) plus truncation_penalty when
+    finish_reason == "length" (the penalty is added: pass a negative number).
+    ScoredRollout.score keeps the raw score.
+
+    Rollouts with an empty response have no token to carry a reward and are left
+    out: the result keeps input order, and ``len(rollouts) - len(result)`` is the
+    number skipped (each result still names its prompt_index / sample_index).
+    """
+    n = len(rollouts)
+    if len(ref_logprobs) != n:
+        raise ValueError(f"annotate: {n} rollouts but {len(ref_logprobs)} reference log-prob arrays")
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    if scores.shape != (n,):
+        raise ValueError(f"annotate: {n} rollouts but {scores.size} scores")
+
+    keep, refs = [], []
+    for r, ref, s in zip(rollouts, ref_logprobs, scores):
+        ref = np.asarray(ref, dtype=np.float32).reshape(-1)
+        if r.response_ids.size == 0:
+            continue
+        if ref.shape != r.response_ids.shape:
+            raise ValueError(f"annotate: {_name(r)} has {r.response_ids.size} response tokens but "
+                             f"{ref.size} reference log-probs")
+        if not np.isfinite(s):
+            raise ValueError(f"annotate: {_name(r)} has non-finite score {s}; drop invalid reward items first")
+        if not (np.isfinite(ref).all() and np.isfinite(r.behaviour_logprobs).all()):
+            raise ValueError(f"annotate: {_name(r)} has non-finite behaviour or reference log-probs")
+        keep.append(r)
+        refs.append(ref)
+    if len(keep) < n:
+        log.debug("annotate: skipped %d rollouts with empty responses", n - len(keep))
+    if not keep:
+        return []
+
+    lengths = [r.response_ids.size for r in keep]
+    B, T = len(keep), max(lengths)
+    behaviour = np.zeros((B, T), np.float32)
+    reference = np.zeros((B, T), np.float32)
+    mask = np.zeros((B, T), bool)
+    for row, (r, ref) in enumerate(zip(keep, refs)):
+        behaviour[row, :r.response_ids.size] = r.behaviour_logprobs
+        reference[row, :r.response_ids.size] = ref
+        mask[row, :r.response_ids.size] = True
+    kept_scores = np.array([s for r, s in zip(rollouts, scores) if r.response_ids.size > 0])
+
+    with torch.no_grad():
+        mask_t = torch.from_numpy(mask)
+        kl = kl_estimate(torch.from_numpy(behaviour), torch.from_numpy(reference), kl_estimator)
+        kl = torch.where(mask_t, kl, torch.zeros(()))
+        rewards = per_token_rewards(
+            kl, torch.from_numpy(kept_scores.astype(np.float32)), mask_t.float(), beta,
+            truncated=torch.tensor([r.truncated for r in keep]),
+            truncation_penalty=truncation_penalty, reward_clip=reward_clip)
+    kl_np, rewards_np = kl.numpy(), rewards.numpy()
+
+    out = []
+    for row, (r, ref, R) in enumerate(zip(keep, refs, lengths)):
+        base = {name: getattr(r, name) for name in _ROLLOUT_FIELDS}
+        out.append(ScoredRollout(**base, reference_logprobs=ref, kl=kl_np[row, :R].copy(),
+                                 rewards=rewards_np[row, :R].copy(), score=float(kept_scores[row])))
+    return out

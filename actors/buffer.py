@@ -1,0 +1,165 @@
+"""RolloutBuffer: the bounded, version-tagged queue between the rollout side and the learner.
+
+Run it as a *threaded* Ray actor, e.g. ``ray.remote(max_concurrency=k)(RolloutBuffer)``:
+put and get block inside the actor (backpressure), so k must exceed the number of
+callers that can be blocked at once (producers + consumers) by at least one, or
+stats()/health() calls queue behind them. All state sits behind one
+``threading.Condition``, which is what makes it correct with concurrent threads;
+as a plain object it works the same from several Python threads.
+
+Semantics
+* put(items) is all-or-nothing: it waits until there is room for every item, so a
+  TimeoutError means nothing was put and the same call can be retried without
+  duplicates. Waiting puts are served in arrival order, so a large batch is not
+  starved by a stream of small ones. Returns len(items).
+* get(n, min_version) first discards (and counts as dropped_stale) every buffered
+  item with policy_version < min_version, then waits for n items and returns the
+  oldest n in put order (FIFO).
+* Staleness of a gotten item = reference version - item.policy_version, where the
+  reference version is get's ``current_version`` when the caller passes it (the
+  learner's version) and otherwise the newest policy_version ever put.
+* n > capacity, or a put of more than capacity items, can never be satisfied and
+  raises ValueError instead of blocking forever.
+* close() wakes every waiter with BufferClosed, for a clean shutdown.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from typing import Optional
+
+from actors.rollout import ScoredRollout
+
+
+class BufferClosed(RuntimeError):
+    """The buffer was closed while a caller waited on it (or before it called)."""
+
+
+class RolloutBuffer:
+    def __init__(self, *, capacity: int):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"RolloutBuffer: capacity must be an int >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._items: collections.deque[ScoredRollout] = collections.deque()
+        self._cond = threading.Condition()
+        self._put_turns: collections.deque[int] = collections.deque()
+        self._tickets = itertools.count()
+        self._closed = False
+        self._latest_version: Optional[int] = None
+        self._waiting_gets = 0
+        self._put_total = self._got_total = self._dropped_stale = 0
+        self._staleness_sum = 0
+        self._staleness_max = 0
+
+    def put(self, items: list[ScoredRollout], timeout: Optional[float] = None) -> int:
+        """Append items (all or none), blocking while the buffer lacks room.
+
+        timeout None waits forever; on expiry raises TimeoutError and nothing is put.
+        """
+        items = list(items)
+        for x in items:
+            if not isinstance(x, ScoredRollout):
+                raise TypeError(f"RolloutBuffer.put: expected ScoredRollout, got {type(x).__name__}")
+        if len(items) > self.capacity:
+            raise ValueError(f"RolloutBuffer.put: {len(items)} items can never fit in capacity "
+                             f"{self.capacity}; split the batch")
+        if not items:
+            return 0
+        with self._cond:
+            self._check_open("put")
+            ticket = next(self._tickets)
+            self._put_turns.append(ticket)
+            try:
+                fits = lambda: (self._closed or (self._put_turns[0] == ticket
+                                                 and len(self._items) + len(items) <= self.capacity))
+                if not self._cond.wait_for(fits, timeout):
+                    raise TimeoutError(
+                        f"buffer: put of {len(items)} rollouts waited {timeout}s for room "
+                        f"(depth {len(self._items)}/{self.capacity}); nothing was put")
+                self._check_open("put")
+                self._items.extend(items)
+                self._put_total += len(items)
+                newest = max(x.policy_version for x in items)
+                if self._latest_version is None or newest > self._latest_version:
+                    self._latest_version = newest
+                return len(items)
+            finally:
+                self._put_turns.remove(ticket)
+                self._cond.notify_all()  # the next put in line, and getters, re-check
+
+    def get(self, n: int, min_version: int = 0, timeout: Optional[float] = None,
+            current_version: Optional[int] = None) -> list[ScoredRollout]:
+        """Return exactly n items, oldest first, none older than min_version.
+
+        Blocks until n fresh items are buffered; on expiry raises TimeoutError and
+        takes nothing (stale items discarded meanwhile stay discarded).
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"RolloutBuffer.get: n must be an int >= 1, got {n!r}")
+        if n > self.capacity:
+            raise ValueError(f"RolloutBuffer.get: n={n} exceeds capacity {self.capacity}; "
+                             "the buffer could never hold that many (deadlock)")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._waiting_gets += 1
+            try:
+                while True:
+                    if self._discard_stale(min_version):
+                        self._cond.notify_all()  # freed room for waiting puts
+                    if len(self._items) >= n:
+                        break
+                    self._check_open("get")
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"buffer: waited {timeout}s for {n} rollouts, have {len(self._items)}")
+                    self._cond.wait(remaining)
+                out = [self._items.popleft() for _ in range(n)]
+                self._got_total += n
+                ref = current_version if current_version is not None else self._latest_version
+                for x in out:
+                    staleness = max(0, ref - x.policy_version)
+                    self._staleness_sum += staleness
+                    self._staleness_max = max(self._staleness_max, staleness)
+                self._cond.notify_all()
+                return out
+            finally:
+                self._waiting_gets -= 1
+
+    def _discard_stale(self, min_version: int) -> int:
+        # Versions interleave when several generators put, so scan everything, not just the head.
+        if not any(x.policy_version < min_version for x in self._items):
+            return 0
+        fresh = [x for x in self._items if x.policy_version >= min_version]
+        dropped = len(self._items) - len(fresh)
+        self._items = collections.deque(fresh)
+        self._dropped_stale += dropped
+        return dropped
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise BufferClosed(f"buffer: {op} on a closed buffer")
+
+    def close(self) -> None:
+        """Wake every waiter with BufferClosed; buffered items stay gettable."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {
+                "depth": len(self._items), "capacity": self.capacity,
+                "put_total": self._put_total, "got_total": self._got_total,
+                "dropped_stale": self._dropped_stale,
+                "mean_staleness": self._staleness_sum / self._got_total if self._got_total else 0.0,
+                "max_staleness": self._staleness_max, "latest_version": self._latest_version,
+                "waiting_puts": len(self._put_turns), "waiting_gets": self._waiting_gets,
+                "closed": self._closed,
+            }
+
+    def health(self) -> dict:
+        with self._cond:
+            return {"role": "buffer", "ok": not self._closed, "depth": len(self._items),
+                    "capacity": self.capacity}

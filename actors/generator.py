@@ -1,0 +1,189 @@
+"""Generator: one vLLM engine sampling responses under the current policy version."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from actors.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0       # behaviour logprobs are of the tempered distribution
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 disables top-k
+    max_new_tokens: int = 64
+    n: int = 1                     # samples per prompt
+    seed: int = 0                  # engine seed: reproducible runs, distinct samples per prompt
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"sampling.temperature must be > 0 (got {self.temperature}); "
+                             "PPO needs a stochastic behaviour policy")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1] (got {self.top_p})")
+        if self.max_new_tokens < 1 or self.n < 1 or self.top_k < 0:
+            raise ValueError("sampling.max_new_tokens and sampling.n must be >= 1, top_k >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"
+    max_model_len: int = 512
+    kv_cache_bytes: int = 64 << 20  # explicit size: the fraction-of-memory knob breaks a 2nd engine on CPU
+    max_num_seqs: int = 64
+    tensor_parallel: int = 1
+    enforce_eager: bool = True      # no torch.compile: engine start dominates at tiny sizes
+
+
+@dataclass
+class GenerationResult:
+    rollouts: list[Rollout]
+    skipped_prompts: list[int] = field(default_factory=list)  # prompt indices too long for the model
+    generated_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _check_model_dir(model: str) -> None:
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {model!r} does not exist; point model.path at a "
+                                "Hugging Face model directory")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ValueError(f"model path {model!r} is not a Hugging Face model (no config.json)")
+
+
+class Generator:
+    """Hosts a vLLM engine; turns prompt token ids into Rollouts with behaviour logprobs."""
+
+    def __init__(self, *, model: str, sampling: SamplingConfig | dict | None = None,
+                 engine: EngineConfig | dict | None = None, name: str = "generator") -> None:
+        _check_model_dir(model)
+        self.name = name
+        self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**(sampling or {}))
+        self.engine = engine if isinstance(engine, EngineConfig) else EngineConfig(**(engine or {}))
+        self._version = 0
+        self._skipped_total = 0
+        self._generated_total = 0
+        t0 = time.perf_counter()
+        self._llm = self._start_engine(model)
+        self.start_seconds = time.perf_counter() - t0
+        log.info("%s: vLLM engine up in %.1fs", name, self.start_seconds)
+
+    def _start_engine(self, model: str):
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+        from vllm import LLM
+
+        e = self.engine
+        on_gpu = _has_cuda()
+        kwargs = dict(model=model, dtype=e.dtype, max_model_len=e.max_model_len,
+                      max_num_seqs=e.max_num_seqs, tensor_parallel_size=e.tensor_parallel,
+                      enforce_eager=e.enforce_eager, seed=self.sampling.seed,
+                      logprobs_mode="processed_logprobs",  # logprobs after temperature/top-k/top-p
+                      worker_extension_cls="actors.vllm_extension.WeightReloadExtension")
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = 0.5
+        else:
+            kwargs["kv_cache_memory_bytes"] = e.kv_cache_bytes
+        return LLM(**kwargs)
+
+    def _params(self):
+        from vllm import SamplingParams
+
+        s = self.sampling
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              max_tokens=s.max_new_tokens, n=s.n, logprobs=0)
+
+    def generate(self, prompt_ids: list, prompt_indices: list[int] | None = None) -> GenerationResult:
+        """Sample `sampling.n` responses per prompt. prompt_ids: list of [P] int token arrays.
+
+        Prompts that leave no room for a response within max_model_len are skipped
+        and reported in `skipped_prompts`, not raised: one long row must not sink a batch.
+        """
+        if len(prompt_ids) == 0:
+            raise ValueError(f"{self.name}.generate: empty prompt list")
+        if prompt_indices is None:
+            prompt_indices = list(range(len(prompt_ids)))
+        if len(prompt_indices) != len(prompt_ids):
+            raise ValueError(f"{self.name}.generate: {len(prompt_ids)} prompts but "
+                             f"{len(prompt_indices)} prompt_indices")
+        from vllm.inputs import TokensPrompt
+
+        keep, skipped = [], []
+        for ids, idx in zip(prompt_ids, prompt_indices):
+            ids = [int(t) for t in ids]
+            if not ids or len(ids) >= self.engine.max_model_len:
+                skipped.append(idx)
+            else:
+                keep.append((ids, idx))
+        self._skipped_total += len(skipped)
+        if skipped:
+            log.warning("%s: skipped %d prompts longer than max_model_len=%d (or empty)",
+                        self.name, len(skipped), self.engine.max_model_len)
+        if not keep:
+            return GenerationResult(rollouts=[], skipped_prompts=skipped)
+
+        t0 = time.perf_counter()
+        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in keep],
+                                     self._params(), use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        rollouts = [self._to_rollout(ids, idx, completion)
+                    for (ids, idx), out in zip(keep, outputs) for completion in out.outputs]
+        tokens = sum(len(r.response_ids) for r in rollouts)
+        self._generated_total += tokens
+        return GenerationResult(rollouts=rollouts, skipped_prompts=skipped,
+                                generated_tokens=tokens, seconds=seconds)
+
+    def _to_rollout(self, prompt: list[int], prompt_index: int, completion) -> Rollout:
+        token_ids = list(completion.token_ids)
+        # logprobs=0 returns exactly the sampled token's entry at each step.
+        logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
+        return Rollout(prompt_ids=np.asarray(prompt, dtype=np.int64),
+                       response_ids=np.asarray(token_ids, dtype=np.int64),
+                       behaviour_logprobs=np.asarray(logprobs, dtype=np.float32),
+                       finish_reason="stop" if completion.finish_reason == "stop" else "length",
+                       policy_version=self._version, prompt_index=prompt_index,
+                       sample_index=completion.index)
+
+    def load_weights(self, version: int, buckets: list[bytes]) -> dict:
+        """Reload the policy in place from safetensors-serialised buckets; record `version`."""
+        if version < self._version:
+            raise ValueError(f"{self.name}.load_weights: version {version} is older than the "
+                             f"loaded version {self._version}")
+        t0 = time.perf_counter()
+        counts = self._llm.collective_rpc("tether_reload_buckets", args=(buckets,))
+        # Cached prompt KV blocks were computed by the old weights; reusing them would
+        # make the new policy's logprobs silently wrong.
+        self._llm.reset_prefix_cache()
+        self._version = version
+        return {"seconds": time.perf_counter() - t0, "tensors": counts[0],
+                "bytes": sum(len(b) for b in buckets), "version": version}
+
+    def version(self) -> int:
+        return self._version
+
+    def health(self) -> dict:
+        return {"name": self.name, "version": self._version, "skipped_prompts": self._skipped_total,
+                "generated_tokens": self._generated_total, "engine_start_s": self.start_seconds}
+
+    def config(self) -> dict:
+        return {"sampling": asdict(self.sampling), "engine": asdict(self.engine)}
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False

@@ -1,0 +1,214 @@
+"""Reward: one score per (prompt, response), from a frozen reward model or a function.
+
+A bad score must never take the run down: the actor reports it per item
+(``ScoreResult.valid``) with a one-line message, counts it, and keeps serving.
+Invalid items carry NaN in ``scores`` so that a caller that forgets to filter
+them fails loudly (``annotate`` rejects non-finite scores) instead of training on 0.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actors.reference import (as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id,
+                              resolve_dtype, resolve_model_path)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoreResult:
+    scores: np.ndarray               # [N] float32; NaN where not valid
+    valid: np.ndarray                # [N] bool
+    errors: list[str] = field(default_factory=list)  # one line per problem, naming its source
+
+    @property
+    def n_invalid(self) -> int:
+        return int((~self.valid).sum())
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def load_function(spec: str):
+    """Import ``"package.module:function"``; any failure is a one-line ValueError."""
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"Reward: function {spec!r} must look like 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - import errors of user code come in every flavour
+        raise ValueError(f"Reward: cannot import module {module_name!r} for function {spec!r}: "
+                         f"{_one_line(e)}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"Reward: module {module_name!r} has no callable {attr!r} (function {spec!r})")
+    return fn
+
+
+def resolve_tokenizer_path(path: str) -> str:
+    """A tokenizer directory has no config.json necessarily; only insist that it exists."""
+    p = Path(str(path)).expanduser()
+    if p.is_absolute() or str(path).startswith((".", "~")) or p.exists():
+        if not p.is_dir():
+            raise FileNotFoundError(f"Reward: tokenizer path {str(p)!r} does not exist")
+        return str(p)
+    return str(path)
+
+
+class Reward:
+    """Scores token batches. Exactly one of ``model`` (a sequence classifier with
+    num_labels=1) or ``function`` (``"module:function"`` called as
+    ``fn(prompts: list[str], responses: list[str]) -> list[float]``) is given.
+
+    The function path needs ``tokenizer`` (a path) to decode tokens to text; the model
+    path feeds prompt+response token ids straight to the model, so the reward model
+    must share the policy's vocabulary. ``batch_size`` bounds a model forward; a
+    function is called once per ``score`` call.
+    """
+
+    def __init__(self, *, model: str | None = None, function: str | None = None,
+                 tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
+                 device: str | None = None):
+        if (model is None) == (function is None):
+            raise ValueError("Reward: give exactly one of model= or function= "
+                             f"(got model={model!r}, function={function!r})")
+        if batch_size < 1:
+            raise ValueError(f"Reward: batch_size must be >= 1, got {batch_size}")
+        self.batch_size = int(batch_size)
+        self.function_name = function
+        self.model_path = None
+        self.model = self.fn = self.tokenizer = None
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if function is not None:
+            if tokenizer is None:
+                raise ValueError(f"Reward: function {function!r} needs tokenizer= (a path) to decode tokens")
+            self.fn = load_function(function)
+            self.tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
+        else:
+            self._load_model(model, resolve_dtype(dtype, "Reward"))
+        self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "seconds": 0.0}
+        self.last_error: str | None = None
+
+    def _load_model(self, model: str, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForSequenceClassification
+
+        self.model_path = resolve_model_path(model, "Reward")
+        try:
+            m = AutoModelForSequenceClassification.from_pretrained(self.model_path, dtype=dtype)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"Reward: cannot load a sequence classifier from {self.model_path!r}: "
+                             f"{_one_line(e)}") from None
+        if m.config.num_labels != 1:
+            raise ValueError(f"Reward: {self.model_path!r} has num_labels={m.config.num_labels}; "
+                             "a reward model needs exactly 1")
+        # HF pools at the last token whose id != pad_token_id, which is wrong when pad == eos
+        # and the response ends in eos; we run the body and apply the head at our own index.
+        head = getattr(m, "score", None)
+        if not isinstance(head, torch.nn.Module):
+            raise ValueError(f"Reward: {type(m).__name__} at {self.model_path!r} has no `score` head; "
+                             "only decoder-style sequence classifiers (last-token pooling) are supported")
+        self.model = m.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self._head = head
+        try:
+            self.tokenizer = load_tokenizer(self.model_path, "Reward")
+        except ValueError:
+            self.tokenizer = None
+        self.pad_id = pad_token_id(self.tokenizer, m.config, "Reward")
+
+    def score(self, prompt_ids_batch: list[np.ndarray], response_ids_batch: list[np.ndarray]) -> ScoreResult:
+        prompts, responses = as_token_arrays(prompt_ids_batch, response_ids_batch, "Reward.score")
+        start = time.perf_counter()
+        n = len(prompts)
+        if n == 0:
+            result = ScoreResult(np.zeros(0, np.float32), np.zeros(0, bool))
+        elif self.fn is not None:
+            result = self._score_function(prompts, responses)
+        else:
+            result = self._score_model(prompts, responses)
+        self._counts["calls"] += 1
+        self._counts["items"] += n
+        self._counts["invalid_items"] += result.n_invalid
+        self._counts["seconds"] += time.perf_counter() - start
+        if result.errors:
+            self.last_error = result.errors[-1]
+            for msg in result.errors:
+                log.warning("%s", msg)
+        return result
+
+    def _finalise(self, raw: np.ndarray, source: str) -> ScoreResult:
+        valid = np.isfinite(raw)
+        errors = []
+        if not valid.all():
+            bad = np.flatnonzero(~valid)
+            shown = ", ".join(map(str, bad[:8].tolist())) + (", ..." if bad.size > 8 else "")
+            errors.append(f"{source} returned non-finite scores for {bad.size} of {raw.size} items "
+                          f"(indices {shown}); those items are invalid")
+        scores = np.where(valid, raw, np.nan).astype(np.float32)
+        return ScoreResult(scores, valid, errors)
+
+    def _invalid_batch(self, n: int, message: str) -> ScoreResult:
+        self._counts["failed_calls"] += 1
+        return ScoreResult(np.full(n, np.nan, np.float32), np.zeros(n, bool), [message])
+
+    def _score_function(self, prompts, responses) -> ScoreResult:
+        name = f"reward function {self.function_name}"
+        decode = lambda seqs: self.tokenizer.batch_decode([s.tolist() for s in seqs], skip_special_tokens=True)
+        n = len(prompts)
+        try:
+            out = self.fn(decode(prompts), decode(responses))
+        except Exception as e:  # noqa: BLE001 - user code must not crash the actor
+            return self._invalid_batch(n, f"{name} raised {_one_line(e)}; all {n} items invalid")
+        try:
+            raw = np.array([float(x) for x in out], dtype=np.float64)
+        except Exception as e:  # noqa: BLE001
+            return self._invalid_batch(n, f"{name} returned something that is not a list of numbers "
+                                          f"({_one_line(e)}); all {n} items invalid")
+        if raw.shape != (n,):
+            return self._invalid_batch(n, f"{name} returned {raw.size} scores for {n} items; all invalid")
+        # float64 first, so an out-of-range float32 cast turns into an (invalid) inf, not silently
+        with np.errstate(over="ignore"):
+            return self._finalise(raw.astype(np.float32), name)
+
+    def _score_model(self, prompts, responses) -> ScoreResult:
+        seqs = [np.concatenate([p, r]) for p, r in zip(prompts, responses)]
+        for i, s in enumerate(seqs):
+            if s.size == 0:
+                raise ValueError(f"Reward.score: item {i} has no tokens (empty prompt and response)")
+        raw = np.empty(len(seqs), dtype=np.float32)
+        for rows in length_sorted_chunks([s.size for s in seqs], self.batch_size):
+            raw[rows] = self._forward([seqs[i] for i in rows])
+        return self._finalise(raw, f"reward model {self.model_path}")
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[np.ndarray]) -> np.ndarray:
+        T = max(s.size for s in seqs)
+        ids = np.full((len(seqs), T), self.pad_id, dtype=np.int64)
+        mask = np.zeros_like(ids)
+        for row, s in enumerate(seqs):
+            ids[row, :s.size] = s
+            mask[row, :s.size] = 1
+        ids_t = torch.from_numpy(ids).to(self.device)
+        mask_t = torch.from_numpy(mask).to(self.device)
+        hidden = self.model.base_model(input_ids=ids_t, attention_mask=mask_t, use_cache=False).last_hidden_state
+        last = mask_t.sum(-1) - 1
+        pooled = hidden[torch.arange(len(seqs), device=self.device), last]
+        return self._head(pooled).float().squeeze(-1).cpu().numpy()
+
+    def stats(self) -> dict:
+        return {**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()},
+                "last_error": self.last_error}
+
+    def health(self) -> dict:
+        source = {"function": self.function_name} if self.fn is not None else {"model": self.model_path}
+        return {"role": "reward", "ok": True, **source, "device": str(self.device), **self.stats()}
+

@@ -1,0 +1,52 @@
+"""Code that runs inside vLLM's worker processes (loaded by `worker_extension_cls`).
+
+Kept free of project imports beyond safetensors so the worker can import it cheaply.
+"""
+from __future__ import annotations
+
+import itertools
+
+
+class WeightReloadExtension:
+    """Mixed into vLLM's worker: reload weights in place from safetensors buckets.
+
+    Tensors do not survive `collective_rpc` arguments as objects, so weights travel
+    as safetensors bytes, one blob per bucket. All buckets of a version are loaded in
+    one `reload_weights` call: vLLM's layerwise reload expects a complete pass.
+    """
+
+    def tether_reload_buckets(self, buckets: list[bytes]) -> int:
+        from safetensors.torch import load
+
+        tensors = [load(b).items() for b in buckets]
+        names: list[str] = []
+
+        def weights():
+            for name, tensor in itertools.chain.from_iterable(tensors):
+                names.append(name)
+                yield name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=weights())
+        _refresh_cpu_lm_head(self.model_runner.get_model())
+        return len(names)
+
+
+def _refresh_cpu_lm_head(model) -> None:
+    """Re-pack CPU GEMM handles of (tied) LM heads after an in-place reload.
+
+    On CPU, vLLM 0.32 packs the LM head's weight into a oneDNN handle when the
+    model loads. A tied head receives no tensor of its own during a reload, so
+    vLLM never re-packs it and the engine keeps sampling from the old head while
+    the embedding is new (measured: logprob gap ~1.0 instead of ~1e-6). Re-running
+    the embedding method's own post-load step rebuilds the handle from the
+    current weight; on GPU there is no such handle and this does nothing.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod):
+            method.process_weights_after_loading(module)

@@ -1,0 +1,83 @@
+"""Moving weights learner -> generators.
+
+CPU transport: learner rank 0 holds the full state (gathered under ZeRO-3), cuts it
+into size-bounded buckets of safetensors bytes once, and every generator reloads
+them in place through vLLM's worker extension. Bytes, not tensors, because tensors
+do not survive vLLM's `collective_rpc` arguments as objects.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+TIED_HEAD = "lm_head.weight"
+
+
+def policy_weights(named: Iterable[tuple[str, torch.Tensor]], *, tied_embeddings: bool):
+    """Yield (name, tensor) in the checkpoint naming vLLM expects.
+
+    With tied embeddings the head and the embedding are one tensor; sending both
+    lets whichever arrives second silently overwrite the first, so only the
+    embedding is sent. Value-head tensors never go to the generators.
+    """
+    for name, tensor in named:
+        if name.startswith("value_head.") or (tied_embeddings and name == TIED_HEAD):
+            continue
+        yield name, tensor
+
+
+def to_buckets(named: Iterable[tuple[str, torch.Tensor]],
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[bytes]:
+    """Serialise tensors into safetensors blobs of at most ~bucket_bytes each (one tensor may exceed)."""
+    from safetensors.torch import save
+
+    buckets, current, size = [], {}, 0
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(save(current))
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    if current:
+        buckets.append(save(current))
+    return buckets
+
+
+class CPUWeightSync:
+    """Push one serialised copy of the policy to every generator actor.
+
+    generators: Ray actor handles of actors.generator.Generator (or plain objects in tests).
+    """
+
+    def __init__(self, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.generators = generators
+        self.bucket_bytes = bucket_bytes
+
+    def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]], *,
+             tied_embeddings: bool) -> dict:
+        t0 = time.perf_counter()
+        buckets = to_buckets(policy_weights(named, tied_embeddings=tied_embeddings),
+                             self.bucket_bytes)
+        serialise_s = time.perf_counter() - t0
+        results = _call_all(self.generators, version, buckets)
+        for r in results:
+            if r["version"] != version:
+                raise RuntimeError(f"weight sync: a generator reports version {r['version']}, "
+                                   f"expected {version}")
+        return {"seconds": time.perf_counter() - t0, "serialise_seconds": serialise_s,
+                "bytes": sum(len(b) for b in buckets), "buckets": len(buckets),
+                "generators": len(results), "version": version}
+
+
+def _call_all(generators: list, version: int, buckets: list[bytes]) -> list[dict]:
+    if generators and hasattr(generators[0].load_weights, "remote"):
+        import ray
+
+        ref = ray.put(buckets)  # one copy in the object store, shared by every generator
+        return ray.get([g.load_weights.remote(version, ref) for g in generators])
+    return [g.load_weights(version, buckets) for g in generators]

@@ -1,0 +1,201 @@
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from actors.buffer import BufferClosed, RolloutBuffer
+from actors.rollout import ScoredRollout
+
+# Ray workers cannot import this test module; ship its helpers (Producer, item) by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def item(version=0, index=0, producer=0):
+    z = np.zeros(2, np.float32)
+    return ScoredRollout(prompt_ids=np.array([1]), response_ids=np.array([2, 3]), behaviour_logprobs=z,
+                         finish_reason="stop", policy_version=version, prompt_index=index,
+                         sample_index=producer, reference_logprobs=z, kl=z, rewards=z)
+
+
+def ids(items):
+    return [(x.sample_index, x.prompt_index) for x in items]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+RemoteBuffer = ray.remote(max_concurrency=8)(RolloutBuffer)
+
+
+def new_buffer(capacity):
+    return RemoteBuffer.remote(capacity=capacity)
+
+
+# --------------------------------------------------------------------------- plain object
+
+
+@pytest.mark.unit
+def test_validation():
+    for bad in (0, -1, 2.0, True, None):
+        with pytest.raises(ValueError, match="capacity"):
+            RolloutBuffer(capacity=bad)
+    buf = RolloutBuffer(capacity=3)
+    with pytest.raises(ValueError, match="exceeds capacity 3"):
+        buf.get(4)
+    with pytest.raises(ValueError, match="n must be"):
+        buf.get(0)
+    with pytest.raises(ValueError, match="can never fit"):
+        buf.put([item()] * 4)
+    with pytest.raises(TypeError, match="ScoredRollout"):
+        buf.put(["not a rollout"])
+    assert buf.put([]) == 0
+    assert buf.health() == {"role": "buffer", "ok": True, "depth": 0, "capacity": 3}
+
+
+@pytest.mark.unit
+def test_close_wakes_waiters_and_waiting_puts_are_served_in_order():
+    buf = RolloutBuffer(capacity=3)
+    buf.put([item(index=0), item(index=1)])
+    results = {}
+
+    def put(name, items):
+        try:
+            results[name] = buf.put(items, timeout=5)
+        except Exception as e:  # noqa: BLE001
+            results[name] = e
+
+    big = threading.Thread(target=put, args=("big", [item(index=10), item(index=11), item(index=12)]))
+    big.start()
+    time.sleep(0.2)
+    small = threading.Thread(target=put, args=("small", [item(index=20)]))
+    small.start()
+    time.sleep(0.2)
+    # Room for the small put exists, but it queued behind the big one: no starvation.
+    assert buf.stats()["depth"] == 2 and buf.stats()["waiting_puts"] == 2
+    assert ids(buf.get(2)) == [(0, 0), (0, 1)]
+    big.join(2)
+    assert results["big"] == 3
+    assert ids(buf.get(3)) == [(0, 10), (0, 11), (0, 12)]
+    small.join(2)
+    assert results["small"] == 1
+
+    getter = threading.Thread(target=lambda: results.setdefault("get", _catch(lambda: buf.get(3))))
+    getter.start()
+    time.sleep(0.2)
+    buf.close()
+    getter.join(2)
+    assert isinstance(results["get"], BufferClosed)
+    with pytest.raises(BufferClosed):
+        buf.put([item()])
+    assert ids(buf.get(1)) == [(0, 20)]  # what was buffered stays gettable
+    assert not buf.health()["ok"]
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+# --------------------------------------------------------------------------- as a Ray actor
+
+
+@pytest.mark.integration
+def test_fifo(cluster):
+    buf = new_buffer(10)
+    assert ray.get(buf.put.remote([item(index=i) for i in range(3)])) == 3
+    ray.get(buf.put.remote([item(index=i) for i in range(3, 6)]))
+    assert [x.prompt_index for x in ray.get(buf.get.remote(4))] == [0, 1, 2, 3]
+    ray.get(buf.put.remote([item(index=6)]))
+    assert [x.prompt_index for x in ray.get(buf.get.remote(3))] == [4, 5, 6]
+    stats = ray.get(buf.stats.remote())
+    assert (stats["put_total"], stats["got_total"], stats["depth"]) == (7, 7, 0)
+
+
+@pytest.mark.integration
+def test_version_filter_drops_and_counts_stale(cluster):
+    buf = new_buffer(10)
+    versions = [0, 2, 1, 0, 3, 2, 1]  # interleaved, as from several generators
+    ray.get(buf.put.remote([item(version=v, index=i) for i, v in enumerate(versions)]))
+    got = ray.get(buf.get.remote(3, min_version=2))
+    assert [(x.prompt_index, x.policy_version) for x in got] == [(1, 2), (4, 3), (5, 2)]
+    stats = ray.get(buf.stats.remote())
+    assert stats["dropped_stale"] == 4 and stats["depth"] == 0
+    # staleness: newest version put (3) minus each gotten version -> (1 + 0 + 1) / 3
+    assert stats["mean_staleness"] == pytest.approx(2 / 3) and stats["max_staleness"] == 1
+    ray.get(buf.put.remote([item(version=3)]))
+    ray.get(buf.get.remote(1, current_version=5))
+    assert ray.get(buf.stats.remote())["max_staleness"] == 2
+
+
+@pytest.mark.integration
+def test_put_blocks_when_full_until_a_get_frees_room(cluster):
+    buf = new_buffer(2)
+    ray.get(buf.put.remote([item(index=0), item(index=1)]))
+    blocked = buf.put.remote([item(index=2)], timeout=30)
+    ready, _ = ray.wait([blocked], timeout=1.0)
+    assert not ready, "put on a full buffer returned instead of blocking"
+    assert ray.get(buf.stats.remote())["waiting_puts"] == 1
+    assert [x.prompt_index for x in ray.get(buf.get.remote(1))] == [0]
+    assert ray.get(blocked, timeout=10) == 1
+    assert [x.prompt_index for x in ray.get(buf.get.remote(2))] == [1, 2]
+
+
+@pytest.mark.integration
+def test_put_times_out_when_nobody_gets(cluster):
+    buf = new_buffer(2)
+    ray.get(buf.put.remote([item(index=0), item(index=1)]))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="put of 1 rollouts waited 0.5s.*nothing was put"):
+        ray.get(buf.put.remote([item(index=2)], timeout=0.5))
+    assert time.monotonic() - start >= 0.5
+    assert ray.get(buf.stats.remote())["depth"] == 2
+
+
+@pytest.mark.integration
+def test_get_timeout(cluster):
+    buf = new_buffer(4)
+    ray.get(buf.put.remote([item()]))
+    with pytest.raises(TimeoutError, match=r"buffer: waited 0.3s for 2 rollouts, have 1"):
+        ray.get(buf.get.remote(2, timeout=0.3))
+    with pytest.raises(TimeoutError, match="have 0"):  # stale items do not count
+        ray.get(buf.get.remote(1, min_version=1, timeout=0.1))
+
+
+@ray.remote
+class Producer:
+    def __init__(self, buffer, producer_id):
+        self.buffer, self.producer_id = buffer, producer_id
+
+    def run(self, n_items, batch):
+        for start in range(0, n_items, batch):
+            chunk = [item(version=0, index=i, producer=self.producer_id)
+                     for i in range(start, min(start + batch, n_items))]
+            ray.get(self.buffer.put.remote(chunk, timeout=60))
+        return n_items
+
+
+@pytest.mark.integration
+def test_concurrent_producers_each_item_exactly_once(cluster):
+    buf = new_buffer(8)  # smaller than the total, so producers hit backpressure
+    producers = [Producer.remote(buf, p) for p in range(3)]
+    runs = [p.run.remote(20, 4) for p in producers]
+    got = []
+    while len(got) < 60:
+        got += ray.get(buf.get.remote(5, timeout=30))
+    assert ray.get(runs) == [20, 20, 20]
+    keys = ids(got)
+    assert len(keys) == len(set(keys)) == 60
+    assert set(keys) == {(p, i) for p in range(3) for i in range(20)}
+    for p in range(3):  # FIFO also holds per producer
+        assert [i for q, i in keys if q == p] == list(range(20))
+    stats = ray.get(buf.stats.remote())
+    assert (stats["put_total"], stats["got_total"], stats["depth"], stats["dropped_stale"]) == (60, 60, 0, 0)

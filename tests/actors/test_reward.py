@@ -1,0 +1,196 @@
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actors.reward import Reward, ScoreResult
+from actors.reward_functions import SENTIMENT_SCALE, sentiment
+from cluster.tiny_models import build_policy, build_reward_model
+
+sys.path.insert(0, str(Path(__file__).parent))  # makes tests/actors/bad_rewards.py importable
+
+SENTIMENT = "actors.reward_functions:sentiment"
+
+
+@pytest.fixture(scope="module")
+def rm_path():
+    return str(build_reward_model())
+
+
+@pytest.fixture(scope="module")
+def tok_path():
+    return str(build_policy())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tok_path)
+
+
+@pytest.fixture(scope="module")
+def rm(rm_path):
+    return Reward(model=rm_path, batch_size=3)
+
+
+def _batch(seed=0, lens=((3, 4), (9, 2), (5, 7), (1, 0), (6, 3), (2, 8), (4, 4))):
+    rng = np.random.default_rng(seed)
+    return ([rng.integers(2, 1024, size=p) for p, _ in lens],
+            [rng.integers(2, 1024, size=r) for _, r in lens])
+
+
+def _encode(tokenizer, texts):
+    return [np.array(tokenizer(t)["input_ids"]) for t in texts]
+
+
+# --------------------------------------------------------------------------- model path
+
+
+@pytest.mark.integration
+def test_model_batched_equals_unbatched_and_hf(rm, rm_path):
+    from transformers import AutoModelForSequenceClassification
+
+    prompts, responses = _batch()
+    res = rm.score(prompts, responses)
+    assert isinstance(res, ScoreResult) and res.scores.dtype == np.float32
+    assert res.valid.all() and res.errors == []
+    hf = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        single = rm.score([p], [r]).scores[0]
+        assert abs(single - res.scores[i]) < 1e-5
+        with torch.no_grad():  # no padding and no pad id inside: HF's own pooling agrees
+            direct = hf(torch.tensor(np.concatenate([p, r]))[None]).logits[0, 0].item()
+        assert abs(single - direct) < 1e-5
+    assert len(set(np.round(res.scores, 5))) == len(prompts)  # scores depend on the input
+
+
+@pytest.mark.integration
+def test_model_scores_last_token_even_when_it_is_the_pad_id(rm, tokenizer):
+    # HF pools at the last token whose id != pad id, which is wrong when pad == eos ends
+    # the response. We read the last real token whatever its id.
+    pad = tokenizer.pad_token_id
+    prompts, responses = _batch(seed=1, lens=((3, 3), (5, 6)))
+    responses = [np.append(r, pad) for r in responses]
+    batched = rm.score(prompts, responses).scores
+    without_last = rm.score(prompts, [r[:-1] for r in responses]).scores
+    assert not np.allclose(batched, without_last, atol=1e-4)
+    seq = torch.tensor(np.concatenate([prompts[0], responses[0]]))[None]
+    with torch.no_grad():
+        h = rm.model.base_model(input_ids=seq).last_hidden_state[0, -1]
+        manual = rm.model.score(h).item()
+    assert abs(batched[0] - manual) < 1e-5
+
+
+@pytest.mark.integration
+def test_model_path_errors(tok_path, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        Reward(model=str(tmp_path / "nowhere"))
+    (tmp_path / "not-a-model").mkdir()
+    with pytest.raises(ValueError, match="not-a-model.*no config.json"):
+        Reward(model=str(tmp_path / "not-a-model"))
+    with pytest.raises(ValueError, match="num_labels=2"):  # a causal LM dir has no 1-label head
+        Reward(model=tok_path)
+
+
+# --------------------------------------------------------------------------- function path
+
+
+@pytest.mark.unit
+def test_sentiment_function():
+    assert sentiment(["p"], ["good good"]) == [SENTIMENT_SCALE]
+    assert sentiment(["p"], ["The cat was sad."]) == [-SENTIMENT_SCALE / 4]
+    assert sentiment(["p"], ["Great, but dark and COLD!"]) == [-SENTIMENT_SCALE / 5]
+    assert sentiment(["good good good"], [""]) == [0.0]  # prompt ignored, empty reply is 0
+    with pytest.raises(ValueError):
+        sentiment(["a", "b"], ["x"])
+
+
+@pytest.mark.integration
+def test_function_path_decodes_and_scores(tok_path, tokenizer):
+    rw = Reward(function=SENTIMENT, tokenizer=tok_path)
+    texts = ["the cat was good", "the cat was sad", "the cat was"]
+    responses = _encode(tokenizer, texts)
+    responses[0] = np.append(responses[0], tokenizer.eos_token_id)  # special tokens are skipped
+    prompts = _encode(tokenizer, ["Once"] * 3)
+    res = rw.score(prompts, responses)
+    np.testing.assert_allclose(res.scores, sentiment(["Once"] * 3, texts), atol=1e-6)
+    assert res.scores[0] > 0 > res.scores[1] and res.scores[2] == 0
+    assert res.valid.all() and rw.stats()["items"] == 3
+
+
+@pytest.mark.integration
+def test_nan_scores_mark_items_invalid(tok_path, tokenizer, caplog):
+    rw = Reward(function="bad_rewards:nan_for_odd", tokenizer=tok_path)
+    prompts, responses = _batch(seed=2, lens=((2, 2),) * 4)
+    with caplog.at_level(logging.WARNING, logger="actors.reward"):
+        res = rw.score(prompts, responses)
+    assert res.valid.tolist() == [True, False, True, False]
+    assert res.scores[0] == 1.0 and np.isnan(res.scores[1])
+    assert len(res.errors) == 1 and "bad_rewards:nan_for_odd" in res.errors[0]
+    assert "2 of 4" in res.errors[0] and "bad_rewards:nan_for_odd" in caplog.text
+    stats = rw.stats()
+    assert stats["invalid_items"] == 2 and stats["items"] == 4
+    assert "nan_for_odd" in stats["last_error"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name, needle", [
+    ("raising", "RuntimeError: reward service unavailable"),
+    ("wrong_length", "returned 1 scores for 3 items"),
+    ("not_numbers", "not a list of numbers"),
+])
+def test_broken_function_invalidates_batch_without_crashing(tok_path, name, needle):
+    rw = Reward(function=f"bad_rewards:{name}", tokenizer=tok_path)
+    prompts, responses = _batch(seed=3, lens=((2, 2),) * 3)
+    for _ in range(2):  # the actor keeps serving after a failure
+        res = rw.score(prompts, responses)
+        assert not res.valid.any() and np.isnan(res.scores).all()
+        assert len(res.errors) == 1 and "\n" not in res.errors[0]
+        assert f"bad_rewards:{name}" in res.errors[0] and needle in res.errors[0]
+    h = rw.health()
+    assert h["ok"] and h["failed_calls"] == 2 and h["invalid_items"] == 6
+
+
+@pytest.mark.unit
+def test_construction_errors(tok_path):
+    for bad in ("no_such_module_xyz:f", "bad_rewards:missing", "bad_rewards", "actors.reward_functions:"):
+        with pytest.raises(ValueError) as e:
+            Reward(function=bad, tokenizer=tok_path)
+        assert "\n" not in str(e.value) and bad.split(":")[0] in str(e.value)
+    with pytest.raises(ValueError, match="exactly one"):
+        Reward()
+    with pytest.raises(ValueError, match="exactly one"):
+        Reward(model=tok_path, function=SENTIMENT)
+    with pytest.raises(ValueError, match="tokenizer"):
+        Reward(function=SENTIMENT)
+    with pytest.raises(FileNotFoundError, match="no-tok-here"):
+        Reward(function=SENTIMENT, tokenizer="/no-tok-here")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.integration
+def test_runs_unchanged_as_ray_actor(rm_path, tok_path, tokenizer, ray_cluster):
+    ray = ray_cluster
+    prompts, responses = _batch(seed=5)
+    model_actor = ray.remote(Reward).remote(model=rm_path)
+    remote = ray.get(model_actor.score.remote(prompts, responses))
+    local = Reward(model=rm_path).score(prompts, responses)
+    np.testing.assert_allclose(remote.scores, local.scores, atol=1e-6)
+    # The worker imports the function itself (a user's module must be importable there too,
+    # e.g. shipped with the job's runtime_env; the built-in one always is).
+    fn_actor = ray.remote(Reward).remote(function=SENTIMENT, tokenizer=tok_path)
+    texts = ["a dog was happy", "a dog was cruel"]
+    res = ray.get(fn_actor.score.remote(_encode(tokenizer, ["Then"] * 2), _encode(tokenizer, texts)))
+    np.testing.assert_allclose(res.scores, sentiment(["Then"] * 2, texts), atol=1e-6)
+    assert ray.get(fn_actor.health.remote())["items"] == 2
