@@ -70,8 +70,8 @@ class Reward:
     ``fn(prompts: list[str], responses: list[str]) -> list[float]``) is given.
 
     The function path needs ``tokenizer`` (a path) to decode tokens to text; the model
-    path feeds prompt+response token ids straight to the model, so the reward model
-    must share the policy's vocabulary. ``batch_size`` bounds a model forward; a
+    path ignores it and feeds prompt+response token ids straight to the model, so the
+    reward model must share the policy's vocabulary. ``batch_size`` bounds a model forward; a
     function is called once per ``score`` call.
     """
 

@@ -155,7 +155,8 @@ def test_broken_function_invalidates_batch_without_crashing(tok_path, name, need
 
 
 @pytest.mark.unit
-def test_construction_errors(tok_path):
+def test_construction_errors():
+    tok_path = "/never-read"  # every check below fires before the tokenizer is loaded
     for bad in ("no_such_module_xyz:f", "bad_rewards:missing", "bad_rewards", "actors.reward_functions:"):
         with pytest.raises(ValueError) as e:
             Reward(function=bad, tokenizer=tok_path)
