@@ -1,0 +1,331 @@
+"""One typed config for a tether run: YAML file + dotted command-line overrides.
+
+    python -m cluster.train --config configs/tiny-cpu.yaml ppo.kl.beta=0.02 run.steps=5
+
+Every section is a dataclass; the comment beside each field is its documentation
+(`python -m cluster.train --help-config` prints them). Loading checks unknown keys
+(suggesting the nearest valid name), types and impossible combinations before
+anything starts, and fails with one line naming the key and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from actors.generator import EngineConfig, SamplingConfig
+from learner.config import LearnerConfig, OptimConfig, PPOConfig
+
+BUILTIN_POLICY = "builtin:tiny"        # the offline tiny model, pre-trained on the built-in corpus
+BUILTIN_POLICY_30M = "builtin:tiny-30m"
+BUILTIN_REWARD = "actors.reward_functions:sentiment"
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: the message is one line naming the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    policy: str = BUILTIN_POLICY     # HF model directory, or builtin:tiny / builtin:tiny-30m
+    tokenizer: Optional[str] = None  # defaults to the policy directory
+
+
+@dataclass
+class PoolConfig:
+    replicas: int = 1                # actors in this pool
+    num_cpus: float = 1.0            # CPUs reserved per replica
+    num_gpus: float = 0.0            # GPUs reserved per replica
+
+
+@dataclass
+class GeneratorPoolConfig(PoolConfig):
+    tensor_parallel: int = 1         # GPUs one vLLM engine spans (bundled STRICT_PACK)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class ReferencePoolConfig(PoolConfig):
+    batch_size: int = 16             # sequences per forward pass
+
+
+@dataclass
+class RewardPoolConfig(PoolConfig):
+    model: Optional[str] = None      # sequence-classification reward model directory, or ...
+    function: Optional[str] = BUILTIN_REWARD  # ... a `module:function(prompts, responses) -> floats`
+    batch_size: int = 16
+
+
+@dataclass
+class BufferConfig:
+    capacity: int = 1024             # rollouts held; producers block when full (backpressure)
+    max_staleness: int = 1           # async mode: drop rollouts older than this many versions
+
+
+@dataclass
+class LearnerPoolConfig(PoolConfig):
+    zero_stage: int = 2              # DeepSpeed ZeRO stage 0-3
+    dtype: str = "float32"           # float32 | bfloat16
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    critic: str = "shared"           # shared: value head on the policy body; separate: own body
+    critic_model: Optional[str] = None  # with critic=separate: reward-model checkpoint to start from
+    dist_timeout_s: float = 600.0    # a collective waiting longer than this fails instead of hanging
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class KLConfig:
+    beta: float = 0.05               # initial weight of the per-token KL penalty
+    estimator: str = "k1"            # k1 | k2 | k3 (Schulman) for the per-token KL in the reward
+    target: Optional[float] = None   # set to use the adaptive controller (Ziegler et al.); null = fixed beta
+    horizon: int = 10000             # adaptive controller horizon, in rollouts
+
+
+@dataclass
+class PPOSection(PPOConfig):
+    kl: KLConfig = field(default_factory=KLConfig)
+    truncation_penalty: float = 0.0  # added to the score of responses cut at max_new_tokens (use < 0)
+    reward_clip: Optional[float] = None  # clip scores to +-this before they enter the reward
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None       # .jsonl / .parquet / saved HF dataset; null = built-in prompts
+    field: str = "prompt"            # the prompt column
+    chat_template: bool = False      # wrap prompts in the tokenizer's chat template
+    max_prompt_tokens: Optional[int] = None  # longer prompts are skipped and counted
+    prompts_per_step: int = 16       # prompts sampled per PPO step (x generator.sampling.n rollouts)
+    eval_prompts: int = 16           # held out for periodic evaluation
+    seed: int = 0                    # shuffling seed
+
+
+@dataclass
+class RunConfig:
+    steps: int = 20                  # PPO steps (policy versions) to train
+    mode: str = "sync"               # sync (on-policy) | async (bounded staleness)
+    dir: str = "runs"                # run folders are created under this directory
+    name: Optional[str] = None       # run folder name; default: timestamp
+    eval_every: int = 5              # steps between evaluations (0 = only at start and end)
+    save_every: int = 0              # steps between HF checkpoints (0 = only the final one)
+    samples_every: int = 5           # steps between samples.jsonl dumps
+    seed: int = 0
+
+
+@dataclass
+class ResourcesConfig:
+    address: Optional[str] = None    # Ray cluster to join; null = RAY_ADDRESS / the job's cluster / local
+    num_cpus: Optional[int] = None   # CPUs of a local cluster started by the entrypoint
+    placement_timeout_s: float = 60.0  # how long a pool waits for resources before failing
+
+
+@dataclass
+class TetherConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generator: GeneratorPoolConfig = field(default_factory=GeneratorPoolConfig)
+    reference: ReferencePoolConfig = field(default_factory=ReferencePoolConfig)
+    reward: RewardPoolConfig = field(default_factory=RewardPoolConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    learner: LearnerPoolConfig = field(default_factory=LearnerPoolConfig)
+    ppo: PPOSection = field(default_factory=PPOSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+
+    def learner_config(self) -> LearnerConfig:
+        """The learner's own config; its temperature is the sampling temperature, always."""
+        ppo = {f.name: getattr(self.ppo, f.name) for f in fields(PPOConfig)}
+        ppo["temperature"] = self.generator.sampling.temperature
+        lp = self.learner
+        return LearnerConfig(zero_stage=lp.zero_stage, dtype=lp.dtype, optim=lp.optim,
+                             ppo=PPOConfig(**ppo), seed=self.run.seed, critic=lp.critic,
+                             critic_model=lp.critic_model, dist_timeout_s=lp.dist_timeout_s,
+                             gradient_checkpointing=lp.gradient_checkpointing)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict that load_config accepts back (owned-elsewhere keys left out)."""
+        data = _plain(asdict(self))
+        for dotted in _OWNED_ELSEWHERE:
+            *parents, leaf = dotted.split(".")
+            node = data
+            for p in parents:
+                node = node[p]
+            node.pop(leaf, None)
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# Keys that exist on a component's own dataclass but are owned by another section here.
+_OWNED_ELSEWHERE = {
+    "ppo.temperature": "set generator.sampling.temperature; the learner always uses the sampling "
+                       "temperature",
+    "generator.engine.tensor_parallel": "set generator.tensor_parallel (a pool resource)",
+}
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value, tp, key: str):
+    """Check `value` against the annotated type `tp`; ints are accepted where floats are."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if tp is tuple or origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config: {key} must be a list, got {value!r}")
+        return tuple(value)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(f"config: {key} must be {_type_name(tp)}, got {value!r} "
+                      f"({type(value).__name__})")
+
+
+def _build(cls, data, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {prefix or 'the file'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if full in _OWNED_ELSEWHERE:
+            raise ConfigError(f"config: {full} is not set here: {_OWNED_ELSEWHERE[full]}")
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {(prefix + '.' if prefix else '') + near[0]}?" if near else \
+                f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"config: unknown key {full}{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, full)
+        else:
+            kwargs[key] = _coerce(value, tp, full)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # component dataclasses validate in __post_init__
+        raise ConfigError(f"config: {prefix}: {e}") from None
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Set `a.b.c=value` in the nested dict; the value is parsed as YAML (0.1, true, null, [1, 2])."""
+    if "=" not in override:
+        raise ConfigError(f"config: override {override!r} must look like section.key=value")
+    key, raw = override.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config: override {key} goes through {part}, which is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TetherConfig:
+    data = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config: file {str(p)!r} not found; pass --config path/to/file.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark else ""
+            raise ConfigError(f"config: {p} is not valid YAML{where}") from None
+    for o in overrides:
+        apply_override(data, o)
+    cfg = _build(TetherConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TetherConfig) -> None:
+    """Cross-field checks: what each section alone cannot see."""
+    for name in ("generator", "reference", "reward", "learner"):
+        pool = getattr(cfg, name)
+        if pool.replicas < 1:
+            raise ConfigError(f"config: {name}.replicas={pool.replicas} must be >= 1")
+        if pool.num_cpus < 0 or pool.num_gpus < 0:
+            raise ConfigError(f"config: {name}.num_cpus/num_gpus must be >= 0")
+    if cfg.generator.tensor_parallel > 1 and cfg.generator.num_gpus < cfg.generator.tensor_parallel:
+        raise ConfigError(f"config: generator.tensor_parallel={cfg.generator.tensor_parallel} needs "
+                          f"generator.num_gpus >= {cfg.generator.tensor_parallel} per replica")
+    if (cfg.reward.model is None) == (cfg.reward.function is None):
+        raise ConfigError("config: set exactly one of reward.model and reward.function "
+                          "(the other to null)")
+    if cfg.run.mode not in ("sync", "async"):
+        raise ConfigError(f"config: run.mode={cfg.run.mode!r} must be sync or async")
+    if cfg.run.steps < 1:
+        raise ConfigError(f"config: run.steps={cfg.run.steps} must be >= 1")
+    if cfg.buffer.max_staleness < 0 or cfg.buffer.capacity < 1:
+        raise ConfigError("config: buffer.max_staleness must be >= 0 and buffer.capacity >= 1")
+    if cfg.data.prompts_per_step < 1:
+        raise ConfigError(f"config: data.prompts_per_step={cfg.data.prompts_per_step} must be >= 1")
+    if cfg.ppo.kl.estimator not in ("k1", "k2", "k3"):
+        raise ConfigError(f"config: ppo.kl.estimator={cfg.ppo.kl.estimator!r} must be k1, k2 or k3")
+    if cfg.ppo.kl.beta < 0 or (cfg.ppo.kl.target is not None and cfg.ppo.kl.target <= 0):
+        raise ConfigError("config: ppo.kl.beta must be >= 0 and ppo.kl.target > 0 (or null)")
+    rollouts = cfg.data.prompts_per_step * cfg.generator.sampling.n
+    if rollouts < cfg.ppo.minibatch_size:
+        raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x "
+                          f"generator.sampling.n) but ppo.minibatch_size={cfg.ppo.minibatch_size}; "
+                          "lower the minibatch or raise prompts_per_step")
+    if cfg.buffer.capacity < rollouts:
+        raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} is below the "
+                          f"{rollouts} rollouts of one step; raise it")
+    try:
+        cfg.learner_config().validate(world_size=cfg.learner.replicas)
+    except ValueError as e:
+        raise ConfigError(f"config: {str(e).replace('learner.ppo.', 'ppo.')}") from None
+
+
+def describe() -> str:
+    """Every field with its default and comment, for --help-config."""
+    import inspect
+
+    lines = []
+
+    def walk(cls, prefix):
+        src = "\n".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
+        for f in fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            if f"{prefix}{f.name}" in _OWNED_ELSEWHERE:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            comment = ""
+            for line in src.splitlines():
+                if line.strip().startswith(f"{f.name}:") and "#" in line:
+                    comment = line.split("#", 1)[1].strip()
+            lines.append(f"{prefix}{f.name} = {default!r}" + (f"    # {comment}" if comment else ""))
+
+    walk(TetherConfig, "")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""Config loading: overrides, one-line validation errors, the shipped configs."""
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, describe, load_config
+
+pytestmark = pytest.mark.unit
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(None, ["ppo.kl.beta=0.02", "generator.sampling.temperature=0.7",
+                             "learner.optim.betas=[0.9, 0.99]", "reward.model=null",
+                             "reward.function=actors.reward_functions:sentiment"])
+    assert cfg.ppo.kl.beta == 0.02
+    assert cfg.learner.optim.betas == (0.9, 0.99)
+    # The learner's logprobs always use the sampling temperature.
+    assert cfg.learner_config().ppo.temperature == 0.7
+    assert cfg.generator.sampling.temperature == 0.7
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.run.steps >= 1
+
+
+def test_yaml_roundtrip_of_resolved_config(tmp_path):
+    cfg = load_config(None, ["run.steps=3", "generator.replicas=2"])
+    saved = tmp_path / "c.yaml"
+    saved.write_text(cfg.to_yaml())
+    assert load_config(saved) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ppo.kl.bta=1"], "unknown key ppo.kl.bta; did you mean ppo.kl.beta?"),
+    (["generatr.replicas=2"], "unknown key generatr; did you mean generator?"),
+    (["ppo.kl.beta=abc"], "ppo.kl.beta must be float, got 'abc'"),
+    (["run.steps=2.5"], "run.steps must be int"),
+    (["generator.engine.dtype=[1]"], "generator.engine.dtype must be str"),
+    (["ppo.temperature=0.5"], "set generator.sampling.temperature"),
+    (["learner.zero_stage=5"], "zero_stage=5 is out of range"),
+    (["ppo.minibatch_size=7"], "minibatch_size=7 is not divisible"),
+    (["learner.replicas=3", "ppo.minibatch_size=8", "ppo.micro_batch_size=2"], "not divisible by world_size"),
+    (["generator.sampling.temperature=0"], "temperature must be > 0"),
+    (["reward.model=/x"], "exactly one of reward.model and reward.function"),
+    (["run.mode=fast"], "run.mode='fast' must be sync or async"),
+    (["generator.replicas=0"], "generator.replicas=0 must be >= 1"),
+    (["data.prompts_per_step=2", "ppo.minibatch_size=16"], "lower the minibatch"),
+    (["buffer.capacity=4"], "buffer.capacity=4 is below"),
+    (["generator.tensor_parallel=2"], "needs generator.num_gpus >= 2"),
+    (["generator.engine.tensor_parallel=2"], "set generator.tensor_parallel"),
+    (["nonsense"], "must look like section.key=value"),
+])
+def test_each_mistake_is_one_clear_line(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: {steps: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(top)
+
+
+def test_describe_lists_every_leaf_with_its_comment():
+    text = describe()
+    assert "ppo.kl.beta = 0.05    # initial weight of the per-token KL penalty" in text
+    assert "generator.num_cpus = 1.0" in text  # inherited pool fields are listed too
+    assert "ppo.temperature" not in text
