@@ -1,0 +1,271 @@
+"""Prompt datasets for the PPO driver.
+
+    ds = PromptDataset.load(path="prompts.jsonl", tokenizer_path=model_dir)   # config: data.*
+    train, evaluation = ds.split_eval(32)
+    for indices, prompt_ids, texts in train.batches(batch_size=16, epochs=2):
+        ...
+
+Sources: a `.jsonl` file (one JSON object per line), a `.parquet` file (needs pyarrow), a
+directory written by Hugging Face `datasets` `save_to_disk` (needs datasets), or
+`path=None` for the built-in prompt set (`builtin_prompts()`, sentence starts for the
+sentiment demo). Bad rows never stop a run: they are skipped and counted in
+`dataset.skipped` (reasons) and `dataset.skip_counts` (per kind).
+"""
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from cluster.tiny_models import _LINKS, _PLACES, _SUBJECTS, _VERBS, NEGATIVE_WORDS, POSITIVE_WORDS
+
+SUPPORTED = ".jsonl, .parquet, or a directory saved with datasets.Dataset.save_to_disk"
+MAX_REASONS = 1000  # skipped rows whose reason is kept verbatim; skip_counts stays exact
+
+
+def builtin_prompts(n: int = 320, seed: int = 0) -> list[str]:
+    """Deterministic sentence starts in the corpus' style, for the sentiment demo.
+
+    First every "<Subject> <verb>" pair of the corpus grammar ("The cat was", "My friend
+    felt", ...: 78 of them), then compound starts that stop at the linking word ("The
+    river stayed gloomy and") or where the second clause needs its sentiment word ("A dog
+    felt calm at night but the child seemed"), until there are `n` distinct prompts. The
+    policy completes the sentence; the sentiment reward (which reads only the response)
+    pays for the words it picks.
+    """
+    if n < 1:
+        raise ValueError(f"builtin_prompts: n must be >= 1, got {n}")
+    cap = lambda s: s[0].upper() + s[1:]
+    out = [cap(f"{s} {v}") for s in _SUBJECTS for v in _VERBS]
+    seen = set(out)
+    rng = random.Random(seed)
+    words = POSITIVE_WORDS + NEGATIVE_WORDS
+    while len(out) < n:
+        s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(words)}"
+        if rng.random() < 0.5:
+            s += f" {rng.choice(_PLACES)}"
+        s += f" {rng.choice(_LINKS)}"
+        if rng.random() < 0.6:
+            s += f" {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)}"
+        s = cap(s)
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out[:n]
+
+
+@dataclass
+class PromptDataset:
+    """Prompts, tokenized once.
+
+    texts       the prompt strings as the policy sees them (chat template applied if asked)
+    prompt_ids  one np.int64 array per prompt
+    ids         np.int64 [N]: each prompt's position in the loaded dataset (after skipping);
+                stable across `split_eval`, so it is what `batches` yields as indices
+    skipped     reasons for skipped rows ("line 7: malformed JSON (...)"), first MAX_REASONS
+    skip_counts exact count of skipped rows per kind ("malformed_json", "missing_field",
+                "not_a_string", "empty", "not_an_object", "too_long")
+    """
+    texts: list[str]
+    prompt_ids: list[np.ndarray]
+    ids: np.ndarray
+    seed: int = 0
+    source: str = "builtin"
+    skipped: list[str] = field(default_factory=list)
+    skip_counts: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skip_counts.values())
+
+    @classmethod
+    def load(cls, *, path: str | None, field: str = "prompt", tokenizer_path: str,
+             chat_template: bool = False, max_prompt_tokens: int | None = None,
+             seed: int = 0) -> "PromptDataset":
+        """Read, validate and tokenize a prompt set (`path=None`: `builtin_prompts()`).
+
+        Rows without `field`, or whose value is not a string or is blank, are skipped and
+        counted, as are malformed JSON lines (reason names the line number) and, when
+        `max_prompt_tokens` is set, prompts longer than that many tokens (dropped, not cut:
+        a truncated prompt is a different question). Blank lines in .jsonl are ignored.
+        Prompts are tokenized without added special tokens when a chat template is applied
+        (the template carries them), with the tokenizer's defaults otherwise.
+        """
+        from transformers import AutoTokenizer
+
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {max_prompt_tokens}")
+        skips = _Skips()
+        if path is None:
+            source, rows = "builtin", [(f"prompt {i}", {field: p}) for i, p in enumerate(builtin_prompts())]
+        else:
+            source, rows = str(path), _read_rows(Path(path), field, skips)
+        texts = []
+        for where, row in rows:
+            if not isinstance(row, dict):
+                skips.add("not_an_object", f"{where}: not a JSON object ({type(row).__name__})")
+            elif field not in row:
+                skips.add("missing_field", f"{where}: missing field '{field}'")
+            elif not isinstance(row[field], str):
+                skips.add("not_a_string", f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
+            elif not row[field].strip():
+                skips.add("empty", f"{where}: field '{field}' is empty")
+            else:
+                texts.append((where, row[field]))
+        if not texts:
+            raise ValueError(_empty_message(source, field, skips))
+
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
+        if chat_template:
+            if not getattr(tok, "chat_template", None):
+                raise ValueError(f"data.chat_template is true but the tokenizer at {tokenizer_path} has no "
+                                 f"chat_template; set data.chat_template: false or use a chat model's tokenizer")
+            texts = [(w, tok.apply_chat_template([{"role": "user", "content": p}],
+                                                 add_generation_prompt=True, tokenize=False)) for w, p in texts]
+        encoded = tok([p for _, p in texts], add_special_tokens=not chat_template)["input_ids"]
+        kept_texts, kept_ids = [], []
+        for (where, text), ids in zip(texts, encoded):
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                skips.add("too_long", f"{where}: {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
+            elif not ids:
+                skips.add("empty", f"{where}: prompt tokenizes to nothing")
+            else:
+                kept_texts.append(text)
+                kept_ids.append(np.asarray(ids, dtype=np.int64))
+        if not kept_texts:
+            raise ValueError(_empty_message(source, field, skips))
+        return cls(texts=kept_texts, prompt_ids=kept_ids, ids=np.arange(len(kept_texts), dtype=np.int64),
+                   seed=seed, source=source, skipped=skips.reasons, skip_counts=dict(skips.counts))
+
+    def batches(self, batch_size: int, epochs: int | None = 1, *, drop_last: bool = True,
+                start_epoch: int = 0) -> Iterator[tuple[np.ndarray, list[np.ndarray], list[str]]]:
+        """Yield `(indices np.int64 [B], prompt_ids list of [P_i], texts list[str])`.
+
+        Each epoch visits every prompt once in an order drawn from (seed, epoch): the same
+        seed gives the same stream, and consecutive epochs differ. `indices` are `ids`
+        (positions in the loaded dataset). The last partial batch of an epoch is dropped
+        by default, so every PPO step sees the same number of prompts (it comes back in
+        another epoch's order); `drop_last=False` yields it. `epochs=None` runs forever;
+        `start_epoch` resumes the stream at that epoch.
+        """
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if drop_last and batch_size > len(self):
+            raise ValueError(f"batch size {batch_size} is larger than the {len(self)} prompts of {self.source}; "
+                             f"lower the batch size or add prompts")
+        if epochs is not None and epochs < 0:
+            raise ValueError(f"epochs must be >= 0 or None, got {epochs}")
+        epoch = start_epoch
+        while epochs is None or epoch < start_epoch + epochs:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
+            stop = len(order) - len(order) % batch_size if drop_last else len(order)
+            for lo in range(0, stop, batch_size):
+                take = order[lo:lo + batch_size]
+                yield self.ids[take], [self.prompt_ids[i] for i in take], [self.texts[i] for i in take]
+            epoch += 1
+
+    def split_eval(self, n: int) -> tuple["PromptDataset", "PromptDataset"]:
+        """`(train, evaluation)`: n prompts held out, chosen by the dataset seed.
+
+        Deterministic for a given seed and dataset; both parts keep their original `ids`
+        (disjoint) and their relative order, and inherit the seed (batches of train are
+        then shuffled over its own prompts). n=0 gives an empty evaluation set.
+        """
+        if not 0 <= n < len(self):
+            raise ValueError(f"data.eval_prompts must be in [0, {len(self) - 1}] for {len(self)} prompts, got {n}")
+        held = np.zeros(len(self), dtype=bool)
+        held[np.random.default_rng([self.seed, 0xE7A1]).permutation(len(self))[:n]] = True
+        return self._subset(np.flatnonzero(~held)), self._subset(np.flatnonzero(held))
+
+    def _subset(self, rows: Iterable[int]) -> "PromptDataset":
+        rows = list(rows)
+        return PromptDataset(texts=[self.texts[i] for i in rows], prompt_ids=[self.prompt_ids[i] for i in rows],
+                             ids=self.ids[rows] if rows else np.zeros(0, np.int64), seed=self.seed,
+                             source=self.source, skipped=self.skipped, skip_counts=self.skip_counts)
+
+
+class _Skips:
+    def __init__(self):
+        self.counts, self.reasons = Counter(), []
+
+    def add(self, kind: str, reason: str) -> None:
+        self.counts[kind] += 1
+        if len(self.reasons) < MAX_REASONS:
+            self.reasons.append(reason)
+
+
+def _empty_message(source: str, field: str, skips: _Skips) -> str:
+    if not skips.counts:
+        return f"data.path: {source} holds no prompts"
+    kinds = ", ".join(f"{k}={v}" for k, v in skips.counts.most_common())
+    return (f"data.path: no usable prompts in {source}: all {sum(skips.counts.values())} rows skipped "
+            f"({kinds}; first: {skips.reasons[0]}); check data.field (now '{field}')")
+
+
+def _read_rows(path: Path, field: str, skips: _Skips) -> list[tuple[str, object]]:
+    """`(where, row)` pairs; malformed JSON lines are recorded in `skips` and left out."""
+    if not path.exists():
+        raise FileNotFoundError(f"data.path: {path} does not exist")
+    if path.is_dir():
+        return _read_saved_dataset(path, field)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path, skips)
+    if suffix == ".parquet":
+        return _read_parquet(path, field)
+    raise ValueError(f"data.path: unsupported file type '{path.suffix}' for {path}; supported: {SUPPORTED}")
+
+
+def _read_jsonl(path: Path, skips: _Skips) -> list[tuple[str, object]]:
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"line {lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                skips.add("malformed_json", f"line {lineno}: malformed JSON ({e.msg})")
+    return rows
+
+
+def _read_parquet(path: Path, field: str) -> list[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"data.path: reading {path} needs pyarrow; pip install pyarrow (or use .jsonl)") from None
+    pf = pq.ParquetFile(path)
+    n = pf.metadata.num_rows
+    if field not in pf.schema_arrow.names:  # every row lacks it: let the row check count them
+        return [(f"row {i}", {}) for i in range(n)]
+    values = pf.read(columns=[field]).column(field).to_pylist()
+    return [(f"row {i}", {field: v}) for i, v in enumerate(values)]
+
+
+def _read_saved_dataset(path: Path, field: str) -> list[tuple[str, object]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"data.path: {path} is a directory, read as a datasets.save_to_disk folder, which "
+                          f"needs the datasets package; pip install datasets (or use .jsonl)") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise ValueError(f"data.path: directory {path} is not a datasets.save_to_disk folder; "
+                         f"supported: {SUPPORTED}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"data.path: {path} holds splits {sorted(ds)} but no 'train' split; "
+                             f"point data.path at one split's folder")
+        ds = ds["train"]
+    if field not in ds.column_names:  # every row lacks it: let the row check count them
+        return [(f"row {i}", {}) for i in range(len(ds))]
+    return [(f"row {i}", {field: v}) for i, v in enumerate(ds[field])]

@@ -1,0 +1,184 @@
+"""Job entrypoint: python -m cluster.train [--config configs/X.yaml] [section.key=value ...]
+
+Joins the Ray cluster it runs in (under `ray job submit`, or RAY_ADDRESS /
+resources.address), else starts a local one. Exit 0 on success; on a user
+mistake, one line on stderr and exit 2; on a failed run, one line and exit 1.
+The run folder's status.json says which; only a "succeeded" folder is a result.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
+log = logging.getLogger("tether")
+
+
+class UserError(Exception):
+    """Bad config, data or cluster request: reported as one line, exit code 2."""
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m cluster.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=None,
+                    help=f"YAML config (default: the embedded {DEFAULT_CONFIG.name})")
+    ap.add_argument("--help-config", action="store_true", help="print every config key and exit")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl.beta=0.02")
+    return ap.parse_args(argv)
+
+
+def resolve_model(name: str) -> str:
+    """builtin:* names build the offline tiny models (cached); anything else is a path."""
+    from cluster.config import BUILTIN_POLICY, BUILTIN_POLICY_30M
+
+    if name == BUILTIN_POLICY:
+        from cluster.pretrain import build_pretrained_policy
+        return str(build_pretrained_policy())
+    if name == BUILTIN_POLICY_30M:
+        from cluster.pretrain import build_pretrained_policy
+        from cluster.tiny_models import SPEC_30M
+        return str(build_pretrained_policy(SPEC_30M))
+    if name.startswith("builtin:"):
+        raise UserError(f"model.policy={name!r} is not a built-in model; use {BUILTIN_POLICY} "
+                        f"or {BUILTIN_POLICY_30M} or a model directory")
+    if not Path(name).exists():
+        raise UserError(f"model.policy={name!r} does not exist; point it at a Hugging Face model directory")
+    return name
+
+
+def connect_ray(cfg) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.resources.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
+    # A local cluster: logical CPUs cover every pool even on a 2-core machine.
+    pools = (cfg.generator, cfg.reference, cfg.reward, cfg.learner)
+    need = sum(p.replicas * p.num_cpus for p in pools)
+    ray.init(num_cpus=cfg.resources.num_cpus or max(int(need + 0.999), os.cpu_count() or 1),
+             logging_level=logging.WARNING)
+
+
+def make_run_dir(cfg) -> Path:
+    name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.run.dir) / name
+    if (run_dir / "status.json").exists():
+        raise UserError(f"run folder {run_dir} already holds a run; choose another run.name")
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    return run_dir
+
+
+def write_status(run_dir: Path, state: str, **extra) -> None:
+    tmp = run_dir / ".status.json.tmp"
+    tmp.write_text(json.dumps({"state": state, "time": time.time(), **extra}, default=float))
+    tmp.replace(run_dir / "status.json")
+
+
+def prepare(cfg):
+    """Everything that can fail on user input, before any actor starts."""
+    from transformers import AutoTokenizer
+
+    from cluster.data import PromptDataset
+
+    policy = resolve_model(cfg.model.policy)
+    tokenizer_path = cfg.model.tokenizer or policy
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    d = cfg.data
+    dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
+                                 chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                                 seed=d.seed)
+    if dataset.num_skipped:
+        log.warning("data: skipped %d rows %s, e.g. %s", dataset.num_skipped, dataset.skip_counts,
+                    dataset.skipped[0])
+    train_set, eval_set = dataset.split_eval(d.eval_prompts)
+    return policy, tokenizer_path, tokenizer, train_set, eval_set
+
+
+def run(cfg) -> dict:
+    from cluster.driver import Driver
+    from cluster.metrics import RunMetrics
+    from cluster.pools import PlacementError, create_pools
+
+    try:
+        policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
+    except (ValueError, OSError) as e:  # bad data / model paths: the user's to fix
+        raise UserError(one_line(e)) from None
+    run_dir = make_run_dir(cfg)
+    log.info("run folder: %s\nresolved config:\n%s", run_dir, cfg.to_yaml())
+    write_status(run_dir, "running")
+    connect_ray(cfg)
+    pools = None
+    try:
+        try:
+            pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
+        except PlacementError as e:
+            raise UserError(str(e)) from None
+        ptx = None
+        if cfg.ppo.ptx_coef > 0:
+            from cluster.pretrain import ptx_batches
+            ptx = ptx_batches(tokenizer_path, batch_size=cfg.ppo.micro_batch_size, seed=cfg.run.seed)
+        metrics = RunMetrics(run_dir=run_dir)
+        driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=eval_set,
+                        tokenizer=tokenizer, metrics=metrics, ptx_batches=ptx)
+        final = driver.run()
+        checkpoint = driver.save_checkpoint("final")
+        metrics.close()
+        write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=checkpoint,
+                     final={k: v for k, v in final.items() if isinstance(v, (int, float))})
+        return final
+    except BaseException as e:
+        import traceback
+        (run_dir / "error.log").write_text("".join(traceback.format_exception(e)))
+        write_status(run_dir, "failed", reason=one_line(e))
+        raise
+    finally:
+        if pools is not None:
+            pools.shutdown()
+
+
+def one_line(e: BaseException) -> str:
+    """The last meaningful line of an error, including errors raised inside Ray actors."""
+    text = str(e).strip() or type(e).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error:" in ln or "Error(" in ln:
+            return ln
+    return lines[-1] if lines else type(e).__name__
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from cluster.config import ConfigError, describe, load_config
+
+    if args.help_config:
+        print(describe())
+        return 0
+    try:
+        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        final = run(cfg)
+    except (ConfigError, UserError, FileNotFoundError) as e:
+        print(f"tether: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tether: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a failed run ends in one line, details in the log
+        print(f"tether: run failed: {one_line(e)} (traceback in the run folder's error.log)",
+              file=sys.stderr)
+        return 1
+    print(f"tether: done; reward/mean={final.get('reward/mean', float('nan')):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
