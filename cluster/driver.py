@@ -192,7 +192,8 @@ class Driver:
             self.ray_metrics.record({"score/seconds": float(np.mean(lat))}, {"pool": pool})
         m.update(learn)
         if self.cfg.run.samples_every and self.version % self.cfg.run.samples_every == 0:
-            self.metrics.samples(self.version, self._sample_rows(batch[:4]))
+            firsts = [r for r in batch if r.sample_index == 0]  # one sample each of distinct prompts
+            self.metrics.samples(self.version, self._sample_rows(firsts[:4]))
         return m
 
     def _sample_rows(self, rollouts) -> list[dict]:

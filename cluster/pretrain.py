@@ -14,6 +14,7 @@ hyperparameters, so only the first call pays (~tens of seconds on 2 CPU cores).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -25,7 +26,7 @@ import numpy as np
 
 from cluster.tiny_models import TinySpec, _cached, build_policy, cache_root, corpus
 
-RECIPE_VERSION = 1  # bump when the training recipe changes, so old caches are not reused
+RECIPE_VERSION = 2  # bump when the training recipe changes, so old caches are not reused
 DEFAULT_STEPS = 300
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_LR = 3e-3
@@ -102,9 +103,24 @@ def corpus_loss(model_path: str | Path, n_batches: int = 8, batch_size: int = 64
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
     batches = ptx_batches(model_path, batch_size, seed=seed)
-    with torch.no_grad():
+    with torch.no_grad(), _one_thread():
         losses = [lm_loss(model, *next(batches)).item() for _ in range(n_batches)]
     return float(np.mean(losses))
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Run torch on one thread: a ~1M-param model gains little from more, and on busy shared
+    cores OpenMP spin-waits made 2 threads ~10x slower than 1 (measured: 280 s vs 26 s).
+    Larger specs (SPEC_30M) keep torch's default thread count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _key(spec: TinySpec, steps: int, batch_size: int, lr: float, seed: int) -> str:
@@ -112,6 +128,45 @@ def _key(spec: TinySpec, steps: int, batch_size: int, lr: float, seed: int) -> s
                        "batch_size": batch_size, "lr": lr, "seed": seed,
                        "seq_len": DEFAULT_SEQ_LEN}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _pretrain(base: Path, out: Path, *, steps: int, batch_size: int, lr: float, seed: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, steps // 10)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    batches = ptx_batches(base, batch_size, DEFAULT_SEQ_LEN, seed)
+    start, curve = time.perf_counter(), []
+    for step in range(steps):
+        ids, mask = next(batches)
+        keep = int(mask.sum(1).max())  # trim the all-padding tail columns: same loss, less work
+        loss = lm_loss(model, ids[:, :keep], mask[:, :keep])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        curve.append(round(loss.item(), 4))
+    seconds = time.perf_counter() - start
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(out)
+    final = float(np.mean(curve[-20:]))
+    (out / "pretrain.json").write_text(json.dumps(
+        {"base": str(base), "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
+         "seconds": round(seconds, 2), "final_loss": round(final, 4), "loss_curve": curve}, indent=1))
 
 
 def build_pretrained_policy(spec: TinySpec = TinySpec(), steps: int = DEFAULT_STEPS, seed: int = 0, *,
@@ -127,43 +182,12 @@ def build_pretrained_policy(spec: TinySpec = TinySpec(), steps: int = DEFAULT_ST
                          f"got {steps}, {batch_size}, {lr}")
     base = build_policy(spec)
 
+    h, f = spec.hidden_size, spec.intermediate_size
+    small = spec.vocab_size * h + spec.num_hidden_layers * (4 * h * h + 3 * h * f) < 5_000_000
+
     def build(out: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-        warmup = max(1, steps // 10)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            t = (step - warmup) / max(1, steps - warmup)
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        batches = ptx_batches(base, batch_size, DEFAULT_SEQ_LEN, seed)
-        start, curve = time.perf_counter(), []
-        for step in range(steps):
-            ids, mask = next(batches)
-            keep = int(mask.sum(1).max())  # trim the all-padding tail columns: same loss, less work
-            loss = lm_loss(model, ids[:, :keep], mask[:, :keep])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            curve.append(round(loss.item(), 4))
-        seconds = time.perf_counter() - start
-        model.eval()
-        model.save_pretrained(out, safe_serialization=True)
-        AutoTokenizer.from_pretrained(str(base)).save_pretrained(out)
-        final = float(np.mean(curve[-20:]))
-        (out / "pretrain.json").write_text(json.dumps(
-            {"base": str(base), "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
-             "seconds": round(seconds, 2), "final_loss": round(final, 4), "loss_curve": curve}, indent=1))
+        with _one_thread() if small else contextlib.nullcontext():
+            _pretrain(base, out, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
 
     return _cached(cache_root() / f"policy-pretrained-{_key(spec, steps, batch_size, lr, seed)}", build)
 

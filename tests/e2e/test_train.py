@@ -1,0 +1,124 @@
+"""The whole service on CPU: real Ray, vLLM, DeepSpeed, tiny offline models."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from cluster import train
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Logical CPUs: the scaling test runs 2+1+2+2 actors on this 2-core machine.
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(tmp_path, name, *overrides):
+    argv = [f"run.dir={tmp_path}", f"run.name={name}", *overrides]
+    assert train.main(argv) == 0
+    run_dir = tmp_path / name
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "succeeded"
+    return run_dir, [m for m in read_metrics(run_dir) if m["step"] > 0]
+
+
+def test_sync_default_learns(cluster, tmp_path):
+    run_dir, steps = run(tmp_path, "sync", "run.steps=12", "run.eval_every=0")
+    assert [m["policy/version"] for m in steps] == list(range(1, 13))
+    for m in steps:  # every prompt of the step accounted for, on-policy
+        assert m["rollouts/prompts"] == 16
+        assert m["rollouts/used"] + 4 * (m["rollouts/skipped_prompts"]) \
+            + m["rollouts/invalid_scores"] + m["rollouts/empty_responses"] == 16 * 4
+        assert m["buffer/staleness_max"] == 0
+    first = sum(m["reward/mean"] for m in steps[:3]) / 3
+    last = sum(m["reward/mean"] for m in steps[-3:]) / 3
+    print(f"reward first 3 steps {first:.3f} -> last 3 steps {last:.3f}")
+    assert last > first + 0.3
+    assert (run_dir / "checkpoints" / "final" / "config.json").exists()
+    assert (run_dir / "config.yaml").exists() and (run_dir / "plots" / "reward.png").exists()
+
+
+def test_independent_scaling(cluster, tmp_path):
+    from cluster.config import load_config
+    from cluster.pools import create_pools
+    from cluster.pretrain import build_pretrained_policy
+
+    cfg = load_config(train.DEFAULT_CONFIG, [
+        "generator.replicas=2", "reference.replicas=1", "reward.replicas=2",
+        "learner.replicas=2", "learner.zero_stage=2", "learner.num_cpus=1"])
+    policy = str(build_pretrained_policy())
+    pools = create_pools(cfg, policy_path=policy, tokenizer_path=policy)
+    try:
+        for name in ("generator-0", "generator-1", "reference-0", "reward-0", "reward-1",
+                     "learner-0", "learner-1", "buffer"):
+            ray.get_actor(name)  # raises ValueError when no such named actor is alive
+        for name in ("generator-2", "reference-1", "reward-2", "learner-2"):
+            with pytest.raises(ValueError):
+                ray.get_actor(name)
+        assert len(pools.generators) == 2 and len(pools.rewards) == 2
+    finally:
+        pools.shutdown()
+    _, steps = run(tmp_path, "scaled", "generator.replicas=2", "reward.replicas=2",
+                   "learner.replicas=2", "run.steps=2", "run.eval_every=0")
+    assert [m["policy/version"] for m in steps] == [1, 2]
+    assert all(m["rollouts/used"] >= 60 for m in steps)
+
+
+def test_async_bounded_staleness(cluster, tmp_path):
+    _, steps = run(tmp_path, "async", "run.mode=async", "buffer.max_staleness=0",
+                   "run.steps=5", "run.eval_every=0")
+    assert [m["policy/version"] for m in steps] == list(range(1, 6))
+    assert max(m["buffer/staleness_max"] for m in steps) == 0
+    # The producer keeps generating while the learner trains: with no staleness allowed,
+    # rollouts from superseded versions must have been dropped and counted.
+    assert steps[-1]["buffer/dropped_stale"] > 0
+
+
+def cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "cluster.train", *args], cwd=REPO, text=True,
+                          capture_output=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ppo.kl.bta=1"], "unknown key ppo.kl.bta; did you mean ppo.kl.beta?"),
+    (["run.steps=many"], "run.steps must be int"),
+    (["data.path=/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl"),
+    (["model.policy=/nonexistent/model"], "does not exist"),
+])
+def test_user_mistakes_exit_2_with_one_line(tmp_path, args, message):
+    result = cli(f"run.dir={tmp_path}", *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not any(tmp_path.iterdir())  # nothing written that could pass for a run
+
+
+def test_empty_dataset_and_missing_fields(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"text": "no prompt field"}\n{"prompt": ""}\n')
+    result = cli(f"run.dir={tmp_path / 'runs'}", f"data.path={data}")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "prompt" in result.stderr
+
+
+def test_unplaceable_pool_fails_fast_naming_the_pool(tmp_path):
+    result = cli(f"run.dir={tmp_path}", "run.name=big", "generator.replicas=50",
+                 "resources.num_cpus=4", "resources.placement_timeout_s=5",
+                 env={"RAY_ADDRESS": ""})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "pool generator: cannot place 50 replica(s)" in result.stderr
+    status = json.loads((tmp_path / "big" / "status.json").read_text())
+    assert status["state"] == "failed" and "generator" in status["reason"]
+    assert not (tmp_path / "big" / "checkpoints" / "final").exists()
