@@ -8,7 +8,7 @@ pool and what it asked for, instead of waiting forever.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -38,11 +38,15 @@ class Pools:
     placement_groups: list = field(default_factory=list)
 
     def actor_names(self) -> list[str]:
+        """Names of the live actors, looked up in Ray (not derived from the config)."""
         names = [f"{role}-{i}" for role, group in (("generator", self.generators),
                                                   ("reference", self.references),
                                                   ("reward", self.rewards))
                  for i in range(len(group))]
-        return names + [f"learner-{i}" for i in range(self.learner.world_size)] + ["buffer"]
+        names += [f"learner-{i}" for i in range(self.learner.world_size)] + ["buffer"]
+        for name in names:
+            ray.get_actor(name)  # ValueError if it is not alive under that name
+        return names
 
     def shutdown(self) -> None:
         for handle in self.generators + self.references + self.rewards + [self.buffer]:

@@ -122,6 +122,9 @@ def run(cfg) -> dict:
             pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
         except PlacementError as e:
             raise UserError(str(e)) from None
+        actors = pools.actor_names()
+        log.info("actors: %s", ", ".join(actors))
+        write_status(run_dir, "running", actors=actors)
         ptx = None
         if cfg.ppo.ptx_coef > 0:
             from cluster.pretrain import ptx_batches
@@ -132,7 +135,7 @@ def run(cfg) -> dict:
         final = driver.run()
         checkpoint = driver.save_checkpoint("final")
         metrics.close()
-        write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=checkpoint,
+        write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=checkpoint, actors=actors,
                      final={k: v for k, v in final.items() if isinstance(v, (int, float))})
         return final
     except BaseException as e:

@@ -1,0 +1,169 @@
+"""Padding ScoredRollouts into one batch of tensors the learner can run.
+
+Layout: prompts LEFT-padded to the batch's longest prompt P, responses RIGHT-padded
+to the longest response R, so every response starts at column P and one slice of
+the logits serves the whole batch:
+
+    row 0:  [pad pad p p p | r r r r pad]
+    row 1:  [p p p p p     | r r pad pad pad]
+             <---- P ----->  <----- R ----->
+
+Logits at columns P-1 .. P+R-2 predict the response tokens (see ``response_slice``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from actors.rollout import Rollout, ScoredRollout
+
+Tensor = torch.Tensor
+FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")  # [B, P+R]; other 2-D fields are [B, R]
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor             # [B, P+R] int64: left-padded prompt + right-padded response
+    attention_mask: Tensor        # [B, P+R] int64: 1 on real tokens
+    position_ids: Tensor          # [B, P+R] int64: counts real tokens only (left padding must not shift them)
+    response_mask: Tensor         # [B, R] float32: 1.0 on valid response tokens
+    behaviour_logprobs: Tensor    # [B, R] float32: sampler (vLLM) logprobs
+    reference_logprobs: Tensor    # [B, R] float32
+    rewards: Tensor               # [B, R] float32: per-token rewards, score folded in
+    scores: Tensor                # [B] float32: sequence scores (for metrics)
+    prompt_len: int               # P: column where every response starts
+    # Filled in by the learner before the epochs; same [B, R] layout.
+    old_logprobs: Optional[Tensor] = None
+    old_values: Optional[Tensor] = None
+    advantages: Optional[Tensor] = None
+    returns: Optional[Tensor] = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def response_ids(self) -> Tensor:
+        """[B, R] the response tokens (padding where response_mask is 0)."""
+        return self.input_ids[:, self.prompt_len:]
+
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum().item())
+
+    def _map(self, fn) -> "Batch":
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = fn(value) if isinstance(value, Tensor) else value
+        return Batch(**out)
+
+    def __getitem__(self, rows) -> "Batch":
+        """Rows by slice, list or index tensor; columns (P, R) are kept."""
+        if isinstance(rows, (list, np.ndarray)):
+            rows = torch.as_tensor(rows, dtype=torch.long)
+        return self._map(lambda t: t[rows])
+
+    def split(self, size: int) -> list["Batch"]:
+        """Consecutive chunks of at most ``size`` rows (the last may be smaller)."""
+        if size < 1:
+            raise ValueError(f"Batch.split: size must be >= 1, got {size}")
+        return [self[i:i + size] for i in range(0, len(self), size)]
+
+    def trimmed(self) -> "Batch":
+        """Drop columns that are padding in every row (left of the prompts, right of the responses).
+
+        Positions are unchanged (padding never counted), so outputs on real tokens are too.
+        """
+        P = self.prompt_len
+        real_prompt_cols = self.attention_mask[:, :P].sum(0) > 0
+        first = int(real_prompt_cols.nonzero()[0]) if bool(real_prompt_cols.any()) else P - 1
+        first = min(first, P - 1)  # keep >= 1 prompt column: it predicts the first response token
+        valid_cols = (self.response_mask.sum(0) > 0).nonzero()
+        R = int(valid_cols[-1]) + 1 if len(valid_cols) else 1
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in FULL_WIDTH:
+                v = v[:, first:P + R]
+            elif isinstance(v, Tensor) and v.dim() == 2:
+                v = v[:, :R]
+            out[f.name] = v
+        out["prompt_len"] = P - first
+        return Batch(**out)
+
+    def to(self, device) -> "Batch":
+        return self._map(lambda t: t.to(device))
+
+
+def response_slice(logits_or_hidden: Tensor, prompt_len: int, response_len: int) -> Tensor:
+    """Columns P-1 .. P+R-2 of a [B, P+R, ...] tensor: those predicting response tokens.
+
+    Works on logits and on hidden states (slicing hidden states before the LM
+    head saves computing a [B, P, V] block nobody reads).
+    """
+    return logits_or_hidden[:, prompt_len - 1:prompt_len + response_len - 1]
+
+
+def collate(rollouts: Sequence[ScoredRollout | Rollout], pad_id: int) -> Batch:
+    """Pad rollouts into a Batch (see module docstring for the layout).
+
+    Raises ValueError for an empty list, an empty prompt (the first response token
+    needs context) or a batch with no response token at all.
+    """
+    if not rollouts:
+        raise ValueError("collate: empty rollout list")
+    for i, r in enumerate(rollouts):
+        if r.prompt_ids.size == 0:
+            raise ValueError(f"collate: rollout {i} (prompt_index={r.prompt_index}) has an empty prompt")
+    P = max(r.prompt_ids.size for r in rollouts)
+    R = max(r.response_ids.size for r in rollouts)
+    if R == 0:
+        raise ValueError(f"collate: zero valid response tokens in a batch of {len(rollouts)} rollouts; "
+                         "drop empty responses before training")
+    B = len(rollouts)
+    ids = np.full((B, P + R), pad_id, dtype=np.int64)
+    attn = np.zeros((B, P + R), dtype=np.int64)
+    per_token = {k: np.zeros((B, R), dtype=np.float32)
+                 for k in ("response_mask", "behaviour_logprobs", "reference_logprobs", "rewards")}
+    for row, r in enumerate(rollouts):
+        p, n = r.prompt_ids.size, r.response_ids.size
+        ids[row, P - p:P] = r.prompt_ids
+        ids[row, P:P + n] = r.response_ids
+        attn[row, P - p:P + n] = 1
+        per_token["response_mask"][row, :n] = 1.0
+        per_token["behaviour_logprobs"][row, :n] = r.behaviour_logprobs
+        # Plain Rollouts (no reference / rewards yet) collate too: for scoring only.
+        if getattr(r, "reference_logprobs", None) is not None:
+            per_token["reference_logprobs"][row, :n] = r.reference_logprobs
+            per_token["rewards"][row, :n] = r.rewards
+    attention_mask = torch.from_numpy(attn)
+    return Batch(input_ids=torch.from_numpy(ids), attention_mask=attention_mask,
+                 position_ids=position_ids(attention_mask),
+                 scores=torch.tensor([float(getattr(r, "score", 0.0)) for r in rollouts], dtype=torch.float32),
+                 prompt_len=P, **{k: torch.from_numpy(v) for k, v in per_token.items()})
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions counting real tokens only; padding gets 0 (it is masked anyway)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def collate_lm(sequences: Sequence, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-pad plain token sequences (PTX batch) -> (input_ids [B, T], attention_mask [B, T])."""
+    seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
+    if not seqs or max(s.size for s in seqs) < 2:
+        raise ValueError("collate_lm: the PTX batch needs at least one sequence of >= 2 tokens")
+    T = max(s.size for s in seqs)
+    ids = np.full((len(seqs), T), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), T), dtype=np.int64)
+    for row, s in enumerate(seqs):
+        ids[row, :s.size] = s
+        mask[row, :s.size] = 1
+    return torch.from_numpy(ids), torch.from_numpy(mask)

@@ -1,0 +1,199 @@
+"""Typed configuration of the learner: optimiser, PPO update, DeepSpeed engine.
+
+Every dataclass has ``validate(world_size)`` raising a one-line ValueError that
+names the field and the fix, so a bad YAML fails at start-up, not mid-run inside
+DeepSpeed. ``from_dict`` accepts the nested plain dicts a YAML loader produces.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
+
+from learner.ppo import AGG_MODES
+
+OPTIMIZERS = ("adamw", "sgd")
+LR_DECAYS = ("linear", "cosine", "constant")
+DTYPES = ("float32", "bfloat16")
+CRITICS = ("shared", "separate")
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def _from_dict(cls, data: dict, where: str):
+    """Build a dataclass from a dict, naming unknown keys (typos) instead of ignoring them."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        _fail(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+    return cls(**data)
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = "adamw"        # "adamw" | "sgd" (sgd is scale-sensitive: used to test gradient sums)
+    lr: float = 1e-5                # peak learning rate, reached at the end of warm-up
+    weight_decay: float = 0.0       # decoupled (AdamW) / L2 (SGD) weight decay
+    betas: tuple = (0.9, 0.95)      # Adam moment decays
+    eps: float = 1e-8               # Adam denominator epsilon
+    warmup_steps: int = 0           # optimizer steps of linear warm-up from 0 to lr
+    total_steps: int = 0            # optimizer steps over which lr decays to min_lr_ratio*lr; 0 = constant after warm-up
+    decay: str = "linear"           # "linear" | "cosine" | "constant": shape of the decay after warm-up
+    min_lr_ratio: float = 0.0       # floor of the decay as a fraction of lr
+    grad_clip: float = 1.0          # max global gradient L2 norm; 0 disables clipping
+
+    def validate(self, world_size: int = 1) -> None:
+        p = "learner.optim"
+        if self.optimizer not in OPTIMIZERS:
+            _fail(f"{p}.optimizer={self.optimizer!r} is unknown; use one of {OPTIMIZERS}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            _fail(f"{p}.lr={self.lr} must be a finite number > 0")
+        if self.weight_decay < 0:
+            _fail(f"{p}.weight_decay={self.weight_decay} must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            _fail(f"{p}.betas={self.betas} must be two numbers in [0, 1)")
+        if self.eps <= 0:
+            _fail(f"{p}.eps={self.eps} must be > 0")
+        if self.warmup_steps < 0 or self.total_steps < 0:
+            _fail(f"{p}.warmup_steps and total_steps must be >= 0 "
+                  f"(got {self.warmup_steps}, {self.total_steps})")
+        if self.total_steps and self.total_steps < self.warmup_steps:
+            _fail(f"{p}.total_steps={self.total_steps} is below warmup_steps={self.warmup_steps}; "
+                  "raise total_steps or set it to 0 for a constant lr after warm-up")
+        if self.decay not in LR_DECAYS:
+            _fail(f"{p}.decay={self.decay!r} is unknown; use one of {LR_DECAYS}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail(f"{p}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.grad_clip < 0:
+            _fail(f"{p}.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+
+    def build(self, params):
+        """A plain torch optimizer: DeepSpeed's fused CPU Adam needs a C++ build."""
+        import torch
+
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                                 weight_decay=self.weight_decay)
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step`` (0-based): warm-up, then decay."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if not self.total_steps or self.decay == "constant":
+            return 1.0
+        span = max(self.total_steps - self.warmup_steps, 1)
+        progress = min(max(step - self.warmup_steps, 0) / span, 1.0)
+        shape = 1.0 - progress if self.decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+
+@dataclass
+class PPOConfig:
+    ppo_epochs: int = 1                  # passes over the batch per train() call
+    minibatch_size: int = 8              # rollouts per optimizer step, summed over all ranks
+    micro_batch_size: int = 2            # rollouts per forward/backward on one rank (gradient accumulation)
+    clip_low: float = 0.2                # ratio clipped below at 1 - clip_low
+    clip_high: Optional[float] = None    # ratio clipped above at 1 + clip_high; None = clip_low
+    dual_clip: Optional[float] = None    # c > 1 caps negative-advantage loss at -A*c; None disables
+    value_clip: Optional[float] = 0.2    # value updates clipped to old value +- this; None disables
+    vf_coef: float = 0.1                 # weight of the value loss in the total loss
+    entropy_coef: float = 0.0            # weight of the entropy bonus (subtracted from the loss)
+    ptx_coef: float = 0.0                # weight of the pretraining LM loss on train(ptx_batch=...)
+    gamma: float = 1.0                   # GAE discount
+    lam: float = 0.95                    # GAE lambda
+    agg: str = "token-mean"              # loss aggregation, see learner.ppo.aggregate_loss
+    whiten_advantages: bool = True       # normalise advantages over the global batch
+    temperature: float = 1.0             # sampling temperature: logits are divided by it (as in vLLM)
+    shuffle: bool = True                 # shuffle rollouts into minibatches each epoch (seeded)
+
+    def validate(self, world_size: int = 1) -> None:
+        p = "learner.ppo"
+        for name in ("ppo_epochs", "minibatch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                _fail(f"{p}.{name}={getattr(self, name)} must be >= 1")
+        per_step = world_size * self.micro_batch_size
+        if self.minibatch_size % per_step:
+            _fail(f"{p}.minibatch_size={self.minibatch_size} is not divisible by world_size*micro_batch_size="
+                  f"{world_size}*{self.micro_batch_size}={per_step}; make minibatch_size a multiple of {per_step}")
+        if not 0 < self.clip_low < 1:
+            _fail(f"{p}.clip_low={self.clip_low} must be in (0, 1)")
+        if self.clip_high is not None and self.clip_high <= 0:
+            _fail(f"{p}.clip_high={self.clip_high} must be > 0 or null")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            _fail(f"{p}.dual_clip={self.dual_clip} must be > 1 or null")
+        if self.value_clip is not None and self.value_clip <= 0:
+            _fail(f"{p}.value_clip={self.value_clip} must be > 0 or null")
+        for name in ("vf_coef", "entropy_coef", "ptx_coef"):
+            if getattr(self, name) < 0:
+                _fail(f"{p}.{name}={getattr(self, name)} must be >= 0")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            _fail(f"{p}.gamma={self.gamma} and {p}.lam={self.lam} must be in [0, 1]")
+        if self.agg not in AGG_MODES:
+            _fail(f"{p}.agg={self.agg!r} is unknown; use one of {AGG_MODES}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            _fail(f"{p}.temperature={self.temperature} must be a finite number > 0 (the sampling temperature)")
+
+    def micro_batches(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on one rank (gradient accumulation steps)."""
+        return self.minibatch_size // (world_size * self.micro_batch_size)
+
+
+@dataclass
+class LearnerConfig:
+    zero_stage: int = 2                  # DeepSpeed ZeRO stage 0-3 (3 shards parameters too)
+    dtype: str = "float32"               # "float32" | "bfloat16" (bf16 keeps fp32 master weights)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    seed: int = 0                        # seeds minibatch shuffling and value-head init
+    critic: str = "shared"               # "shared": value head on the policy body; "separate": own body
+    critic_model: Optional[str] = None   # with critic="separate": a sequence-classification checkpoint (reward model)
+    dist_timeout_s: float = 600.0        # collectives waiting longer than this fail instead of hanging
+    gradient_checkpointing: bool = False  # trade compute for activation memory
+
+    def validate(self, world_size: int = 1) -> None:
+        p = "learner"
+        if world_size < 1:
+            _fail(f"{p}: world_size={world_size} must be >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            _fail(f"{p}.zero_stage={self.zero_stage} is out of range; use 0, 1, 2 or 3")
+        if self.dtype not in DTYPES:
+            _fail(f"{p}.dtype={self.dtype!r} is unknown; use one of {DTYPES}")
+        if self.critic not in CRITICS:
+            _fail(f"{p}.critic={self.critic!r} is unknown; use one of {CRITICS}")
+        if self.critic == "separate" and not self.critic_model:
+            _fail(f"{p}.critic_model is required with critic='separate'; point it at a reward-model checkpoint")
+        if self.dist_timeout_s <= 0:
+            _fail(f"{p}.dist_timeout_s={self.dist_timeout_s} must be > 0")
+        self.optim.validate(world_size)
+        self.ppo.validate(world_size)
+
+    def deepspeed_config(self, world_size: int) -> dict:
+        """The DeepSpeed config dict; batch sizes mirror ppo (DeepSpeed checks their product)."""
+        return {
+            "train_micro_batch_size_per_gpu": self.ppo.micro_batch_size,
+            "gradient_accumulation_steps": self.ppo.micro_batches(world_size),
+            "train_batch_size": self.ppo.minibatch_size,
+            "gradient_clipping": self.optim.grad_clip,
+            # overlap_comm needs streams; nothing to overlap with on CPU and simpler to reason about.
+            "zero_optimization": {"stage": self.zero_stage, "overlap_comm": False},
+            "bf16": {"enabled": self.dtype == "bfloat16"},
+            "zero_allow_untested_optimizer": True,  # plain torch AdamW / SGD under ZeRO
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "LearnerConfig":
+        data = dict(data or {})
+        optim = _from_dict(OptimConfig, dict(data.pop("optim", {}) or {}), "learner.optim")
+        if isinstance(optim.betas, list):
+            optim.betas = tuple(optim.betas)
+        ppo = _from_dict(PPOConfig, dict(data.pop("ppo", {}) or {}), "learner.ppo")
+        return _from_dict(cls, {**data, "optim": optim, "ppo": ppo}, "learner")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

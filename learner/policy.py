@@ -1,0 +1,195 @@
+"""Policy with a value head, saved and loaded in Hugging Face format.
+
+Shared critic (default): the value head reads the policy's own last hidden state,
+so one forward gives logits and values. Separate critic: the value head reads a
+second body, taken from a sequence-classification checkpoint (normally the reward
+model), behind the same interface. Either way the whole thing is one nn.Module, so
+one DeepSpeed engine trains it with one optimiser.
+
+On disk: the LM is a plain HF checkpoint (AutoModelForCausalLM loads it
+unchanged, which is what vLLM needs), with ``value_head.safetensors`` beside it
+and, for a separate critic, the critic body under ``critic/``.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from learner import ppo
+from learner.batch import Batch, response_slice
+
+log = logging.getLogger(__name__)
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+CRITIC_DIR = "critic"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def body_of(model: nn.Module) -> nn.Module:
+    """The transformer body of an HF task model (``model.model`` for Qwen2/Llama)."""
+    return getattr(model, model.base_model_prefix)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """PPO ratios assume the learner scores tokens like the sampler did: no dropout noise."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for attr in ("attention_dropout", "dropout", "hidden_dropout"):
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, 0.0)
+
+
+class PolicyWithValueHead(nn.Module):
+    """HF causal LM + ``value_head`` (Linear(hidden, 1)) on the shared or a separate body."""
+
+    def __init__(self, lm: nn.Module, value_head: Optional[nn.Linear] = None,
+                 critic_body: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.lm = lm
+        self.critic_body = critic_body
+        hidden = (critic_body if critic_body is not None else lm).config.hidden_size
+        if value_head is None:
+            # Zero init: V = 0 at the start (the GAE boundary value), identical on every rank.
+            value_head = nn.Linear(hidden, 1)
+            nn.init.zeros_(value_head.weight)
+            nn.init.zeros_(value_head.bias)
+        self.value_head = value_head
+        self.source_path: Optional[str] = None
+        disable_dropout(self)
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def _hidden(self, body: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False)
+        return out.last_hidden_state
+
+    def _values(self, policy_hidden, input_ids, attention_mask, position_ids, cols=None):
+        if self.critic_body is None:
+            hidden = policy_hidden
+        else:
+            hidden = self._hidden(self.critic_body, input_ids, attention_mask, position_ids)
+            hidden = hidden if cols is None else cols(hidden)
+        return self.value_head(hidden).squeeze(-1).float()
+
+    def forward(self, input_ids, attention_mask, position_ids, *, prompt_len: Optional[int] = None,
+                temperature: float = 1.0, with_entropy: bool = True):
+        """Without ``prompt_len``: (logits [B, T, V], values [B, T] float32) at every position.
+
+        With ``prompt_len`` = P (the batch layout of learner.batch): (logprobs, values,
+        entropy), each [B, R] for the response tokens input_ids[:, P:]; the LM head runs on
+        those columns only. One entry point, so DeepSpeed's engine wraps every forward.
+        """
+        hidden = self._hidden(body_of(self.lm), input_ids, attention_mask, position_ids)
+        head = self.lm.get_output_embeddings()
+        if prompt_len is None:
+            return head(hidden), self._values(hidden, input_ids, attention_mask, position_ids)
+        R = input_ids.shape[1] - prompt_len
+        cols = lambda t: response_slice(t, prompt_len, R)  # noqa: E731
+        hidden = cols(hidden)
+        logits = head(hidden)
+        logprobs = ppo.logprobs_from_logits(logits, input_ids[:, prompt_len:], temperature)
+        entropy = ppo.entropy_from_logits(logits, temperature) if with_entropy else None
+        values = self._values(hidden, input_ids, attention_mask, position_ids, cols)
+        return logprobs, values, entropy
+
+    def response_logprobs_values(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True):
+        """-> (logprobs, values, entropy), each [B, R] float32, aligned with the response tokens.
+
+        values[:, t] is the value of the state before response token t (read at the
+        position that predicts it). entropy is None when ``with_entropy`` is False.
+        """
+        return self(batch.input_ids, batch.attention_mask, batch.position_ids, prompt_len=batch.prompt_len,
+                    temperature=temperature, with_entropy=with_entropy)
+
+    # ------------------------------------------------------------------ persistence
+
+    def save_pretrained(self, out_dir, state_dict: Optional[dict] = None) -> Path:
+        """Write the HF LM, the value head and (separate critic) the critic body.
+
+        ``state_dict``: full tensors of this module (names as in ``state_dict()``); the
+        learner passes one gathered from ZeRO-3 partitions, where local params are empty.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        sd = state_dict if state_dict is not None else self.state_dict()
+        part = lambda prefix: {k[len(prefix):]: v.detach().cpu().contiguous()  # noqa: E731
+                               for k, v in sd.items() if k.startswith(prefix)}
+        self.lm.save_pretrained(out, state_dict=part("lm."), safe_serialization=True)
+        save_file(part("value_head."), str(out / VALUE_HEAD_FILE))
+        if self.critic_body is not None:
+            self.critic_body.save_pretrained(out / CRITIC_DIR, state_dict=part("critic_body."),
+                                             safe_serialization=True)
+        self._copy_tokenizer(out)
+        return out
+
+    def _copy_tokenizer(self, out: Path) -> None:
+        # vLLM and the reference load the directory as a model: keep the tokenizer with it.
+        if not self.source_path:
+            return
+        for name in TOKENIZER_FILES:
+            src = Path(self.source_path) / name
+            if src.is_file() and not (out / name).exists():
+                shutil.copy2(src, out / name)
+
+    @classmethod
+    def from_pretrained(cls, path, *, critic: str = "shared", critic_model: Optional[str] = None,
+                        dtype: str = "float32") -> "PolicyWithValueHead":
+        """Load the LM from ``path``; the value head from ``value_head.safetensors`` if present.
+
+        Without a saved head: zero init (shared), or the reward model's score head
+        (separate critic), the usual RLHF critic initialisation.
+        """
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        torch_dtype = DTYPES[dtype]
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        critic_body, head = None, None
+        if critic == "separate":
+            critic_body, head = _load_critic(path, critic_model, torch_dtype)
+        elif critic != "shared":
+            raise ValueError(f"PolicyWithValueHead: critic={critic!r} must be 'shared' or 'separate'")
+        model = cls(lm, head, critic_body)
+        saved = path / VALUE_HEAD_FILE
+        if saved.is_file():
+            from safetensors.torch import load_file
+            model.value_head.load_state_dict(load_file(str(saved)))
+        model.to(torch_dtype)
+        model.source_path = str(path)
+        return model
+
+
+def _load_critic(path: Path, critic_model: Optional[str], dtype):
+    """A saved critic body (``path/critic``) or the body + score head of a reward model."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    saved = path / CRITIC_DIR
+    if saved.is_dir():
+        return AutoModel.from_pretrained(saved, dtype=dtype), None
+    if not critic_model:
+        raise ValueError("PolicyWithValueHead: critic='separate' needs critic_model "
+                         "(a sequence-classification checkpoint, e.g. the reward model)")
+    seq = AutoModelForSequenceClassification.from_pretrained(critic_model, dtype=dtype)
+    body = body_of(seq)
+    head = nn.Linear(body.config.hidden_size, 1)
+    nn.init.zeros_(head.bias)
+    score = getattr(seq, "score", None)
+    with torch.no_grad():
+        if isinstance(score, nn.Linear) and score.out_features == 1:
+            head.weight.copy_(score.weight)
+        else:
+            nn.init.zeros_(head.weight)
+    return body, head

@@ -1,0 +1,107 @@
+"""Shared helpers for the learner tests: synthetic rollouts, learner configs, reference math.
+
+Imported via sys.path (test dirs have no __init__.py): ``from helpers import ...``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from actors.rollout import ScoredRollout
+from learner import ppo
+from learner.batch import collate
+from learner.config import LearnerConfig, OptimConfig, PPOConfig
+
+
+def model_logprobs(model_path_or_lm, prompts, responses, temperature=1.0):
+    """[R] logprobs of each response under an HF causal LM (one sequence at a time: no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    lm = model_path_or_lm
+    if isinstance(lm, str):
+        lm = AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p, r in zip(prompts, responses):
+            ids = torch.as_tensor(np.concatenate([p, r]))[None]
+            logits = lm(ids).logits[0, len(p) - 1:-1]
+            out.append(ppo.logprobs_from_logits(logits, torch.as_tensor(r), temperature).numpy())
+    return out
+
+
+def make_rollouts(model_path, n, *, seed=0, vocab=1024, prompt_len=(3, 8), response_len=(2, 10),
+                  beta=0.05, temperature=1.0, lm=None, empty=()):
+    """Synthetic ScoredRollouts: random tokens, behaviour logprobs from the model itself
+    (ratio ~ 1 at the start), reference = behaviour + noise, rewards via ppo.per_token_rewards.
+    Rows listed in ``empty`` get a zero-length response."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(2, vocab, rng.integers(*prompt_len, endpoint=True)) for _ in range(n)]
+    responses = [rng.integers(2, vocab, 0 if i in empty else rng.integers(*response_len, endpoint=True))
+                 for i in range(n)]
+    behaviour = model_logprobs(lm if lm is not None else str(model_path), prompts, responses, temperature)
+    rollouts = []
+    for i, (p, r, b) in enumerate(zip(prompts, responses, behaviour)):
+        ref = (b + rng.normal(0, 0.1, b.shape)).astype(np.float32)
+        kl = b - ref
+        score = float(rng.normal())
+        if r.size:
+            rew = ppo.per_token_rewards(torch.as_tensor(kl)[None], torch.tensor([score]),
+                                        torch.ones(1, r.size), beta)[0].numpy()
+        else:
+            rew = np.zeros(0, np.float32)
+        rollouts.append(ScoredRollout(prompt_ids=p, response_ids=r, behaviour_logprobs=b,
+                                      finish_reason="stop", policy_version=0, prompt_index=i,
+                                      sample_index=0, reference_logprobs=ref, kl=kl, rewards=rew,
+                                      score=score))
+    return rollouts
+
+
+def sgd_config(*, zero_stage=2, lr=0.5, epochs=2, minibatch=4, micro=2, grad_clip=0.0, **ppo_kw):
+    """SGD (scale-sensitive, unlike Adam) so wrong gradient sums show up in the weights."""
+    return LearnerConfig(zero_stage=zero_stage,
+                         optim=OptimConfig(optimizer="sgd", lr=lr, grad_clip=grad_clip),
+                         ppo=PPOConfig(ppo_epochs=epochs, minibatch_size=minibatch, micro_batch_size=micro,
+                                       shuffle=False, **ppo_kw))
+
+
+def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id):
+    """The same PPO update in plain single-process torch: full minibatches, no DeepSpeed.
+
+    Returns (state_dict after the update, list of pre-clip grad norms per step).
+    """
+    from learner.policy import PolicyWithValueHead
+
+    p = cfg.ppo
+    model = PolicyWithValueHead.from_pretrained(model_path)
+    batch = collate(rollouts, pad_id)
+    mask = batch.response_mask
+    with torch.no_grad():
+        old_lp, old_v, _ = model.response_logprobs_values(batch, p.temperature, with_entropy=False)
+    old_lp, old_v = old_lp * mask, old_v * mask
+    adv, ret = ppo.gae(batch.rewards, old_v, mask, p.gamma, p.lam)
+    if p.whiten_advantages:
+        adv = ppo.whiten(adv, mask)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
+    horizon = batch.response_len
+    norms = []
+    for _ in range(p.ppo_epochs):
+        for start in range(0, len(batch), p.minibatch_size):
+            rows = slice(start, start + p.minibatch_size)
+            mb, m = batch[rows], mask[rows]
+            lp, v, ent = model.response_logprobs_values(mb, p.temperature)
+            kw = dict(agg=p.agg, horizon=horizon)
+            pg, _, _ = ppo.policy_loss(lp, old_lp[rows], adv[rows], m, p.clip_low, p.clip_high,
+                                       p.dual_clip, **kw)
+            vf, _ = ppo.value_loss(v, old_v[rows], ret[rows], m, p.value_clip, **kw)
+            loss = pg + p.vf_coef * vf - p.entropy_coef * ppo.aggregate_loss(ent, m, p.agg, horizon=horizon)
+            opt.zero_grad()
+            loss.backward()
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}, norms
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
