@@ -5,6 +5,21 @@ Kept free of project imports beyond safetensors so the worker can import it chea
 from __future__ import annotations
 
 import itertools
+import logging
+
+
+class _ExpectedReloadGaps(logging.Filter):
+    """vLLM warns "<Layer>: Failed to load weights" for layers a checkpoint never carries:
+    rotary embeddings (no weights) and a tied LM head (its weight is the embedding's).
+    Those two are expected on every reload; any other layer's warning still shows."""
+
+    EXPECTED = ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(e in record.getMessage() for e in self.EXPECTED)
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadGaps())
 
 
 class WeightReloadExtension:
@@ -29,6 +44,15 @@ class WeightReloadExtension:
         self.model_runner.reload_weights(weights_iterator=weights())
         _refresh_cpu_lm_head(self.model_runner.get_model())
         return len(names)
+
+    def tether_device_uuid(self) -> str:
+        """This worker's GPU UUID. The NCCL transport (learner/nccl_sync.py) counts the workers
+        it must add to its group from these, and refuses a layout with two ranks on one GPU,
+        which NCCL rejects. The receive side itself is vLLM's own weight-transfer engine
+        (``weight_transfer_config``), not this extension."""
+        import torch
+
+        return str(torch.cuda.get_device_properties(self.device).uuid)
 
 
 def _refresh_cpu_lm_head(model) -> None:

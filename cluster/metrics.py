@@ -120,6 +120,11 @@ class RayMetrics:
     _gauges: dict[str, Any] = {}
     _lock = threading.Lock()
     _warned: set[str] = set()
+    # Ray 2.60 drops a gauge from the Prometheus export ~20 s after its last set(), so steps
+    # longer than that would leave gaps: a daemon thread re-sets the last values.
+    _last: dict[tuple, float] = {}
+    _keepalive: Optional[threading.Thread] = None
+    KEEPALIVE_S = 5.0
 
     def record(self, metrics: dict, tags: Optional[dict] = None) -> None:
         if not _ray_initialized():
@@ -131,9 +136,33 @@ class RayMetrics:
                 continue
             try:
                 gauge = self._gauge(metric_name(key), tuple(sorted(tags)))
-                gauge.set(v, tags={k: tags.get(k, "all") for k in gauge.info["tag_keys"]})
+                full = tuple(sorted((k, tags.get(k, "all")) for k in gauge.info["tag_keys"]))
+                gauge.set(v, tags=dict(full))
+                with self._lock:
+                    self._last[(metric_name(key), full)] = v
             except Exception as e:  # metrics must never take the run down
                 self._warn_once(key, f"could not record Ray metric {key!r}: {e}")
+        self._start_keepalive()
+
+    @classmethod
+    def _start_keepalive(cls) -> None:
+        with cls._lock:
+            if cls._keepalive is None or not cls._keepalive.is_alive():
+                cls._keepalive = threading.Thread(target=cls._refresh, name="tether-metrics",
+                                                  daemon=True)
+                cls._keepalive.start()
+
+    @classmethod
+    def _refresh(cls) -> None:
+        while _ray_initialized():
+            time.sleep(cls.KEEPALIVE_S)
+            with cls._lock:
+                last = list(cls._last.items())
+            for (name, tags), value in last:
+                try:
+                    cls._gauges[name].set(value, tags=dict(tags))
+                except Exception:  # noqa: BLE001 - Ray shutting down under us
+                    return
 
     @classmethod
     def _gauge(cls, name: str, unlisted_tags: tuple[str, ...]):

@@ -10,6 +10,21 @@ if ! command -v "$PY" >/dev/null 2>&1 || ! "$PY" -c 'import sys; sys.exit(0 if s
   exit 1
 fi
 
+# Headless Chromium for the dashboard e2e test (tests/e2e/test_observability.py); optional.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
+  if [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; then
+    echo "setup: installing chromium (apt) for the dashboard e2e test" >&2
+    if ! { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -qq chromium; } >/tmp/tether-apt-chromium.log 2>&1; then
+      echo "setup: chromium install failed (see /tmp/tether-apt-chromium.log); the browser test will skip" >&2
+    fi
+  else
+    echo "setup: no root/sudo to install chromium; the dashboard browser test will skip" >&2
+  fi
+fi
+
 VENV=.venv
 STAMP=$VENV/.tether-installed
 # Re-install only when the dependency list changed since the last successful run.

@@ -278,3 +278,22 @@ def test_ray_metrics_exported(ray_with_metrics, tmp_path):
     assert score["pool"] == "reward" and score["replica"] == "all"
     assert "pool" not in _labels(found["ray_tether_buffer_depth"])  # undeclared tags are dropped
     assert "ray_tether_ppo_explained_variance" not in found  # NaN is never recorded
+
+
+@pytest.mark.integration
+def test_ray_gauges_stay_exported_between_slow_steps(ray_with_metrics):
+    """Ray drops a gauge ~20 s after its last set(); the keepalive thread must re-set it."""
+    ray, port = ray_with_metrics
+    RayMetrics().record({"perf/sync_seconds": 1.25})
+    t0 = time.monotonic()
+    seen_at = []
+    while time.monotonic() - t0 < 40:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            text = ""
+        if any(line.startswith("ray_tether_perf_sync_seconds") for line in text.splitlines()):
+            seen_at.append(time.monotonic() - t0)
+        time.sleep(2)
+    assert seen_at, "gauge never exported"
+    assert seen_at[-1] > 32, f"gauge vanished from the export after {seen_at[-1]:.0f}s"
