@@ -41,6 +41,15 @@ class EngineConfig:
     max_num_seqs: int = 64
     tensor_parallel: int = 1
     enforce_eager: bool = True      # no torch.compile: engine start dominates at tiny sizes
+    gpu_memory_utilization: float = 0.5  # GPU only: fraction of the device vLLM may take
+    weight_sync: str = "cpu"        # "cpu": load_weights(buckets) | "nccl": also vLLM's NCCL weight transfer (GPU)
+
+    def __post_init__(self) -> None:
+        if self.weight_sync not in ("cpu", "nccl"):
+            raise ValueError(f"generator.engine.weight_sync={self.weight_sync!r} is unknown; use 'cpu' or 'nccl'")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"generator.engine.gpu_memory_utilization={self.gpu_memory_utilization} "
+                             "must be in (0, 1]")
 
 
 @dataclass
@@ -76,6 +85,9 @@ class Generator:
         self._version = 0
         self._skipped_total = 0
         self._generated_total = 0
+        if self.engine.weight_sync == "nccl" and not _has_cuda():
+            raise ValueError(f"{name}: generator.engine.weight_sync='nccl' needs CUDA (NCCL broadcast into "
+                             "vLLM's GPU workers); this generator has no GPU: use 'cpu' or give it num_gpus")
         t0 = time.perf_counter()
         self._llm = self._start_engine(model)
         self.start_seconds = time.perf_counter() - t0
@@ -93,7 +105,10 @@ class Generator:
                       logprobs_mode="processed_logprobs",  # logprobs after temperature/top-k/top-p
                       worker_extension_cls="actors.vllm_extension.WeightReloadExtension")
         if on_gpu:
-            kwargs["gpu_memory_utilization"] = 0.5
+            kwargs["gpu_memory_utilization"] = e.gpu_memory_utilization
+            if e.weight_sync == "nccl":  # the worker builds vLLM's NCCLWeightTransferEngine after loading
+                from vllm.config import WeightTransferConfig
+                kwargs["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
         else:
             kwargs["kv_cache_memory_bytes"] = e.kv_cache_bytes
         return LLM(**kwargs)
@@ -169,6 +184,56 @@ class Generator:
         self._version = version
         return {"seconds": time.perf_counter() - t0, "tensors": counts[0],
                 "bytes": sum(len(b) for b in buckets), "version": version}
+
+    # ---- NCCL transport (learner/nccl_sync.py drives these; engine.weight_sync="nccl" only).
+    # vLLM's weight-transfer engine lives in each vLLM worker; these forward to the
+    # RLOfflineMixin methods of vllm.LLM (entrypoints/rl/offline.py), which fan out to the
+    # workers with collective_rpc. Only metadata crosses Ray; the tensors arrive over NCCL.
+
+    def _require_nccl(self, what: str) -> None:
+        if self.engine.weight_sync != "nccl":
+            raise ValueError(f"{self.name}.{what}: this generator was started with engine.weight_sync="
+                             f"{self.engine.weight_sync!r}; the learner's 'nccl' transport needs 'nccl' here too")
+
+    def weight_transfer_gpus(self) -> list[str]:
+        """UUID of the GPU of each vLLM worker, in worker-rank order (its length = NCCL ranks needed)."""
+        self._require_nccl("weight_transfer_gpus")
+        return [str(u) for u in self._llm.collective_rpc("tether_device_uuid")]
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the learner's NCCL group (blocks until every rank has joined).
+
+        init_info: vLLM's NCCLWeightTransferInitInfo as a dict (master_address, master_port,
+        rank_offset, world_size, packed, packed_buffer_size_bytes, packed_num_buffers).
+        """
+        self._require_nccl("init_weight_transfer")
+        self._llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self, version: int) -> None:
+        """Open an update round (vLLM: layerwise reload set up); refuses an older version."""
+        self._require_nccl("start_weight_update")
+        if version < self._version:
+            raise ValueError(f"{self.name}.start_weight_update: version {version} is older than the "
+                             f"loaded version {self._version}")
+        self._llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        """Receive every tensor named in update_info (names, dtype_names, shapes) over NCCL,
+        packed chunk by chunk, loading each into the model. Blocks until the broadcast ends."""
+        self._llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, version: int) -> dict:
+        """Close the round (vLLM: finalize layerwise reload), drop stale KV, record `version`."""
+        t0 = time.perf_counter()
+        self._llm.finish_weight_update()
+        self._llm.reset_prefix_cache()  # as in load_weights: cached KV came from the old weights
+        self._version = version
+        return {"seconds": time.perf_counter() - t0, "version": version}
+
+    def shutdown_weight_transfer(self) -> None:
+        """Leave the NCCL group; inference goes on."""
+        if self.engine.weight_sync == "nccl":
+            self._llm.shutdown_weight_transfer_engine()
 
     def version(self) -> int:
         return self._version

@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    policy: str = BUILTIN_POLICY     # HF model directory, or builtin:tiny / builtin:tiny-30m
+    policy: str = BUILTIN_POLICY     # HF model directory, builtin:tiny, or builtin:tiny-30m (random init, for benchmarks)
     tokenizer: Optional[str] = None  # defaults to the policy directory
 
 
@@ -77,6 +77,7 @@ class LearnerPoolConfig(PoolConfig):
     critic_model: Optional[str] = None  # with critic=separate: reward-model checkpoint to start from
     dist_timeout_s: float = 600.0    # a collective waiting longer than this fails instead of hanging
     gradient_checkpointing: bool = False
+    weight_sync: str = "cpu"         # cpu: safetensors buckets through Ray | nccl: GPU broadcast (CUDA)
 
 
 @dataclass
@@ -145,7 +146,8 @@ class TetherConfig:
         return LearnerConfig(zero_stage=lp.zero_stage, dtype=lp.dtype, optim=lp.optim,
                              ppo=PPOConfig(**ppo), seed=self.run.seed, critic=lp.critic,
                              critic_model=lp.critic_model, dist_timeout_s=lp.dist_timeout_s,
-                             gradient_checkpointing=lp.gradient_checkpointing)
+                             gradient_checkpointing=lp.gradient_checkpointing,
+                             weight_sync=lp.weight_sync)
 
     def to_dict(self) -> dict:
         """Plain nested dict that load_config accepts back (owned-elsewhere keys left out)."""
@@ -167,6 +169,7 @@ _OWNED_ELSEWHERE = {
     "ppo.temperature": "set generator.sampling.temperature; the learner always uses the sampling "
                        "temperature",
     "generator.engine.tensor_parallel": "set generator.tensor_parallel (a pool resource)",
+    "generator.engine.weight_sync": "set learner.weight_sync; both ends use the same transport",
 }
 
 

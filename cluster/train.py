@@ -39,10 +39,9 @@ def resolve_model(name: str) -> str:
     if name == BUILTIN_POLICY:
         from cluster.pretrain import build_pretrained_policy
         return str(build_pretrained_policy())
-    if name == BUILTIN_POLICY_30M:
-        from cluster.pretrain import build_pretrained_policy
-        from cluster.tiny_models import SPEC_30M
-        return str(build_pretrained_policy(SPEC_30M))
+    if name == BUILTIN_POLICY_30M:  # randomly initialised: for throughput, not for learning
+        from cluster.tiny_models import SPEC_30M, build_policy
+        return str(build_policy(SPEC_30M))
     if name.startswith("builtin:"):
         raise UserError(f"model.policy={name!r} is not a built-in model; use {BUILTIN_POLICY} "
                         f"or {BUILTIN_POLICY_30M} or a model directory")

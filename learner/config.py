@@ -16,6 +16,7 @@ OPTIMIZERS = ("adamw", "sgd")
 LR_DECAYS = ("linear", "cosine", "constant")
 DTYPES = ("float32", "bfloat16")
 CRITICS = ("shared", "separate")
+WEIGHT_SYNCS = ("cpu", "nccl")  # learner -> generator transports (learner/weight_sync.py, learner/nccl_sync.py)
 
 
 def _fail(message: str) -> None:
@@ -152,6 +153,7 @@ class LearnerConfig:
     critic_model: Optional[str] = None   # with critic="separate": a sequence-classification checkpoint (reward model)
     dist_timeout_s: float = 600.0        # collectives waiting longer than this fail instead of hanging
     gradient_checkpointing: bool = False  # trade compute for activation memory
+    weight_sync: str = "cpu"             # "cpu": safetensors buckets via Ray | "nccl": GPU broadcast (CUDA)
 
     def validate(self, world_size: int = 1) -> None:
         p = "learner"
@@ -167,8 +169,17 @@ class LearnerConfig:
             _fail(f"{p}.critic_model is required with critic='separate'; point it at a reward-model checkpoint")
         if self.dist_timeout_s <= 0:
             _fail(f"{p}.dist_timeout_s={self.dist_timeout_s} must be > 0")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            _fail(f"{p}.weight_sync={self.weight_sync!r} is unknown; use one of {WEIGHT_SYNCS}")
         self.optim.validate(world_size)
         self.ppo.validate(world_size)
+
+    def check_device(self, has_cuda: bool) -> None:
+        """Checks that depend on the rank's hardware. Called by each LearnerWorker, not by
+        ``validate``: the driver that validates a config may well have no GPU itself."""
+        if self.weight_sync == "nccl" and not has_cuda:
+            _fail("learner.weight_sync='nccl' needs CUDA on the learner (NCCL broadcast from GPU); "
+                  "this rank has no GPU: set learner.weight_sync='cpu' or give the learner num_gpus")
 
     def deepspeed_config(self, world_size: int) -> dict:
         """The DeepSpeed config dict; batch sizes mirror ppo (DeepSpeed checks their product)."""

@@ -1,5 +1,8 @@
 """Moving weights learner -> generators.
 
+Two transports behind one ``push(version, named, *, tied_embeddings) -> report``, picked by
+``make_weight_sync`` from ``learner.weight_sync``: "cpu" (here) and "nccl" (learner/nccl_sync.py).
+
 CPU transport: learner rank 0 holds the full state (gathered under ZeRO-3), cuts it
 into size-bounded buckets of safetensors bytes once, and every generator reloads
 them in place through vLLM's worker extension. Bytes, not tensors, because tensors
@@ -81,3 +84,17 @@ def _call_all(generators: list, version: int, buckets: list[bytes]) -> list[dict
         ref = ray.put(buckets)  # one copy in the object store, shared by every generator
         return ray.get([g.load_weights.remote(version, ref) for g in generators])
     return [g.load_weights(version, buckets) for g in generators]
+
+
+def make_weight_sync(kind: str, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """The transport named by ``kind``: "cpu" -> CPUWeightSync, "nccl" -> NCCLWeightSync.
+
+    A CPUWeightSync is stateless (make one per push); an NCCLWeightSync owns an NCCL group
+    with the generators' workers, formed on its first push: keep it across pushes.
+    """
+    if kind == "cpu":
+        return CPUWeightSync(generators, bucket_bytes=bucket_bytes)
+    if kind == "nccl":
+        from learner.nccl_sync import NCCLWeightSync
+        return NCCLWeightSync(generators, bucket_bytes=bucket_bytes)
+    raise ValueError(f"weight sync: unknown transport {kind!r}; use 'cpu' or 'nccl'")

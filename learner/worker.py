@@ -26,7 +26,7 @@ from learner import ppo
 from learner.batch import Batch, collate, collate_lm
 from learner.config import LearnerConfig
 from learner.policy import PolicyWithValueHead
-from learner.weight_sync import DEFAULT_BUCKET_BYTES, CPUWeightSync
+from learner.weight_sync import DEFAULT_BUCKET_BYTES, make_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class LearnerWorker:
 
         self.config = config if isinstance(config, LearnerConfig) else LearnerConfig.from_dict(config)
         self.config.validate(world_size)
+        self.config.check_device(torch.cuda.is_available())
         self.rank, self.world_size, self.model_path = rank, world_size, str(model)
         self.backend = join_process_group(rank, world_size, master_addr, master_port,
                                           self.config.dist_timeout_s)
@@ -111,6 +112,8 @@ class LearnerWorker:
             config=self.config.deepspeed_config(world_size), dist_init_required=False)
         self.step = 0  # completed train() calls; seeds the shuffle so a resumed run replays it
         self.epoch_history: list[dict] = []  # this rank's per-epoch loss / clip stats of the last train()
+        self._sync = None  # rank 0's NCCL transport: its group outlives a push
+        self._sync_key: tuple = ()
 
     @property
     def module(self) -> PolicyWithValueHead:
@@ -348,14 +351,41 @@ class LearnerWorker:
 
     def push_weights(self, generators: list, version: int,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[dict]:
-        """Send the current LM to every generator; rank 0 returns the sync report."""
+        """Send the current LM to every generator; rank 0 returns the sync report.
+
+        ``config.weight_sync`` picks the transport: "cpu" (safetensors buckets through Ray)
+        or "nccl" (broadcast from this rank's GPU; the group is formed on the first push and
+        kept while the generator list stays the same).
+        """
         named = self.named_weights(bucket_bytes)
         if self.rank != 0:
             for _ in named:  # take part in the ZeRO-3 gathers
                 pass
             return None
-        sync = CPUWeightSync(generators, bucket_bytes=bucket_bytes)
-        return sync.push(version, named, tied_embeddings=self.tied_embeddings)
+        if self.config.weight_sync == "cpu":
+            sync = make_weight_sync("cpu", generators, bucket_bytes=bucket_bytes)
+            return sync.push(version, named, tied_embeddings=self.tied_embeddings)
+        return self._nccl_sync(generators, bucket_bytes).push(
+            version, named, tied_embeddings=self.tied_embeddings, metadata=self._lm_metadata())
+
+    def _nccl_sync(self, generators: list, bucket_bytes: int):
+        key = tuple(_handle_key(g) for g in generators)
+        if self._sync is None or key != self._sync_key:
+            self.shutdown_weight_sync()
+            self._sync = make_weight_sync("nccl", generators, bucket_bytes=bucket_bytes)
+            self._sync_key = key
+        return self._sync
+
+    def shutdown_weight_sync(self) -> None:
+        """Release the NCCL group (if any) on both sides; the next nccl push forms a new one."""
+        if self._sync is not None:
+            sync, self._sync, self._sync_key = self._sync, None, ()
+            sync.shutdown()
+
+    def _lm_metadata(self) -> list[tuple]:
+        """(name, dtype, full shape) of each tensor named_weights yields, without gathering."""
+        return [(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                for n, p in self.module.lm.named_parameters()]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -394,6 +424,12 @@ def _epoch_stats(before: dict, after: dict) -> dict:
     steps, tok = max(d.get("steps", 0), 1), max(d.get("tok", 0), 1)
     return {"policy_loss": d.get("pg", 0.0) / steps, "value_loss": d.get("vf", 0.0) / steps,
             "clip_frac": d.get("clip_sum", 0.0) / tok, "approx_kl": d.get("kl_sum", 0.0) / tok}
+
+
+def _handle_key(generator):
+    """Identity of a generator across calls (a Ray handle is re-created on every pickle)."""
+    actor_id = getattr(generator, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else id(generator)
 
 
 def _pad_id(config) -> int:

