@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 # pytest exits 5 when it collected nothing; set -e turns that (like any failure) into a failed run.
-exec .venv/bin/python -m pytest -m "not slow" "$@"
+exec .venv/bin/python -m pytest -m "not slow" --durations=10 "$@"
