@@ -5,10 +5,10 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from actors.reference import resolve_model_path
 from actors.rollout import Rollout
 
 log = logging.getLogger(__name__)
@@ -64,21 +64,12 @@ class GenerationResult:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _check_model_dir(model: str) -> None:
-    path = Path(model)
-    if not path.exists():
-        raise FileNotFoundError(f"model path {model!r} does not exist; point model.path at a "
-                                "Hugging Face model directory")
-    if path.is_dir() and not (path / "config.json").exists():
-        raise ValueError(f"model path {model!r} is not a Hugging Face model (no config.json)")
-
-
 class Generator:
     """Hosts a vLLM engine; turns prompt token ids into Rollouts with behaviour logprobs."""
 
     def __init__(self, *, model: str, sampling: SamplingConfig | dict | None = None,
                  engine: EngineConfig | dict | None = None, name: str = "generator") -> None:
-        _check_model_dir(model)
+        model = resolve_model_path(model, name)
         self.name = name
         self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**(sampling or {}))
         self.engine = engine if isinstance(engine, EngineConfig) else EngineConfig(**(engine or {}))

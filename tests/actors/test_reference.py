@@ -138,15 +138,6 @@ def test_bad_inputs(policy_path, tmp_path):
     assert h["role"] == "reference" and h["ok"] and h["model"] == policy_path
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.integration
 def test_runs_unchanged_as_ray_actor(policy_path, ray_cluster):
     ray = ray_cluster

@@ -171,15 +171,6 @@ def test_construction_errors():
         Reward(function=SENTIMENT, tokenizer="/no-tok-here")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.integration
 def test_runs_unchanged_as_ray_actor(rm_path, tok_path, tokenizer, ray_cluster):
     ray = ray_cluster
