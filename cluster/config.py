@@ -115,6 +115,8 @@ class RunConfig:
     eval_every: int = 5              # steps between evaluations (0 = only at start and end)
     save_every: int = 0              # steps between HF checkpoints (0 = only the final one)
     samples_every: int = 5           # steps between samples.jsonl dumps
+    plot_every: int = 1              # steps between redraws of plots/*.png (0 = no plots)
+    tensorboard: bool = False        # also write TensorBoard event files (pip install tensorboard)
     seed: int = 0
 
 
@@ -284,6 +286,8 @@ def validate(cfg: TetherConfig) -> None:
                           "(the other to null)")
     if cfg.run.mode not in ("sync", "async"):
         raise ConfigError(f"config: run.mode={cfg.run.mode!r} must be sync or async")
+    if min(cfg.run.plot_every, cfg.run.eval_every, cfg.run.save_every, cfg.run.samples_every) < 0:
+        raise ConfigError("config: run.plot_every/eval_every/save_every/samples_every must be >= 0")
     if cfg.run.steps < 1:
         raise ConfigError(f"config: run.steps={cfg.run.steps} must be >= 1")
     if cfg.buffer.max_staleness < 0 or cfg.buffer.capacity < 1:

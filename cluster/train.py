@@ -88,6 +88,12 @@ def prepare(cfg):
 
     from cluster.data import PromptDataset
 
+    if cfg.run.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError("run.tensorboard is true but the tensorboard package is missing; "
+                            "pip install tensorboard (or set run.tensorboard=false)") from None
     policy = resolve_model(cfg.model.policy)
     tokenizer_path = cfg.model.tokenizer or policy
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -128,7 +134,8 @@ def run(cfg) -> dict:
         if cfg.ppo.ptx_coef > 0:
             from cluster.pretrain import ptx_batches
             ptx = ptx_batches(tokenizer_path, batch_size=cfg.ppo.micro_batch_size, seed=cfg.run.seed)
-        metrics = RunMetrics(run_dir=run_dir)
+        metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every,
+                             tensorboard=cfg.run.tensorboard)
         driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=eval_set,
                         tokenizer=tokenizer, metrics=metrics, ptx_batches=ptx)
         final = driver.run()

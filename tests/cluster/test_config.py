@@ -54,6 +54,7 @@ def test_yaml_roundtrip_of_resolved_config(tmp_path):
     (["generator.engine.weight_sync=nccl"], "set learner.weight_sync"),
     (["learner.weight_sync=carrier-pigeon"], "weight_sync='carrier-pigeon' is unknown"),
     (["nonsense"], "must look like section.key=value"),
+    (["run.plot_every=-1"], "must be >= 0"),
 ])
 def test_each_mistake_is_one_clear_line(overrides, message):
     with pytest.raises(ConfigError) as info:

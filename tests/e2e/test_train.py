@@ -85,8 +85,15 @@ def cli(*args, env=None):
     (["run.steps=many"], "run.steps must be int"),
     (["data.path=/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl"),
     (["model.policy=/nonexistent/model"], "does not exist"),
+    (["run.tensorboard=true"], "tensorboard package is missing"),
 ])
 def test_user_mistakes_exit_2_with_one_line(tmp_path, args, message):
+    if args == ["run.tensorboard=true"]:
+        try:
+            import tensorboard  # noqa: F401
+            pytest.skip("tensorboard is installed here, so asking for it is no mistake")
+        except ImportError:
+            pass
     result = cli(f"run.dir={tmp_path}", *args)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
