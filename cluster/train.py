@@ -115,7 +115,7 @@ def run(cfg) -> dict:
 
     try:
         policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
-    except (ValueError, OSError) as e:  # bad data / model paths: the user's to fix
+    except (ValueError, OSError, ImportError) as e:  # bad data / model paths: the user's to fix
         raise UserError(one_line(e)) from None
     run_dir = make_run_dir(cfg)
     log.info("run folder: %s\nresolved config:\n%s", run_dir, cfg.to_yaml())
