@@ -36,7 +36,7 @@ class Produced:
     score_seconds: float = 0.0    # scoring time not hidden behind generation
     tokens: int = 0
     per_generator_tps: dict = field(default_factory=dict)
-    score_latency: dict = field(default_factory=dict)  # pool -> mean seconds per chunk
+    score_latency: dict = field(default_factory=dict)  # pool -> seconds of each scoring call
 
 
 class Driver:
@@ -142,7 +142,7 @@ class Driver:
             ray.get(buffer.put.remote(produced.scored))
             n, min_version = len(produced.scored), self.version
         else:
-            produced = producer.take()
+            produced = None  # taken after the batch arrives: the work that fed this step
             n = cfg.data.prompts_per_step * cfg.generator.sampling.n
             min_version = max(0, self.version - cfg.buffer.max_staleness)
         if n == 0:
@@ -152,6 +152,8 @@ class Driver:
         batch = ray.get(buffer.get.remote(n, min_version=min_version, current_version=self.version,
                                           timeout=600.0))
         wait_s = time.perf_counter() - t_get
+        if producer is not None:
+            produced = producer.take()
         ptx = next(self.ptx_batches) if self.ptx_batches is not None else None
         t1 = time.perf_counter()
         learn = self.pools.learner.train(batch, ptx_batch=ptx)
@@ -229,11 +231,15 @@ class Driver:
 
 
 class _Producer:
-    """Async mode: keeps generating and scoring with whatever weights the generators hold."""
+    """Async mode: keeps generating and scoring with whatever weights the generators hold.
+
+    take() returns the accounting (prompts, skips, tokens, seconds) of everything produced
+    since the previous take(), so each step reports the generation work done during it.
+    """
 
     def __init__(self, driver: Driver) -> None:
         self.driver, self._stop = driver, threading.Event()
-        self._latest, self._lock, self._error = Produced(), threading.Lock(), None
+        self._pending, self._lock, self._error = Produced(), threading.Lock(), None
         self._thread = threading.Thread(target=self._loop, name="tether-producer", daemon=True)
         self._thread.start()
 
@@ -244,8 +250,9 @@ class _Producer:
                 indices, prompt_ids, _ = next(d._prompts)
                 produced = d.produce(indices, prompt_ids)
                 ray.get(d.pools.buffer.put.remote(produced.scored, timeout=600.0))
+                produced.scored = []  # the rollouts live in the buffer now
                 with self._lock:
-                    self._latest = produced
+                    self._pending = _merge(self._pending, produced)
         except Exception as e:  # noqa: BLE001 - surfaced by take() in the main thread
             self._error = e
 
@@ -253,10 +260,24 @@ class _Producer:
         if self._error is not None:
             raise self._error
         with self._lock:
-            return self._latest
+            out, self._pending = self._pending, Produced()
+        return out
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _merge(a: Produced, b: Produced) -> Produced:
+    latency = {k: a.score_latency.get(k, []) + b.score_latency.get(k, [])
+               for k in set(a.score_latency) | set(b.score_latency)}
+    return Produced(scored=[], prompts=a.prompts + b.prompts,
+                    skipped_prompts=a.skipped_prompts + b.skipped_prompts,
+                    invalid_scores=a.invalid_scores + b.invalid_scores,
+                    empty_responses=a.empty_responses + b.empty_responses,
+                    generate_seconds=a.generate_seconds + b.generate_seconds,
+                    score_seconds=a.score_seconds + b.score_seconds, tokens=a.tokens + b.tokens,
+                    per_generator_tps={**a.per_generator_tps, **b.per_generator_tps},
+                    score_latency=latency)
 
 
 def _fmt(m: dict) -> str:
