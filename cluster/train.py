@@ -95,6 +95,13 @@ def prepare(cfg):
             raise UserError("run.tensorboard is true but the tensorboard package is missing; "
                             "pip install tensorboard (or set run.tensorboard=false)") from None
     policy = resolve_model(cfg.model.policy)
+    # Reward problems surface here, in the driver, not as a dead actor a minute later.
+    if cfg.reward.function:
+        from actors.reward import load_function
+        load_function(cfg.reward.function)
+    if cfg.reward.model:
+        from actors.reference import resolve_model_path
+        resolve_model_path(cfg.reward.model, "reward.model")
     tokenizer_path = cfg.model.tokenizer or policy
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     d = cfg.data

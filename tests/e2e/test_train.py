@@ -89,6 +89,8 @@ def cli(*args, env=None):
     (["data.path=/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl"),
     (["model.policy=/nonexistent/model"], "does not exist"),
     (["run.tensorboard=true"], "tensorboard package is missing"),
+    (["reward.function=no_such_module:score"], "cannot import module 'no_such_module'"),
+    (["reward.function=null", "reward.model=/nonexistent/rm"], "/nonexistent/rm"),
 ])
 def test_user_mistakes_exit_2_with_one_line(tmp_path, args, message):
     if args == ["run.tensorboard=true"]:
@@ -121,3 +123,17 @@ def test_unplaceable_pool_fails_fast_naming_the_pool(tmp_path):
     status = json.loads((tmp_path / "big" / "status.json").read_text())
     assert status["state"] == "failed" and "generator" in status["reason"]
     assert not (tmp_path / "big" / "checkpoints" / "final").exists()
+
+
+def test_local_reward_function_beside_the_config(tmp_path):
+    """A user's `module:function` in the working directory works in the reward actors too."""
+    (tmp_path / "my_reward.py").write_text(
+        "def length(prompts, responses):\n    return [float(len(r)) for r in responses]\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.train", "reward.function=my_reward:length",
+         "run.steps=1", "run.eval_every=0", f"run.dir={tmp_path / 'runs'}", "run.name=local"],
+        cwd=tmp_path, text=True, capture_output=True, timeout=600,
+        env={**os.environ, "RAY_ADDRESS": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    [step] = [m for m in read_metrics(tmp_path / "runs" / "local") if m["step"] == 1]
+    assert step["reward/mean"] > 1.0 and step["rollouts/invalid_scores"] == 0
