@@ -71,8 +71,12 @@ def make_run_dir(cfg) -> Path:
     run_dir = Path(cfg.run.dir) / name
     if (run_dir / "status.json").exists():
         raise UserError(f"run folder {run_dir} already holds a run; choose another run.name")
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    try:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    except OSError as e:
+        raise UserError(f"cannot create run folder {run_dir} ({e.strerror}); set run.dir to a "
+                        "writable directory") from None
     return run_dir
 
 

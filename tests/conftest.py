@@ -18,3 +18,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Tiny offline models (cached on disk by content): one build serves every test session.
+@pytest.fixture(scope="session")
+def policy_path():
+    from cluster.tiny_models import build_policy
+    return str(build_policy())
+
+
+@pytest.fixture(scope="session")
+def reward_path():
+    from cluster.tiny_models import build_reward_model
+    return str(build_reward_model())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(policy_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(policy_path)

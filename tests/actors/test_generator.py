@@ -4,23 +4,11 @@ import pytest
 import torch
 
 from actors.generator import Generator
-from cluster.tiny_models import build_policy
 from learner.weight_sync import CPUWeightSync
 
 pytestmark = pytest.mark.integration
 
 PROMPTS = ["The cat was", "A dog seemed happy", "My friend felt", "The river"]
-
-
-@pytest.fixture(scope="module")
-def policy_path():
-    return str(build_policy())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(policy_path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(policy_path)
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,6 @@ import pytest
 import torch
 
 from actors.reference import Reference
-from cluster.tiny_models import build_policy
-
-
-@pytest.fixture(scope="module")
-def policy_path():
-    return str(build_policy())
 
 
 @pytest.fixture(scope="module")

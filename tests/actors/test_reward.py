@@ -8,7 +8,6 @@ import torch
 
 from actors.reward import Reward, ScoreResult
 from actors.reward_functions import SENTIMENT_SCALE, sentiment
-from cluster.tiny_models import build_policy, build_reward_model
 
 sys.path.insert(0, str(Path(__file__).parent))  # makes tests/actors/bad_rewards.py importable
 
@@ -16,24 +15,8 @@ SENTIMENT = "actors.reward_functions:sentiment"
 
 
 @pytest.fixture(scope="module")
-def rm_path():
-    return str(build_reward_model())
-
-
-@pytest.fixture(scope="module")
-def tok_path():
-    return str(build_policy())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tok_path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(tok_path)
-
-
-@pytest.fixture(scope="module")
-def rm(rm_path):
-    return Reward(model=rm_path, batch_size=3)
+def rm(reward_path):
+    return Reward(model=reward_path, batch_size=3)
 
 
 def _batch(seed=0, lens=((3, 4), (9, 2), (5, 7), (1, 0), (6, 3), (2, 8), (4, 4))):
@@ -50,14 +33,14 @@ def _encode(tokenizer, texts):
 
 
 @pytest.mark.integration
-def test_model_batched_equals_unbatched_and_hf(rm, rm_path):
+def test_model_batched_equals_unbatched_and_hf(rm, reward_path):
     from transformers import AutoModelForSequenceClassification
 
     prompts, responses = _batch()
     res = rm.score(prompts, responses)
     assert isinstance(res, ScoreResult) and res.scores.dtype == np.float32
     assert res.valid.all() and res.errors == []
-    hf = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    hf = AutoModelForSequenceClassification.from_pretrained(reward_path).eval()
     for i, (p, r) in enumerate(zip(prompts, responses)):
         single = rm.score([p], [r]).scores[0]
         assert abs(single - res.scores[i]) < 1e-5
@@ -85,14 +68,14 @@ def test_model_scores_last_token_even_when_it_is_the_pad_id(rm, tokenizer):
 
 
 @pytest.mark.integration
-def test_model_path_errors(tok_path, tmp_path):
+def test_model_path_errors(policy_path, tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         Reward(model=str(tmp_path / "nowhere"))
     (tmp_path / "not-a-model").mkdir()
     with pytest.raises(ValueError, match="not-a-model.*no config.json"):
         Reward(model=str(tmp_path / "not-a-model"))
     with pytest.raises(ValueError, match="num_labels=2"):  # a causal LM dir has no 1-label head
-        Reward(model=tok_path)
+        Reward(model=policy_path)
 
 
 # --------------------------------------------------------------------------- function path
@@ -109,8 +92,8 @@ def test_sentiment_function():
 
 
 @pytest.mark.integration
-def test_function_path_decodes_and_scores(tok_path, tokenizer):
-    rw = Reward(function=SENTIMENT, tokenizer=tok_path)
+def test_function_path_decodes_and_scores(policy_path, tokenizer):
+    rw = Reward(function=SENTIMENT, tokenizer=policy_path)
     texts = ["the cat was good", "the cat was sad", "the cat was"]
     responses = _encode(tokenizer, texts)
     responses[0] = np.append(responses[0], tokenizer.eos_token_id)  # special tokens are skipped
@@ -122,8 +105,8 @@ def test_function_path_decodes_and_scores(tok_path, tokenizer):
 
 
 @pytest.mark.integration
-def test_nan_scores_mark_items_invalid(tok_path, tokenizer, caplog):
-    rw = Reward(function="bad_rewards:nan_for_odd", tokenizer=tok_path)
+def test_nan_scores_mark_items_invalid(policy_path, tokenizer, caplog):
+    rw = Reward(function="bad_rewards:nan_for_odd", tokenizer=policy_path)
     prompts, responses = _batch(seed=2, lens=((2, 2),) * 4)
     with caplog.at_level(logging.WARNING, logger="actors.reward"):
         res = rw.score(prompts, responses)
@@ -142,8 +125,8 @@ def test_nan_scores_mark_items_invalid(tok_path, tokenizer, caplog):
     ("wrong_length", "returned 1 scores for 3 items"),
     ("not_numbers", "not a list of numbers"),
 ])
-def test_broken_function_invalidates_batch_without_crashing(tok_path, name, needle):
-    rw = Reward(function=f"bad_rewards:{name}", tokenizer=tok_path)
+def test_broken_function_invalidates_batch_without_crashing(policy_path, name, needle):
+    rw = Reward(function=f"bad_rewards:{name}", tokenizer=policy_path)
     prompts, responses = _batch(seed=3, lens=((2, 2),) * 3)
     for _ in range(2):  # the actor keeps serving after a failure
         res = rw.score(prompts, responses)
@@ -156,15 +139,15 @@ def test_broken_function_invalidates_batch_without_crashing(tok_path, name, need
 
 @pytest.mark.unit
 def test_construction_errors():
-    tok_path = "/never-read"  # every check below fires before the tokenizer is loaded
+    policy_path = "/never-read"  # every check below fires before the tokenizer is loaded
     for bad in ("no_such_module_xyz:f", "bad_rewards:missing", "bad_rewards", "actors.reward_functions:"):
         with pytest.raises(ValueError) as e:
-            Reward(function=bad, tokenizer=tok_path)
+            Reward(function=bad, tokenizer=policy_path)
         assert "\n" not in str(e.value) and bad.split(":")[0] in str(e.value)
     with pytest.raises(ValueError, match="exactly one"):
         Reward()
     with pytest.raises(ValueError, match="exactly one"):
-        Reward(model=tok_path, function=SENTIMENT)
+        Reward(model=policy_path, function=SENTIMENT)
     with pytest.raises(ValueError, match="tokenizer"):
         Reward(function=SENTIMENT)
     with pytest.raises(FileNotFoundError, match="no-tok-here"):
@@ -172,16 +155,16 @@ def test_construction_errors():
 
 
 @pytest.mark.integration
-def test_runs_unchanged_as_ray_actor(rm_path, tok_path, tokenizer, ray_cluster):
+def test_runs_unchanged_as_ray_actor(reward_path, policy_path, tokenizer, ray_cluster):
     ray = ray_cluster
     prompts, responses = _batch(seed=5)
-    model_actor = ray.remote(Reward).remote(model=rm_path)
+    model_actor = ray.remote(Reward).remote(model=reward_path)
     remote = ray.get(model_actor.score.remote(prompts, responses))
-    local = Reward(model=rm_path).score(prompts, responses)
+    local = Reward(model=reward_path).score(prompts, responses)
     np.testing.assert_allclose(remote.scores, local.scores, atol=1e-6)
     # The worker imports the function itself (a user's module must be importable there too,
     # e.g. shipped with the job's runtime_env; the built-in one always is).
-    fn_actor = ray.remote(Reward).remote(function=SENTIMENT, tokenizer=tok_path)
+    fn_actor = ray.remote(Reward).remote(function=SENTIMENT, tokenizer=policy_path)
     texts = ["a dog was happy", "a dog was cruel"]
     res = ray.get(fn_actor.score.remote(_encode(tokenizer, ["Then"] * 2), _encode(tokenizer, texts)))
     np.testing.assert_allclose(res.scores, sentiment(["Then"] * 2, texts), atol=1e-6)

@@ -90,6 +90,7 @@ def cli(*args, env=None):
     (["model.policy=/nonexistent/model"], "does not exist"),
     (["run.tensorboard=true"], "tensorboard package is missing"),
     (["reward.function=no_such_module:score"], "cannot import module 'no_such_module'"),
+    (["run.dir=/proc/tether-runs"], "set run.dir to a writable directory"),
     (["reward.function=null", "reward.model=/nonexistent/rm"], "/nonexistent/rm"),
 ])
 def test_user_mistakes_exit_2_with_one_line(tmp_path, args, message):

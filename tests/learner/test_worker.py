@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from helpers import make_rollouts, max_abs_diff, model_logprobs, reference_update, sgd_config
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
