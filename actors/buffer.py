@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Optional
 
-from actors.rollout import ScoredRollout
+from core.rollout import ScoredRollout
 
 
 class BufferClosed(RuntimeError):

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from actors.reference import resolve_model_path
-from actors.rollout import Rollout
+from core.rollout import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,10 @@ class EngineConfig:
     max_model_len: int = 512
     kv_cache_bytes: int = 64 << 20  # explicit size: the fraction-of-memory knob breaks a 2nd engine on CPU
     max_num_seqs: int = 64
-    tensor_parallel: int = 1
     enforce_eager: bool = True      # no torch.compile: engine start dominates at tiny sizes
     gpu_memory_utilization: float = 0.5  # GPU only: fraction of the device vLLM may take
-    weight_sync: str = "cpu"        # "cpu": load_weights(buckets) | "nccl": also vLLM's NCCL weight transfer (GPU)
 
     def __post_init__(self) -> None:
-        if self.weight_sync not in ("cpu", "nccl"):
-            raise ValueError(f"generator.engine.weight_sync={self.weight_sync!r} is unknown; use 'cpu' or 'nccl'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"generator.engine.gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")
@@ -68,16 +64,22 @@ class Generator:
     """Hosts a vLLM engine; turns prompt token ids into Rollouts with behaviour logprobs."""
 
     def __init__(self, *, model: str, sampling: SamplingConfig | dict | None = None,
-                 engine: EngineConfig | dict | None = None, name: str = "generator") -> None:
+                 engine: EngineConfig | dict | None = None, name: str = "generator",
+                 tensor_parallel: int = 1, weight_sync: str = "cpu") -> None:
+        """tensor_parallel: GPUs the engine spans (a pool resource). weight_sync: the learner's
+        transport, "cpu" (load_weights of safetensors buckets) or "nccl" (vLLM's NCCL weight
+        transfer on GPU, on top of "cpu")."""
         model = resolve_model_path(model, name)
-        self.name = name
+        if weight_sync not in ("cpu", "nccl"):
+            raise ValueError(f"{name}: weight_sync={weight_sync!r} is unknown; use 'cpu' or 'nccl'")
+        self.name, self.tensor_parallel, self.weight_sync = name, int(tensor_parallel), weight_sync
         self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**(sampling or {}))
         self.engine = engine if isinstance(engine, EngineConfig) else EngineConfig(**(engine or {}))
         self._version = 0
         self._skipped_total = 0
         self._generated_total = 0
-        if self.engine.weight_sync == "nccl" and not _has_cuda():
-            raise ValueError(f"{name}: generator.engine.weight_sync='nccl' needs CUDA (NCCL broadcast into "
+        if weight_sync == "nccl" and not _has_cuda():
+            raise ValueError(f"{name}: weight_sync='nccl' needs CUDA (NCCL broadcast into "
                              "vLLM's GPU workers); this generator has no GPU: use 'cpu' or give it num_gpus")
         t0 = time.perf_counter()
         self._llm = self._start_engine(model)
@@ -91,13 +93,13 @@ class Generator:
         e = self.engine
         on_gpu = _has_cuda()
         kwargs = dict(model=model, dtype=e.dtype, max_model_len=e.max_model_len,
-                      max_num_seqs=e.max_num_seqs, tensor_parallel_size=e.tensor_parallel,
+                      max_num_seqs=e.max_num_seqs, tensor_parallel_size=self.tensor_parallel,
                       enforce_eager=e.enforce_eager, seed=self.sampling.seed,
                       logprobs_mode="processed_logprobs",  # logprobs after temperature/top-k/top-p
                       worker_extension_cls="actors.vllm_extension.WeightReloadExtension")
         if on_gpu:
             kwargs["gpu_memory_utilization"] = e.gpu_memory_utilization
-            if e.weight_sync == "nccl":  # the worker builds vLLM's NCCLWeightTransferEngine after loading
+            if self.weight_sync == "nccl":  # the worker builds vLLM's NCCLWeightTransferEngine after loading
                 from vllm.config import WeightTransferConfig
                 kwargs["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
         else:
@@ -182,9 +184,9 @@ class Generator:
     # workers with collective_rpc. Only metadata crosses Ray; the tensors arrive over NCCL.
 
     def _require_nccl(self, what: str) -> None:
-        if self.engine.weight_sync != "nccl":
-            raise ValueError(f"{self.name}.{what}: this generator was started with engine.weight_sync="
-                             f"{self.engine.weight_sync!r}; the learner's 'nccl' transport needs 'nccl' here too")
+        if self.weight_sync != "nccl":
+            raise ValueError(f"{self.name}.{what}: this generator was started with weight_sync="
+                             f"{self.weight_sync!r}; the learner's 'nccl' transport needs 'nccl' here too")
 
     def weight_transfer_gpus(self) -> list[str]:
         """UUID of the GPU of each vLLM worker, in worker-rank order (its length = NCCL ranks needed)."""
@@ -223,7 +225,7 @@ class Generator:
 
     def shutdown_weight_transfer(self) -> None:
         """Leave the NCCL group; inference goes on."""
-        if self.engine.weight_sync == "nccl":
+        if self.weight_sync == "nccl":
             self._llm.shutdown_weight_transfer_engine()
 
     def version(self) -> int:
@@ -234,7 +236,8 @@ class Generator:
                 "generated_tokens": self._generated_total, "engine_start_s": self.start_seconds}
 
     def config(self) -> dict:
-        return {"sampling": asdict(self.sampling), "engine": asdict(self.engine)}
+        return {"sampling": asdict(self.sampling), "engine": asdict(self.engine),
+                "tensor_parallel": self.tensor_parallel, "weight_sync": self.weight_sync}
 
 
 def _has_cuda() -> bool:

@@ -17,11 +17,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from learner.ppo import logprobs_from_logits
+from core.dtypes import torch_dtype
+from core.ppo import logprobs_from_logits
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_model_path(model: str, role: str) -> str:
@@ -40,14 +40,6 @@ def resolve_model_path(model: str, role: str) -> str:
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ValueError(f"{role}: {str(path)!r} is not a Hugging Face model directory (no config.json)")
     return str(path)
-
-
-def resolve_dtype(dtype: str | torch.dtype, role: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"{role}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def pad_token_id(tokenizer, config, role: str) -> int:
@@ -108,7 +100,7 @@ class Reference:
         self.model_path = resolve_model_path(model, role)
         self.temperature = float(temperature)
         self.batch_size = int(batch_size)
-        self.dtype = resolve_dtype(dtype, role)
+        self.dtype = torch_dtype(dtype, role)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         try:
             self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)

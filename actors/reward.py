@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from actors.reference import (as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id,
-                              resolve_dtype, resolve_model_path)
+                              resolve_model_path)
+from core.dtypes import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class Reward:
             self.fn = load_function(function)
             self.tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
         else:
-            self._load_model(model, resolve_dtype(dtype, "Reward"))
+            self._load_model(model, torch_dtype(dtype, "Reward"))
         self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "seconds": 0.0}
         self.last_error: str | None = None
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import re
 
-from cluster.tiny_models import NEGATIVE_WORDS, POSITIVE_WORDS
-
+# The demo's sentiment lexicon; cluster.tiny_models builds its corpus from these words.
+POSITIVE_WORDS = ("good", "great", "happy", "kind", "bright", "warm", "lovely", "calm",
+                  "brave", "joyful", "gentle", "wonderful", "sweet", "fine", "glad")
+NEGATIVE_WORDS = ("bad", "sad", "dark", "cold", "angry", "grim", "awful", "cruel",
+                  "dull", "bitter", "gloomy", "harsh", "weak", "sour", "lonely")
 _POSITIVE = frozenset(POSITIVE_WORDS)
 _NEGATIVE = frozenset(NEGATIVE_WORDS)
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")

@@ -47,7 +47,7 @@ def bench_generator(path: str, prompts: list, new_tokens: int):
 
 def scored(rollouts):
     """Turn generated rollouts into ScoredRollouts with a random score (speed only)."""
-    from actors.annotate import annotate
+    from core.annotate import annotate
     rng = np.random.default_rng(0)
     refs = [r.behaviour_logprobs + rng.normal(0, 0.05, len(r.response_ids)).astype(np.float32)
             for r in rollouts]

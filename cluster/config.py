@@ -2,8 +2,10 @@
 
     python -m cluster.train --config configs/tiny-cpu.yaml ppo.kl.beta=0.02 run.steps=5
 
-Every section is a dataclass; the comment beside each field is its documentation
-(`python -m cluster.train --help-config` prints them). Loading checks unknown keys
+Every section is a frozen dataclass; the comment beside each field is its documentation
+(`python -m cluster.train --help-config` prints them). Each setting is declared once:
+the learner's and PPO's own classes (learner/config.py) and the generator's
+(actors/generator.py) are the sections here, not copies of them. Loading checks unknown keys
 (suggesting the nearest valid name), types and impossible combinations before
 anything starts, and fails with one line naming the key and the fix.
 """
@@ -19,7 +21,8 @@ from typing import Optional
 import yaml
 
 from actors.generator import EngineConfig, SamplingConfig
-from learner.config import LearnerConfig, OptimConfig, PPOConfig
+from core.ppo import KL_ESTIMATORS
+from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
 BUILTIN_POLICY = "builtin:tiny"        # the offline tiny model, pre-trained on the built-in corpus
 BUILTIN_POLICY_30M = "builtin:tiny-30m"
@@ -30,57 +33,50 @@ class ConfigError(ValueError):
     """A user mistake in the config: the message is one line naming the key and the fix."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     policy: str = BUILTIN_POLICY     # HF model directory, builtin:tiny, or builtin:tiny-30m (random init, for benchmarks)
     tokenizer: Optional[str] = None  # defaults to the policy directory
 
 
-@dataclass
+@dataclass(frozen=True)
 class PoolConfig:
     replicas: int = 1                # actors in this pool
     num_cpus: float = 1.0            # CPUs reserved per replica
     num_gpus: float = 0.0            # GPUs reserved per replica
 
 
-@dataclass
+@dataclass(frozen=True)
 class GeneratorPoolConfig(PoolConfig):
     tensor_parallel: int = 1         # GPUs one vLLM engine spans (bundled STRICT_PACK)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReferencePoolConfig(PoolConfig):
     batch_size: int = 16             # sequences per forward pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardPoolConfig(PoolConfig):
     model: Optional[str] = None      # sequence-classification reward model directory, or ...
     function: Optional[str] = BUILTIN_REWARD  # ... a `module:function(prompts, responses) -> floats`
     batch_size: int = 16
 
 
-@dataclass
+@dataclass(frozen=True)
 class BufferConfig:
     capacity: int = 1024             # rollouts held; producers block when full (backpressure)
     max_staleness: int = 1           # async mode: drop rollouts older than this many versions
 
 
-@dataclass
-class LearnerPoolConfig(PoolConfig):
-    zero_stage: int = 2              # DeepSpeed ZeRO stage 0-3
-    dtype: str = "float32"           # float32 | bfloat16
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    critic: str = "shared"           # shared: value head on the policy body; separate: own body
-    critic_model: Optional[str] = None  # with critic=separate: reward-model checkpoint to start from
-    dist_timeout_s: float = 600.0    # a collective waiting longer than this fails instead of hanging
-    gradient_checkpointing: bool = False
-    weight_sync: str = "cpu"         # cpu: safetensors buckets through Ray | nccl: GPU broadcast (CUDA)
+@dataclass(frozen=True)
+class LearnerPoolConfig(PoolConfig, TrainerConfig):
+    """The learner pool: its resources plus the trainer's own settings (learner/config.py)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class KLConfig:
     beta: float = 0.05               # initial weight of the per-token KL penalty
     estimator: str = "k1"            # k1 | k2 | k3 (Schulman) for the per-token KL in the reward
@@ -88,14 +84,14 @@ class KLConfig:
     horizon: int = 10000             # adaptive controller horizon, in rollouts
 
 
-@dataclass
+@dataclass(frozen=True)
 class PPOSection(PPOConfig):
     kl: KLConfig = field(default_factory=KLConfig)
     truncation_penalty: float = 0.0  # added to the score of responses cut at max_new_tokens (use < 0)
     reward_clip: Optional[float] = None  # clip scores to +-this before they enter the reward
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     path: Optional[str] = None       # .jsonl / .parquet / saved HF dataset; null = built-in prompts
     field: str = "prompt"            # the prompt column
@@ -106,7 +102,7 @@ class DataConfig:
     seed: int = 0                    # shuffling seed
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     steps: int = 20                  # PPO steps (policy versions) to train
     mode: str = "sync"               # sync (on-policy) | async (bounded staleness)
@@ -120,14 +116,14 @@ class RunConfig:
     seed: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResourcesConfig:
     address: Optional[str] = None    # Ray cluster to join; null = RAY_ADDRESS / the job's cluster / local
     num_cpus: Optional[int] = None   # CPUs of a local cluster started by the entrypoint
     placement_timeout_s: float = 60.0  # how long a pool waits for resources before failing
 
 
-@dataclass
+@dataclass(frozen=True)
 class TetherConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     generator: GeneratorPoolConfig = field(default_factory=GeneratorPoolConfig)
@@ -141,38 +137,18 @@ class TetherConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     def learner_config(self) -> LearnerConfig:
-        """The learner's own config; its temperature is the sampling temperature, always."""
-        ppo = {f.name: getattr(self.ppo, f.name) for f in fields(PPOConfig)}
-        ppo["temperature"] = self.generator.sampling.temperature
-        lp = self.learner
-        return LearnerConfig(zero_stage=lp.zero_stage, dtype=lp.dtype, optim=lp.optim,
-                             ppo=PPOConfig(**ppo), seed=self.run.seed, critic=lp.critic,
-                             critic_model=lp.critic_model, dist_timeout_s=lp.dist_timeout_s,
-                             gradient_checkpointing=lp.gradient_checkpointing,
-                             weight_sync=lp.weight_sync)
+        """What a learner rank needs: the learner section, the PPO update, the run seed and
+        the sampling temperature (the learner always scores with the sampling temperature)."""
+        pick = lambda obj, cls: {f.name: getattr(obj, f.name) for f in fields(cls)}
+        return LearnerConfig(**pick(self.learner, TrainerConfig), ppo=PPOConfig(**pick(self.ppo, PPOConfig)),
+                             seed=self.run.seed, temperature=self.generator.sampling.temperature)
 
     def to_dict(self) -> dict:
-        """Plain nested dict that load_config accepts back (owned-elsewhere keys left out)."""
-        data = _plain(asdict(self))
-        for dotted in _OWNED_ELSEWHERE:
-            *parents, leaf = dotted.split(".")
-            node = data
-            for p in parents:
-                node = node[p]
-            node.pop(leaf, None)
-        return data
+        """Plain nested dict that load_config accepts back."""
+        return _plain(asdict(self))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-# Keys that exist on a component's own dataclass but are owned by another section here.
-_OWNED_ELSEWHERE = {
-    "ppo.temperature": "set generator.sampling.temperature; the learner always uses the sampling "
-                       "temperature",
-    "generator.engine.tensor_parallel": "set generator.tensor_parallel (a pool resource)",
-    "generator.engine.weight_sync": "set learner.weight_sync; both ends use the same transport",
-}
 
 
 def _plain(x):
@@ -215,8 +191,6 @@ def _build(cls, data, prefix: str):
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
-        if full in _OWNED_ELSEWHERE:
-            raise ConfigError(f"config: {full} is not set here: {_OWNED_ELSEWHERE[full]}")
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {(prefix + '.' if prefix else '') + near[0]}?" if near else \
@@ -294,8 +268,8 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError("config: buffer.max_staleness must be >= 0 and buffer.capacity >= 1")
     if cfg.data.prompts_per_step < 1:
         raise ConfigError(f"config: data.prompts_per_step={cfg.data.prompts_per_step} must be >= 1")
-    if cfg.ppo.kl.estimator not in ("k1", "k2", "k3"):
-        raise ConfigError(f"config: ppo.kl.estimator={cfg.ppo.kl.estimator!r} must be k1, k2 or k3")
+    if cfg.ppo.kl.estimator not in KL_ESTIMATORS:
+        raise ConfigError(f"config: ppo.kl.estimator={cfg.ppo.kl.estimator!r} must be one of {KL_ESTIMATORS}")
     if cfg.ppo.kl.beta < 0 or (cfg.ppo.kl.target is not None and cfg.ppo.kl.target <= 0):
         raise ConfigError("config: ppo.kl.beta must be >= 0 and ppo.kl.target > 0 (or null)")
     rollouts = cfg.data.prompts_per_step * cfg.generator.sampling.n
@@ -324,8 +298,6 @@ def describe() -> str:
             tp = typing.get_type_hints(cls)[f.name]
             if dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{f.name}.")
-                continue
-            if f"{prefix}{f.name}" in _OWNED_ELSEWHERE:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             comment = ""

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
-from actors.annotate import annotate
+from core.annotate import annotate
 from cluster.config import TetherConfig
 from cluster.metrics import RayMetrics, RunMetrics, progress_line
 from cluster.pools import Pools
-from learner.ppo import AdaptiveKLController, FixedKLController
+from core.ppo import AdaptiveKLController, FixedKLController
 
 log = logging.getLogger("tether")
 

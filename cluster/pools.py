@@ -100,12 +100,12 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) ->
             pgs.append(reserve(name, pool.replicas, pool.num_cpus, pool.num_gpus, t))
         gen_pg, ref_pg, rew_pg, learn_pg = pgs
 
-        engine = replace(g.engine, tensor_parallel=g.tensor_parallel, weight_sync=lp.weight_sync)
         generators = [
             ray.remote(Generator).options(name=f"generator-{i}", num_cpus=g.num_cpus,
                                           num_gpus=g.num_gpus, **_on(gen_pg, i)).remote(
                 model=policy_path, name=f"generator-{i}",
-                sampling=replace(g.sampling, seed=g.sampling.seed + i), engine=engine)
+                sampling=replace(g.sampling, seed=g.sampling.seed + i), engine=g.engine,
+                tensor_parallel=g.tensor_parallel, weight_sync=lp.weight_sync)
             for i in range(g.replicas)]
         temperature = g.sampling.temperature
         references = [

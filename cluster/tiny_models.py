@@ -18,15 +18,13 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# The demo corpus is built from the reward function's own vocabulary (a downward import).
+from actors.reward_functions import NEGATIVE_WORDS, POSITIVE_WORDS
+
 FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
-# Sentiment-bearing words double as the vocabulary of the demo's reward function.
-POSITIVE_WORDS = ("good", "great", "happy", "kind", "bright", "warm", "lovely", "calm",
-                  "brave", "joyful", "gentle", "wonderful", "sweet", "fine", "glad")
-NEGATIVE_WORDS = ("bad", "sad", "dark", "cold", "angry", "grim", "awful", "cruel",
-                  "dull", "bitter", "gloomy", "harsh", "weak", "sour", "lonely")
 _SUBJECTS = ("the cat", "a dog", "my friend", "the old man", "the child", "a bird", "the town",
              "our teacher", "the river", "the garden", "a sailor", "the queen", "the baker")
 _VERBS = ("was", "seemed", "felt", "looked", "became", "stayed")

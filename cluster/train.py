@@ -8,6 +8,7 @@ The run folder's status.json says which; only a "succeeded" folder is a result.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -17,6 +18,30 @@ from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
 log = logging.getLogger("tether")
+
+
+# What the job needs importable in the Python that runs it: import name -> pip name.
+REQUIRED_MODULES = {"torch": "torch", "ray": "ray", "vllm": "vllm", "transformers": "transformers",
+                    "deepspeed": "deepspeed", "yaml": "pyyaml"}
+
+
+def missing_dependencies() -> list[str]:
+    """The REQUIRED_MODULES this interpreter cannot import, as pip names; found without importing."""
+    missing = []
+    for module, package in REQUIRED_MODULES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken install counts as missing
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
+
+
+def dependency_error(missing: list[str]) -> str:
+    return (f"tether: error: this Python ({sys.executable}) lacks {', '.join(missing)}; run the job "
+            "with the project's environment on every node (start `ray` from .venv: see README "
+            '"On a Ray cluster"), or give the job a container image or runtime_env that has them')
 
 
 class UserError(Exception):
@@ -177,7 +202,11 @@ def one_line(e: BaseException) -> str:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)  # --help needs no dependencies
+    missing = missing_dependencies()
+    if missing:  # e.g. `ray job submit` to a Ray started outside the venv: one line, not a traceback
+        print(dependency_error(missing), file=sys.stderr)
+        return 2
     from cluster.config import ConfigError, describe, load_config
 
     if args.help_config:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from actors.rollout import Rollout, ScoredRollout
+from core.rollout import Rollout, ScoredRollout
 
 Tensor = torch.Tensor
 FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")  # [B, P+R]; other 2-D fields are [B, R]

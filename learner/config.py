@@ -1,8 +1,11 @@
 """Typed configuration of the learner: optimiser, PPO update, DeepSpeed engine.
 
-Every dataclass has ``validate(world_size)`` raising a one-line ValueError that
-names the field and the fix, so a bad YAML fails at start-up, not mid-run inside
-DeepSpeed. ``from_dict`` accepts the nested plain dicts a YAML loader produces.
+Each setting is declared once, here: cluster/config.py builds its ``learner`` and
+``ppo`` sections from these classes instead of repeating them. Every dataclass is
+frozen and has ``validate(world_size)`` raising a one-line ValueError that names
+the field and the fix, so a bad YAML fails at start-up, not mid-run inside
+DeepSpeed. ``from_dict`` accepts the nested plain dicts a YAML loader produces
+(and validates them, since nothing upstream has).
 """
 from __future__ import annotations
 
@@ -10,11 +13,11 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
-from learner.ppo import AGG_MODES
+from core.dtypes import TRAINABLE_DTYPES
+from core.ppo import AGG_MODES
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_DECAYS = ("linear", "cosine", "constant")
-DTYPES = ("float32", "bfloat16")
 CRITICS = ("shared", "separate")
 WEIGHT_SYNCS = ("cpu", "nccl")  # learner -> generator transports (learner/weight_sync.py, learner/nccl_sync.py)
 
@@ -32,7 +35,7 @@ def _from_dict(cls, data: dict, where: str):
     return cls(**data)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     optimizer: str = "adamw"        # "adamw" | "sgd" (sgd is scale-sensitive: used to test gradient sums)
     lr: float = 1e-5                # peak learning rate, reached at the end of warm-up
@@ -91,7 +94,7 @@ class OptimConfig:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
-@dataclass
+@dataclass(frozen=True)
 class PPOConfig:
     ppo_epochs: int = 1                  # passes over the batch per train() call
     minibatch_size: int = 8              # rollouts per optimizer step, summed over all ranks
@@ -105,9 +108,8 @@ class PPOConfig:
     ptx_coef: float = 0.0                # weight of the pretraining LM loss on train(ptx_batch=...)
     gamma: float = 1.0                   # GAE discount
     lam: float = 0.95                    # GAE lambda
-    agg: str = "token-mean"              # loss aggregation, see learner.ppo.aggregate_loss
+    agg: str = "token-mean"              # loss aggregation, see core.ppo.aggregate_loss
     whiten_advantages: bool = True       # normalise advantages over the global batch
-    temperature: float = 1.0             # sampling temperature: logits are divided by it (as in vLLM)
     shuffle: bool = True                 # shuffle rollouts into minibatches each epoch (seeded)
 
     def validate(self, world_size: int = 1) -> None:
@@ -134,21 +136,18 @@ class PPOConfig:
             _fail(f"{p}.gamma={self.gamma} and {p}.lam={self.lam} must be in [0, 1]")
         if self.agg not in AGG_MODES:
             _fail(f"{p}.agg={self.agg!r} is unknown; use one of {AGG_MODES}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            _fail(f"{p}.temperature={self.temperature} must be a finite number > 0 (the sampling temperature)")
 
     def micro_batches(self, world_size: int) -> int:
         """Micro-batches per optimizer step on one rank (gradient accumulation steps)."""
         return self.minibatch_size // (world_size * self.micro_batch_size)
 
 
-@dataclass
-class LearnerConfig:
+@dataclass(frozen=True)
+class TrainerConfig:
+    """What the learner pool itself declares: the DeepSpeed engine, the critic, the transport."""
     zero_stage: int = 2                  # DeepSpeed ZeRO stage 0-3 (3 shards parameters too)
     dtype: str = "float32"               # "float32" | "bfloat16" (bf16 keeps fp32 master weights)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    seed: int = 0                        # seeds minibatch shuffling and value-head init
     critic: str = "shared"               # "shared": value head on the policy body; "separate": own body
     critic_model: Optional[str] = None   # with critic="separate": a sequence-classification checkpoint (reward model)
     dist_timeout_s: float = 600.0        # collectives waiting longer than this fail instead of hanging
@@ -161,8 +160,8 @@ class LearnerConfig:
             _fail(f"{p}: world_size={world_size} must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             _fail(f"{p}.zero_stage={self.zero_stage} is out of range; use 0, 1, 2 or 3")
-        if self.dtype not in DTYPES:
-            _fail(f"{p}.dtype={self.dtype!r} is unknown; use one of {DTYPES}")
+        if self.dtype not in TRAINABLE_DTYPES:
+            _fail(f"{p}.dtype={self.dtype!r} is unknown; use one of {TRAINABLE_DTYPES}")
         if self.critic not in CRITICS:
             _fail(f"{p}.critic={self.critic!r} is unknown; use one of {CRITICS}")
         if self.critic == "separate" and not self.critic_model:
@@ -172,6 +171,21 @@ class LearnerConfig:
         if self.weight_sync not in WEIGHT_SYNCS:
             _fail(f"{p}.weight_sync={self.weight_sync!r} is unknown; use one of {WEIGHT_SYNCS}")
         self.optim.validate(world_size)
+
+
+@dataclass(frozen=True)
+class LearnerConfig(TrainerConfig):
+    """Everything a LearnerWorker needs: the trainer settings plus the PPO update and
+    two values owned by other sections of a run's config (the run seed, the sampling
+    temperature), filled in by cluster.config.TetherConfig.learner_config()."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    seed: int = 0                        # seeds minibatch shuffling and value-head init
+    temperature: float = 1.0             # the sampling temperature: logits are divided by it (as in vLLM)
+
+    def validate(self, world_size: int = 1) -> None:
+        super().validate(world_size)
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            _fail(f"learner.temperature={self.temperature} must be a finite number > 0 (the sampling temperature)")
         self.ppo.validate(world_size)
 
     def check_device(self, has_cuda: bool) -> None:
@@ -200,11 +214,15 @@ class LearnerConfig:
     @classmethod
     def from_dict(cls, data: dict | None) -> "LearnerConfig":
         data = dict(data or {})
-        optim = _from_dict(OptimConfig, dict(data.pop("optim", {}) or {}), "learner.optim")
-        if isinstance(optim.betas, list):
-            optim.betas = tuple(optim.betas)
+        world_size = data.pop("world_size", 1)
+        optim = dict(data.pop("optim", {}) or {})
+        if "betas" in optim:
+            optim["betas"] = tuple(optim["betas"])
+        optim = _from_dict(OptimConfig, optim, "learner.optim")
         ppo = _from_dict(PPOConfig, dict(data.pop("ppo", {}) or {}), "learner.ppo")
-        return _from_dict(cls, {**data, "optim": optim, "ppo": ppo}, "learner")
+        cfg = _from_dict(cls, {**data, "optim": optim, "ppo": ppo}, "learner")
+        cfg.validate(world_size)
+        return cfg
 
     def to_dict(self) -> dict:
         return asdict(self)

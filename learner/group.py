@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from actors.rollout import ScoredRollout
+from core.rollout import ScoredRollout
 from learner.config import LearnerConfig
 from learner.weight_sync import DEFAULT_BUCKET_BYTES
 

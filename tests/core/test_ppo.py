@@ -1,4 +1,4 @@
-"""Unit tests for learner/ppo.py: hand-computed values, gradients, padding invariance."""
+"""Unit tests for core/ppo.py: hand-computed values, gradients, padding invariance."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner import ppo
+from core import ppo
 
 pytestmark = pytest.mark.unit
 

@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from actors.rollout import Rollout, ScoredRollout
-from learner.ppo import kl_estimate, per_token_rewards
+from core.rollout import Rollout, ScoredRollout
+from core.ppo import kl_estimate, per_token_rewards
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from actors.annotate import annotate
-from actors.rollout import Rollout, ScoredRollout
+from core.annotate import annotate
+from core.rollout import Rollout, ScoredRollout
 
 pytestmark = pytest.mark.unit
 
