@@ -21,6 +21,15 @@ Semantics
 * n > capacity, or a put of more than capacity items, can never be satisfied and
   raises ValueError instead of blocking forever.
 * close() wakes every waiter with BufferClosed, for a clean shutdown.
+
+By reference (what the driver uses): put_chunk(chunk_id, rollouts, reference_logprobs,
+scores, shaping) receives the generator's and the scorers' outputs as Ray object
+references, which Ray resolves here, in the buffer's process; the KL annotation runs
+here too, so scored rollouts never pass through the driver. A chunk id is stored at
+most once: a second put_chunk of the same id (a redispatched chunk whose first put did
+land) stores nothing and says so. take(n, world_size, ...) returns the learner shards
+and a BatchSummary as separate objects (call it with ``num_returns=world_size + 1``):
+each rank then receives its shard by reference.
 """
 from __future__ import annotations
 
@@ -28,9 +37,22 @@ import collections
 import itertools
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
-from core.rollout import ScoredRollout
+from core.annotate import RewardShaping, annotate_valid
+from core.rollout import BatchSummary, ScoredRollout, shard_rollouts
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """What put_chunk did with one prompt chunk: counts and one-line messages only."""
+    chunk_id: int
+    stored: int = 0               # scored rollouts now in the buffer
+    invalid_scores: int = 0       # reward was NaN/inf or raised: left out
+    empty_responses: int = 0      # nothing to put a reward on: left out
+    errors: tuple = ()            # one line per reward problem
+    duplicate: bool = False       # this chunk id was stored before: nothing stored now
 
 
 class BufferClosed(RuntimeError):
@@ -52,6 +74,8 @@ class RolloutBuffer:
         self._put_total = self._got_total = self._dropped_stale = 0
         self._staleness_sum = 0
         self._staleness_max = 0
+        self._chunks: set[int] = set()  # ids stored so far (exactly-once delivery)
+        self._chunks_pending: set[int] = set()  # ids whose put is under way
 
     def put(self, items: list[ScoredRollout], timeout: Optional[float] = None) -> int:
         """Append items (all or none), blocking while the buffer lacks room.
@@ -127,6 +151,35 @@ class RolloutBuffer:
             finally:
                 self._waiting_gets -= 1
 
+    def put_chunk(self, chunk_id: int, rollouts: list, reference_logprobs: list, scores,
+                  shaping: RewardShaping, timeout: Optional[float] = None) -> ChunkReport:
+        """Annotate one chunk's rollouts (scores: the reward's ScoreResult) and put them, once.
+
+        A duplicate chunk id (already stored, or being stored right now) stores nothing.
+        """
+        with self._cond:
+            if chunk_id in self._chunks or chunk_id in self._chunks_pending:
+                return ChunkReport(chunk_id, duplicate=True)
+            self._chunks_pending.add(chunk_id)
+        try:
+            scored, invalid, empty = annotate_valid(rollouts, reference_logprobs, scores.scores,
+                                                    scores.valid, shaping)
+            self.put(scored, timeout=timeout)
+            with self._cond:
+                self._chunks.add(chunk_id)
+        finally:
+            with self._cond:
+                self._chunks_pending.discard(chunk_id)
+        return ChunkReport(chunk_id, stored=len(scored), invalid_scores=invalid, empty_responses=empty,
+                           errors=tuple(scores.errors))
+
+    def take(self, n: int, *, world_size: int, min_version: int = 0, current_version: int = 0,
+             timeout: Optional[float] = None) -> tuple:
+        """get() n rollouts and split them for the learner: (shard_0, ..., shard_{W-1}, BatchSummary)."""
+        items = self.get(n, min_version=min_version, timeout=timeout, current_version=current_version)
+        shards, dropped = shard_rollouts(items, world_size)
+        return (*shards, BatchSummary.of(items, current_version=current_version, dropped=dropped))
+
     def _discard_stale(self, min_version: int) -> int:
         # Versions interleave when several generators put, so scan everything, not just the head.
         if not any(x.policy_version < min_version for x in self._items):
@@ -156,7 +209,7 @@ class RolloutBuffer:
                 "mean_staleness": self._staleness_sum / self._got_total if self._got_total else 0.0,
                 "max_staleness": self._staleness_max, "latest_version": self._latest_version,
                 "waiting_puts": len(self._put_turns), "waiting_gets": self._waiting_gets,
-                "closed": self._closed,
+                "chunks_stored": len(self._chunks), "closed": self._closed,
             }
 
     def health(self) -> dict:

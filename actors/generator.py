@@ -48,16 +48,35 @@ class EngineConfig:
                              "must be in (0, 1]")
 
 
+@dataclass(frozen=True)
+class GenerationSummary:
+    """What the driver needs to know about one generate call: counts, never the rollouts."""
+    rollouts: int                    # rollouts produced
+    skipped_prompts: tuple = ()      # prompt indices too long for the model
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    version: int = 0                 # policy version that sampled them
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
 @dataclass
 class GenerationResult:
     rollouts: list[Rollout]
     skipped_prompts: list[int] = field(default_factory=list)  # prompt indices too long for the model
     generated_tokens: int = 0
     seconds: float = 0.0
+    version: int = 0
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> GenerationSummary:
+        return GenerationSummary(len(self.rollouts), tuple(self.skipped_prompts), self.generated_tokens,
+                                 self.seconds, self.version)
 
 
 class Generator:
@@ -140,7 +159,7 @@ class Generator:
             log.warning("%s: skipped %d prompts longer than max_model_len=%d (or empty)",
                         self.name, len(skipped), self.engine.max_model_len)
         if not keep:
-            return GenerationResult(rollouts=[], skipped_prompts=skipped)
+            return GenerationResult(rollouts=[], skipped_prompts=skipped, version=self._version)
 
         t0 = time.perf_counter()
         outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in keep],
@@ -151,7 +170,14 @@ class Generator:
         tokens = sum(len(r.response_ids) for r in rollouts)
         self._generated_total += tokens
         return GenerationResult(rollouts=rollouts, skipped_prompts=skipped,
-                                generated_tokens=tokens, seconds=seconds)
+                                generated_tokens=tokens, seconds=seconds, version=self._version)
+
+    def sample(self, prompt_ids: list, prompt_indices: list[int]) -> tuple[list[Rollout], GenerationSummary]:
+        """generate(), split in two for Ray's ``num_returns=2``: the rollouts stay in the object
+        store (scorers and the buffer take them by reference) and only the summary travels
+        to the driver."""
+        result = self.generate(prompt_ids, prompt_indices)
+        return result.rollouts, result.summary()
 
     def _to_rollout(self, prompt: list[int], prompt_index: int, completion) -> Rollout:
         token_ids = list(completion.token_ids)

@@ -142,6 +142,10 @@ class Reference:
         self._counts["seconds"] += time.perf_counter() - start
         return out
 
+    def reference_logprobs(self, rollouts: list) -> list[np.ndarray]:
+        """logprobs() of Rollouts, for a caller that passes the generator's output by reference."""
+        return self.logprobs([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts])
+
     @torch.inference_mode()
     def _forward(self, prompts: list[np.ndarray], responses: list[np.ndarray]) -> list[np.ndarray]:
         # Left-pad prompts and right-pad responses: every response then starts at column P,

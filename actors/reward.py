@@ -146,6 +146,10 @@ class Reward:
                 log.warning("%s", msg)
         return result
 
+    def score_rollouts(self, rollouts: list) -> ScoreResult:
+        """score() of Rollouts, for a caller that passes the generator's output by reference."""
+        return self.score([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts])
+
     def _finalise(self, raw: np.ndarray, source: str) -> ScoreResult:
         valid = np.isfinite(raw)
         errors = []

@@ -55,6 +55,7 @@ def scored(rollouts):
 
 
 def bench_learner(path: str, rollouts, ranks: int, gen, zero: int):
+    from core.rollout import shard_rollouts
     from learner.config import LearnerConfig
     from learner.group import LearnerGroup
 
@@ -65,16 +66,17 @@ def bench_learner(path: str, rollouts, ranks: int, gen, zero: int):
     group = LearnerGroup(model=path, config=cfg, world_size=ranks,
                          name_prefix=f"bench-learner-{ranks}")
     try:
-        group.train(rollouts[:n])  # warm-up (first step builds optimizer state)
+        shards, _ = shard_rollouts(rollouts[:n], ranks)
+        group.train(shards)  # warm-up (first step builds optimizer state)
         times, tps = [], []
         for _ in range(3):
-            m = group.train(rollouts[:n])
+            m = group.train(shards)
             times.append(m["perf/learner_seconds"])
             tps.append(m["perf/learner_tokens_per_s"])
         tokens = sum(len(r.response_ids) for r in rollouts[:n])
         print(f"learner: {ranks} rank(s) ZeRO-{zero}: {np.median(times):.2f}s per PPO update "
               f"({n} rollouts, {tokens} response tokens), {np.median(tps):.0f} tokens/s")
-        sync = group.push_weights([gen], version=1 + ranks)
+        sync = group.push_weights({"bench-generator": gen}, version=1 + ranks)
         print(f"weight sync: {sync['bytes'] / 1e6:.1f} MB in {sync['buckets']} bucket(s), "
               f"{sync['seconds']:.2f}s")
     finally:

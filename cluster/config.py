@@ -69,6 +69,7 @@ class RewardPoolConfig(PoolConfig):
 class BufferConfig:
     capacity: int = 1024             # rollouts held; producers block when full (backpressure)
     max_staleness: int = 1           # async mode: drop rollouts older than this many versions
+    timeout_s: float = 600.0         # a step waiting this long for rollouts (or a producer for room) fails
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class RunConfig:
     samples_every: int = 5           # steps between samples.jsonl dumps
     plot_every: int = 1              # steps between redraws of plots/*.png (0 = no plots)
     tensorboard: bool = False        # also write TensorBoard event files (pip install tensorboard)
+    library_logs: bool = False       # show vLLM / Hugging Face / DeepSpeed console logs (off: tether's own lines only)
     seed: int = 0
 
 
@@ -264,8 +266,9 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError("config: run.plot_every/eval_every/save_every/samples_every must be >= 0")
     if cfg.run.steps < 1:
         raise ConfigError(f"config: run.steps={cfg.run.steps} must be >= 1")
-    if cfg.buffer.max_staleness < 0 or cfg.buffer.capacity < 1:
-        raise ConfigError("config: buffer.max_staleness must be >= 0 and buffer.capacity >= 1")
+    if cfg.buffer.max_staleness < 0 or cfg.buffer.capacity < 1 or cfg.buffer.timeout_s <= 0:
+        raise ConfigError("config: buffer.max_staleness must be >= 0, buffer.capacity >= 1 and "
+                          "buffer.timeout_s > 0")
     if cfg.data.prompts_per_step < 1:
         raise ConfigError(f"config: data.prompts_per_step={cfg.data.prompts_per_step} must be >= 1")
     if cfg.ppo.kl.estimator not in KL_ESTIMATORS:

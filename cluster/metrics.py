@@ -46,7 +46,6 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "ppo/logprob_gap_max": ((), "largest |vLLM behaviour logprob - learner logprob| in the batch"),
     "ppo/returns_mean": ((), "token-mean GAE return"),
     "ppo/values_mean": ((), "token-mean value prediction"),
-    "ppo/score_mean": ((), "mean sequence score of the batch the learner trained on"),
     "perf/step_seconds": ((), "wall time of the whole PPO step"),
     "perf/generate_seconds": ((), "time spent generating rollouts"),
     "perf/score_seconds": ((), "time spent on reference logprobs and reward scores"),
@@ -71,13 +70,14 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "rollouts/skipped_prompts": ((), "prompts skipped (too long, empty after templating)"),
     "rollouts/invalid_scores": ((), "rollouts dropped because the reward was invalid (NaN, error)"),
     "rollouts/empty_responses": ((), "rollouts with an empty response"),
+    "rollouts/duplicate_chunks": ((), "prompt chunks the buffer had stored already (a redispatch that raced its original)"),
     "eval/score_mean": ((), "mean score on the held-out eval prompts (eval steps only)"),
     "eval/response_len": ((), "mean eval response length in tokens (eval steps only)"),
     "policy/version": ((), "policy version the generators run"),
     "learner/step": ((), "learner updates done"),
     "learner/optimizer_steps": ((), "optimiser steps done (DeepSpeed global_steps)"),
     "learner/tokens": ((), "response tokens in the last learner batch"),
-    "learner/dropped_rollouts": ((), "rollouts the learner group dropped to shard evenly"),
+    "learner/dropped_rollouts": ((), "rollouts left out of the batch so every learner rank got an equal shard"),
 }
 
 

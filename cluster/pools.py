@@ -1,14 +1,20 @@
-"""Placement groups and actor pools, each sized independently from the config.
+"""Live pools of actors, each sized independently from the config and changeable while running.
 
-Role classes stay plain Python; `ray.remote` is applied here, at the edge. Every
-pool reserves its resources through its own placement group (one bundle per
-replica), so a pool that cannot be placed fails fast with a message naming the
-pool and what it asked for, instead of waiting forever.
+Role classes stay plain Python; `ray.remote` is applied here, at the edge. A Pool is
+the live set of one role's replicas: it knows each replica's handle and load, hands
+out the least-loaded one, and can add or remove replicas without restarting anything
+else. Every replica reserves its resources through its own placement group, so a
+replica added mid-run needs no room in a group made at start-up, and one that cannot
+be placed fails fast with a message naming the pool and what it asked for.
 """
 from __future__ import annotations
 
+import itertools
 import logging
-from dataclasses import dataclass, field, replace
+import os
+import threading
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -19,118 +25,256 @@ from actors.generator import Generator
 from actors.reference import Reference
 from actors.reward import Reward
 from cluster.config import TetherConfig
-from learner.worker import LearnerGroup
+from learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
+
+# Libraries' own console output, silenced unless run.library_logs is true: vLLM's INFO
+# lines (two per step, and its config dumps) and Hugging Face / vLLM progress bars.
+# Warnings and errors still show, from every library.
+QUIET_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TRANSFORMERS_VERBOSITY": "warning",
+             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
 
 
 class PlacementError(RuntimeError):
     """A pool's resources cannot be reserved on this cluster."""
 
 
+def quiet_libraries() -> None:
+    """The driver process's share of QUIET_ENV (the actors get it through their runtime_env)."""
+    os.environ.update(QUIET_ENV)
+    import transformers
+
+    transformers.logging.set_verbosity_warning()
+    transformers.logging.disable_progress_bar()
+
+
+def actor_env(cfg: TetherConfig) -> dict:
+    """Environment variables every actor starts with."""
+    env = {} if cfg.run.library_logs else dict(QUIET_ENV)
+    if not cfg.learner.num_gpus:
+        env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
+    return env
+
+
+def reserve(pool: str, bundles: int, num_cpus: float, num_gpus: float, timeout_s: float):
+    """A placement group of ``bundles`` equal bundles, or PlacementError naming the pool."""
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+    pg = placement_group([dict(bundle) for _ in range(bundles)], strategy="PACK", name=f"tether-{pool}")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        raise PlacementError(
+            f"pool {pool}: cannot place {bundles} replica(s) x {bundle} within {timeout_s:.0f}s "
+            f"(cluster has {available} free); lower {pool}.replicas or its num_cpus/num_gpus")
+    return pg
+
+
+def on_bundle(pg, index: int = 0) -> dict:
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index)}
+
+
+@dataclass
+class Replica:
+    id: str                       # also its Ray actor name, e.g. "generator-2"
+    handle: object
+    placement_group: object
+    load: int = 0                 # work items dispatched to it and not finished
+
+
+class Pool:
+    """The live replicas of one role (generator, reference or reward).
+
+    ``start(replica_id, index, options)`` creates the actor (``options`` places it);
+    ``index`` counts every replica the pool ever started, so a replacement gets a fresh
+    name and seed. Thread-safe: async mode's producer dispatches while the driver scales.
+    """
+
+    def __init__(self, role: str, *, start: Callable[[str, int, dict], object], num_cpus: float,
+                 num_gpus: float, placement_timeout_s: float) -> None:
+        self.role, self._start = role, start
+        self._resources = (num_cpus, num_gpus, placement_timeout_s)
+        self._replicas: dict[str, Replica] = {}
+        self._serial = itertools.count()
+        self._lock = threading.Lock()
+
+    # ---- membership
+    def reserve(self, n: int) -> list:
+        """Placement groups for n new replicas (phase 1 of add: fail before any model loads)."""
+        num_cpus, num_gpus, timeout = self._resources
+        pgs = []
+        try:
+            for _ in range(n):
+                pgs.append(reserve(self.role, 1, num_cpus, num_gpus, timeout))
+        except PlacementError:
+            for pg in pgs:
+                _free(pg)
+            raise
+        return pgs
+
+    def start(self, pgs: list) -> list[str]:
+        """Start one replica in each reserved group and wait until each answers health()."""
+        started = []
+        for pg in pgs:
+            index = next(self._serial)
+            rid = f"{self.role}-{index}"
+            started.append(Replica(rid, self._start(rid, index, on_bundle(pg)), pg))
+        try:
+            ray.get([r.handle.health.remote() for r in started])  # constructor errors surface here
+        except BaseException:
+            for r in started:
+                _kill(r)
+            raise
+        with self._lock:
+            self._replicas.update({r.id: r for r in started})
+        return [r.id for r in started]
+
+    def add(self, n: int = 1) -> list[str]:
+        return self.start(self.reserve(n))
+
+    def remove(self, replica_id: str) -> None:
+        """Stop a replica and free its resources; work in flight on it must be redispatched
+        by the caller (the ledger's release() says which)."""
+        with self._lock:
+            replica = self._replicas.pop(replica_id)
+        _kill(replica)
+
+    # ---- dispatch
+    def acquire(self) -> Replica:
+        """The least-loaded replica, its load raised by one (release() lowers it)."""
+        with self._lock:
+            if not self._replicas:
+                raise RuntimeError(f"pool {self.role}: no live replica")
+            replica = min(self._replicas.values(), key=lambda r: r.load)
+            replica.load += 1
+            return replica
+
+    def release(self, replica_id: str) -> None:
+        with self._lock:
+            if replica_id in self._replicas:  # it may have been removed meanwhile
+                self._replicas[replica_id].load -= 1
+
+    # ---- views
+    def handles(self) -> dict:
+        """replica id -> actor handle, a snapshot."""
+        with self._lock:
+            return {rid: r.handle for rid, r in self._replicas.items()}
+
+    def loads(self) -> dict:
+        with self._lock:
+            return {rid: r.load for rid, r in self._replicas.items()}
+
+    def first(self):
+        with self._lock:
+            return next(iter(self._replicas.values())).handle
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._replicas)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            replicas, self._replicas = list(self._replicas.values()), {}
+        for r in replicas:
+            _kill(r)
+
+
+def _kill(replica: Replica) -> None:
+    try:
+        ray.kill(replica.handle)
+    except Exception:  # noqa: BLE001 - already dead is fine
+        pass
+    _free(replica.placement_group)
+
+
+def _free(pg) -> None:
+    if pg is None:
+        return
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - already removed is fine
+        pass
+
+
 @dataclass
 class Pools:
-    generators: list
-    references: list
-    rewards: list
+    generators: Pool
+    references: Pool
+    rewards: Pool
     learner: LearnerGroup
     buffer: object
-    placement_groups: list = field(default_factory=list)
+    learner_placement: object = None
 
     def actor_names(self) -> list[str]:
         """Names of the live actors, looked up in Ray (not derived from the config)."""
-        names = [f"{role}-{i}" for role, group in (("generator", self.generators),
-                                                  ("reference", self.references),
-                                                  ("reward", self.rewards))
-                 for i in range(len(group))]
+        names = [rid for pool in (self.generators, self.references, self.rewards) for rid in pool.handles()]
         names += [f"learner-{i}" for i in range(self.learner.world_size)] + ["buffer"]
         for name in names:
             ray.get_actor(name)  # ValueError if it is not alive under that name
         return names
 
     def shutdown(self) -> None:
-        for handle in self.generators + self.references + self.rewards + [self.buffer]:
+        for pool in (self.generators, self.references, self.rewards):
+            pool.shutdown()
+        for stop in (lambda: ray.kill(self.buffer), self.learner.shutdown):
             try:
-                ray.kill(handle)
+                stop()
             except Exception:  # noqa: BLE001 - already dead is fine at shutdown
                 pass
-        try:
-            self.learner.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
-        for pg in self.placement_groups:
-            remove_placement_group(pg)
+        _free(self.learner_placement)
 
 
-def _bundle(num_cpus: float, num_gpus: float) -> dict:
-    b = {"CPU": num_cpus}
-    if num_gpus:
-        b["GPU"] = num_gpus
-    return b
+def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) -> tuple[Pool, Pool, Pool]:
+    g, r, w, t = cfg.generator, cfg.reference, cfg.reward, cfg.resources.placement_timeout_s
+    env = {"env_vars": actor_env(cfg)}
 
+    def generator(rid, index, options):
+        return ray.remote(Generator).options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,
+                                             runtime_env=env, **options).remote(
+            model=policy_path, name=rid, sampling=replace(g.sampling, seed=g.sampling.seed + index),
+            engine=g.engine, tensor_parallel=g.tensor_parallel, weight_sync=cfg.learner.weight_sync)
 
-def reserve(pool: str, replicas: int, num_cpus: float, num_gpus: float, timeout_s: float,
-            strategy: str = "PACK"):
-    """One bundle per replica; raise PlacementError naming the pool if it cannot be placed."""
-    bundle = _bundle(num_cpus, num_gpus)
-    pg = placement_group([dict(bundle) for _ in range(replicas)], strategy=strategy,
-                         name=f"tether-{pool}")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-        raise PlacementError(
-            f"pool {pool}: cannot place {replicas} replica(s) x {bundle} within {timeout_s:.0f}s "
-            f"(cluster has {available} free); lower {pool}.replicas or its num_cpus/num_gpus")
-    return pg
+    def reference(rid, index, options):
+        return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
+                                             runtime_env=env, **options).remote(
+            model=policy_path, temperature=g.sampling.temperature, batch_size=r.batch_size)
 
+    def reward(rid, index, options):
+        return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
+                                          runtime_env=env, **options).remote(
+            model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size)
 
-def _on(pg, index: int) -> dict:
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=index)}
+    return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t)
+                 for role, start, p in (("generator", generator, g), ("reference", reference, r),
+                                        ("reward", reward, w)))
 
 
 def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) -> Pools:
     """Reserve every pool first (so a shortage fails before any model loads), then start actors."""
-    t = cfg.resources.placement_timeout_s
-    g, r, w, lp = cfg.generator, cfg.reference, cfg.reward, cfg.learner
-    pgs = []
+    lp = cfg.learner
+    pools = _role_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path)
+    reserved, learner_pg, started = [], None, []
     try:
-        for name, pool in (("generator", g), ("reference", r), ("reward", w), ("learner", lp)):
-            pgs.append(reserve(name, pool.replicas, pool.num_cpus, pool.num_gpus, t))
-        gen_pg, ref_pg, rew_pg, learn_pg = pgs
-
-        generators = [
-            ray.remote(Generator).options(name=f"generator-{i}", num_cpus=g.num_cpus,
-                                          num_gpus=g.num_gpus, **_on(gen_pg, i)).remote(
-                model=policy_path, name=f"generator-{i}",
-                sampling=replace(g.sampling, seed=g.sampling.seed + i), engine=g.engine,
-                tensor_parallel=g.tensor_parallel, weight_sync=lp.weight_sync)
-            for i in range(g.replicas)]
-        temperature = g.sampling.temperature
-        references = [
-            ray.remote(Reference).options(name=f"reference-{i}", num_cpus=r.num_cpus,
-                                          num_gpus=r.num_gpus, **_on(ref_pg, i)).remote(
-                model=policy_path, temperature=temperature, batch_size=r.batch_size)
-            for i in range(r.replicas)]
-        rewards = [
-            ray.remote(Reward).options(name=f"reward-{i}", num_cpus=w.num_cpus,
-                                       num_gpus=w.num_gpus, **_on(rew_pg, i)).remote(
-                model=w.model, function=w.function, tokenizer=tokenizer_path,
-                batch_size=w.batch_size)
-            for i in range(w.replicas)]
+        for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.replicas, cfg.reward.replicas)):
+            reserved.append(pool.reserve(n))
+        learner_pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus,
+                             cfg.resources.placement_timeout_s)
+        for pool, pgs in zip(pools, reserved):
+            pool.start(pgs)
+            started.append(pool)
         # Many producers may block in put() at once; leave room for stats()/health().
-        buffer = ray.remote(RolloutBuffer).options(name="buffer", num_cpus=0,
-                                                    max_concurrency=16).remote(
+        buffer = ray.remote(RolloutBuffer).options(name="buffer", num_cpus=0, max_concurrency=16).remote(
             capacity=cfg.buffer.capacity)
-        learner = LearnerGroup(model=policy_path, config=cfg.learner_config(),
-                               world_size=lp.replicas, num_cpus_per_rank=lp.num_cpus,
-                               num_gpus_per_rank=lp.num_gpus, placement_group=learn_pg)
-        pools = Pools(generators, references, rewards, learner, buffer, pgs)
-        # Surface constructor errors (bad model path, unimportable reward function) now.
-        ray.get([a.health.remote() for a in generators + references + rewards + [buffer]])
-        return pools
+        learner = LearnerGroup(model=policy_path, config=cfg.learner_config(), world_size=lp.replicas,
+                               num_cpus_per_rank=lp.num_cpus, num_gpus_per_rank=lp.num_gpus,
+                               placement_group=learner_pg, env=actor_env(cfg))
+        ray.get(buffer.health.remote())
+        return Pools(*pools, learner=learner, buffer=buffer, learner_placement=learner_pg)
     except BaseException:
-        for pg in pgs:
-            remove_placement_group(pg)
+        for pool in started:
+            pool.shutdown()
+        for pg in [pg for pgs in reserved[len(started):] for pg in pgs] + [learner_pg]:
+            _free(pg)
         raise

@@ -87,7 +87,9 @@ def connect_ray(cfg) -> None:
     # A local cluster: logical CPUs cover every pool even on a 2-core machine.
     pools = (cfg.generator, cfg.reference, cfg.reward, cfg.learner)
     need = sum(p.replicas * p.num_cpus for p in pools)
-    ray.init(num_cpus=cfg.resources.num_cpus or max(int(need + 0.999), os.cpu_count() or 1),
+    # address="local": a new cluster of our own, never an unrelated `ray start` head that
+    # happens to run on this machine (ray.init() with no address would join that one).
+    ray.init(address="local", num_cpus=cfg.resources.num_cpus or max(int(need + 0.999), os.cpu_count() or 1),
              logging_level=logging.WARNING)
 
 
@@ -147,14 +149,17 @@ def prepare(cfg):
 def run(cfg) -> dict:
     from cluster.driver import Driver
     from cluster.metrics import RunMetrics
-    from cluster.pools import PlacementError, create_pools
+    from cluster.pools import PlacementError, create_pools, quiet_libraries
 
+    if not cfg.run.library_logs:
+        quiet_libraries()
     try:
         policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
     except (ValueError, OSError, ImportError) as e:  # bad data / model paths: the user's to fix
         raise UserError(one_line(e)) from None
     run_dir = make_run_dir(cfg)
-    log.info("run folder: %s\nresolved config:\n%s", run_dir, cfg.to_yaml())
+    log.info("run folder: %s (resolved config in config.yaml)", run_dir)
+    log.info(startup_summary(cfg))
     write_status(run_dir, "running")
     connect_ray(cfg)
     pools = None
@@ -188,6 +193,15 @@ def run(cfg) -> dict:
     finally:
         if pools is not None:
             pools.shutdown()
+
+
+def startup_summary(cfg) -> str:
+    g, r, w, lp = cfg.generator, cfg.reference, cfg.reward, cfg.learner
+    pool = lambda name, p: f"{name} {p.replicas}x({p.num_cpus:g} CPU" + (f", {p.num_gpus:g} GPU)" if p.num_gpus else ")")
+    return (f"{cfg.run.mode} PPO, {cfg.run.steps} steps of {cfg.data.prompts_per_step} prompts x "
+            f"{g.sampling.n} samples | policy {cfg.model.policy} | reward {w.function or w.model} | "
+            f"{pool('generators', g)} {pool('references', r)} {pool('rewards', w)} "
+            f"{pool('learner ranks', lp)} ZeRO-{lp.zero_stage}")
 
 
 def one_line(e: BaseException) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -18,6 +19,28 @@ from core.ppo import kl_estimate, per_token_rewards
 log = logging.getLogger(__name__)
 
 _ROLLOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Rollout))
+
+
+@dataclass(frozen=True)
+class RewardShaping:
+    """How scores and the KL to the reference become per-token rewards (see ``annotate``)."""
+    beta: float                          # weight of the per-token KL penalty (the controller's current value)
+    kl_estimator: str = "k1"
+    truncation_penalty: float = 0.0
+    reward_clip: Optional[float] = None
+
+
+def annotate_valid(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], scores: np.ndarray,
+                   valid: np.ndarray, shaping: RewardShaping) -> tuple[list[ScoredRollout], int, int]:
+    """``annotate`` of the rollouts whose score is valid: (scored, n_invalid, n_empty).
+
+    scores and valid are [N] (a reward's ScoreResult); invalid items are left out and counted.
+    """
+    keep = np.flatnonzero(np.asarray(valid, dtype=bool))
+    scored = annotate([rollouts[i] for i in keep], [ref_logprobs[i] for i in keep],
+                      np.asarray(scores)[keep], beta=shaping.beta, kl_estimator=shaping.kl_estimator,
+                      truncation_penalty=shaping.truncation_penalty, reward_clip=shaping.reward_clip)
+    return scored, len(rollouts) - len(keep), len(keep) - len(scored)
 
 
 def _name(r: Rollout) -> str:

@@ -1,6 +1,6 @@
 """PPO-for-RLHF numerics: pure tensor functions, no model or distributed state.
 
-Conventions used throughout (see DESIGN.md, "Numerics"):
+Conventions used throughout (see docs/design.md, "Numeric conventions"):
   * ``mask`` is ``[B, T]`` with 1.0 on valid response tokens and 0 on padding;
     sequences are right-padded.
   * Masked functions never read padding positions: they are replaced with 0 via
@@ -12,7 +12,7 @@ Conventions used throughout (see DESIGN.md, "Numerics"):
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,12 +40,14 @@ def _check_shapes(fn: str, ref_name: str, ref_shape: Sequence[int], **tensors: T
             )
 
 
-def _check_masked(fn: str, mask: Tensor, *, two_d: bool = True, **tensors: Tensor) -> None:
-    """Shared checks for masked functions: shapes equal the mask's, mask non-empty."""
+def _check_masked(fn: str, mask: Tensor, *, two_d: bool = True, nonempty: bool = True,
+                  **tensors: Tensor) -> None:
+    """Shared checks for masked functions: shapes equal the mask's, mask non-empty
+    (``nonempty=False``: the caller checks the count over the global batch instead)."""
     _require(not two_d or mask.dim() == 2, f"{fn}: mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
     _check_shapes(fn, "mask", mask.shape, **tensors)
     # One host sync; worth it to turn a silent NaN into a loud error.
-    _require(bool((mask != 0).any()), f"{fn}: mask has no valid tokens")
+    _require(not nonempty or bool((mask != 0).any()), f"{fn}: mask has no valid tokens")
 
 
 def _check_temperature(fn: str, temperature: float) -> None:
@@ -83,16 +85,41 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((x - mean) ** 2, mask)
 
 
-def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """Normalise ``x`` [B, T] to unit variance with statistics of valid entries only.
+def local_sums(values: list) -> list:
+    """The default ``reduce``: one process holds the whole batch, so its sums are the global ones."""
+    return list(values)
 
-    Statistics are taken over the whole (local) batch. ``shift_mean=False`` adds the
-    mean back, i.e. only rescales (used for rewards, where the sign carries meaning).
-    Padding positions come out 0.
+
+def _masked_moments(fn: str, xs: Sequence[Tensor], mask: Tensor, reduce) -> Tuple[list, list]:
+    """(means, biased variances) of each x in ``xs`` over the valid entries of ``mask``.
+
+    ``reduce`` turns this process's partial sums into sums over the whole batch; it is
+    called twice (sums and count, then squared deviations from the global means), so the
+    variance is the two-pass one, as precise as ``masked_var``.
     """
-    _check_masked("whiten", mask, two_d=False, x=x)
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
+    m = mask.to(xs[0].dtype)
+    *totals, count = reduce([(_zero_pad(x, mask) * m).sum() for x in xs] + [m.sum()])
+    _require(bool(count != 0), f"{fn}: mask has no valid tokens")
+    means = [total / count for total in totals]
+    squares = reduce([(_zero_pad((x - mu) ** 2, mask) * m).sum() for x, mu in zip(xs, means)])
+    return means, [sq / count for sq in squares]
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, *,
+           reduce: Callable[[list], list] = local_sums) -> Tensor:
+    """Normalise ``x`` [B, T] (any shape equal to ``mask``'s) to unit variance with
+    statistics of valid entries only; returns the same shape, 0 on padding.
+
+    ``shift_mean=False`` adds the mean back, i.e. only rescales (used for rewards, where
+    the sign carries meaning). Statistics cover the whole batch: by default the local
+    one; when the batch is split over processes, ``reduce`` takes a list of local
+    scalars (0-d tensors) and returns their sums over all processes, in order (an
+    all-reduce); a process may then hold no valid entry as long as some process does.
+    """
+    fn = "whiten"
+    _check_masked(fn, mask, two_d=False, nonempty=False, x=x)
+    (mean,), (var,) = _masked_moments(fn, [x], mask, reduce)
+    var = torch.as_tensor(var, dtype=x.dtype, device=x.device)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -365,16 +392,19 @@ def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
     return aggregate_loss(nll, mask, "token-mean")
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
-    """1 - Var(R - V) / Var(R) over valid tokens, as a detached scalar.
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, *,
+                       reduce: Callable[[list], list] = local_sums) -> Tensor:
+    """1 - Var(R - V) / Var(R) over valid tokens, as a detached 0-d tensor.
 
-    1 is a perfect critic, 0 no better than a constant, negative worse. If the
-    returns have zero variance the ratio is undefined and NaN is returned.
+    values, returns, mask: [B, T]. 1 is a perfect critic, 0 no better than a constant,
+    negative worse. If the returns have zero variance the ratio is undefined and NaN is
+    returned. ``reduce``: as in ``whiten``, for a batch split over processes.
     """
-    _check_masked("explained_variance", mask, values=values, returns=returns)
+    fn = "explained_variance"
+    _check_masked(fn, mask, nonempty=False, values=values, returns=returns)
     with torch.no_grad():
-        var_r = masked_var(returns, mask)
-        var_resid = masked_var(returns - values, mask)
+        _, (var_r, var_resid) = _masked_moments(fn, [returns, returns - values], mask, reduce)
+        var_r = torch.as_tensor(var_r, dtype=returns.dtype, device=returns.device)
         if bool(var_r == 0):
             return torch.full_like(var_r, float("nan"))
         return 1.0 - var_resid / var_r

@@ -6,7 +6,7 @@ this one rollout (no padding inside a unit; padding happens when a batch is made
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,3 +56,47 @@ class ScoredRollout(Rollout):
                 raise ValueError(f"ScoredRollout: {name} shape {arr.shape} does not match "
                                  f"response_ids shape {self.response_ids.shape}")
             setattr(self, name, arr)
+
+
+def shard_rollouts(rollouts: list, world_size: int) -> tuple[list[list], int]:
+    """Interleaved equal shards for ``world_size`` learner ranks, and how many were dropped.
+
+    Rank r gets rows r, r+W, ...: with shuffling off, global minibatch k is then rows
+    k*M .. k*M+M-1, as in a single process. The remainder (len % W) is dropped: every
+    rank must run the same number of collectives.
+    """
+    keep = len(rollouts) - len(rollouts) % world_size
+    if keep == 0:
+        raise ValueError(f"learner: {len(rollouts)} rollouts cannot fill {world_size} ranks")
+    return [list(rollouts[r:keep:world_size]) for r in range(world_size)], len(rollouts) - keep
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """Per-rollout figures of one training batch, for metrics: numbers, never the rollouts.
+
+    The buffer makes it beside the learner shards, so the driver logs a step without
+    deserialising a single rollout. N = rollouts in the batch.
+    """
+    scores: np.ndarray          # [N] float64: sequence scores
+    kl_sums: np.ndarray         # [N] float64: per-sequence sum of the per-token KL
+    response_lengths: np.ndarray  # [N] int64
+    truncated: np.ndarray       # [N] bool: cut at max_new_tokens
+    staleness: np.ndarray       # [N] int64: learner version - policy_version that sampled it
+    dropped: int = 0            # rollouts left out so every learner rank got an equal shard
+    samples: tuple = field(default_factory=tuple)  # a few rows (dicts of plain values) for samples.jsonl
+
+    @classmethod
+    def of(cls, rollouts: list, *, current_version: int, dropped: int = 0, n_samples: int = 4) -> "BatchSummary":
+        firsts = [r for r in rollouts if r.sample_index == 0][:n_samples]  # distinct prompts
+        samples = tuple({"prompt_ids": r.prompt_ids.tolist(), "response_ids": r.response_ids.tolist(),
+                         "score": float(r.score), "kl_sum": float(np.sum(r.kl)),
+                         "finish_reason": r.finish_reason, "policy_version": r.policy_version}
+                        for r in firsts)
+        return cls(scores=np.array([r.score for r in rollouts], dtype=np.float64),
+                   kl_sums=np.array([float(np.sum(r.kl)) for r in rollouts], dtype=np.float64),
+                   response_lengths=np.array([r.response_ids.size for r in rollouts], dtype=np.int64),
+                   truncated=np.array([r.truncated for r in rollouts], dtype=bool),
+                   staleness=np.array([max(0, current_version - r.policy_version) for r in rollouts],
+                                      dtype=np.int64),
+                   dropped=dropped, samples=samples)

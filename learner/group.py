@@ -8,116 +8,146 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Optional
 
 import numpy as np
 
-from core.rollout import ScoredRollout
 from learner.config import LearnerConfig
+from learner.rendezvous import RendezvousError, StoreAddress, one_line
 from learner.weight_sync import DEFAULT_BUCKET_BYTES
+from learner.worker import LearnerWorker
 
 log = logging.getLogger(__name__)
+
+RENDEZVOUS_ATTEMPTS = 3
 
 
 class LearnerGroup:
     """``world_size`` LearnerWorker ranks as named Ray actors (``learner-0``, ...).
 
-    Every call fans out to all ranks and waits with a timeout; a failed or dead rank
-    surfaces as an error naming it (the other ranks then fail their collectives at
-    ``dist_timeout_s``: shut the group down and recreate it).
+    Start-up: the ranks are created (cheap), rank 0 opens the rendezvous store on a port
+    the OS picks and keeps, every rank joins it, then every rank builds its engine. A
+    failed rendezvous is retried with new actors and a new store, up to
+    ``RENDEZVOUS_ATTEMPTS`` times. Afterwards a failed or dead rank surfaces as an error
+    naming it (the other ranks then fail their collectives at ``dist_timeout_s``: shut the
+    group down and recreate it).
+
+    ``config``: a LearnerConfig is taken as validated; a dict goes through ``from_dict``.
     """
 
     def __init__(self, *, model: str, config: LearnerConfig | dict, world_size: int,
                  num_cpus_per_rank: float = 1, num_gpus_per_rank: float = 0, placement_group=None,
                  name_prefix: str = "learner", start_timeout_s: float = 600.0,
-                 call_timeout_s: float = 1800.0) -> None:
+                 rendezvous_timeout_s: float = 120.0, call_timeout_s: float = 1800.0,
+                 env: Optional[Mapping[str, str]] = None) -> None:
+        if not isinstance(config, LearnerConfig):
+            config = LearnerConfig.from_dict({**config, "world_size": world_size})
+        self.config, self.model, self.world_size = config, str(model), world_size
+        self.call_timeout_s, self.start_timeout_s = call_timeout_s, start_timeout_s
+        self.rendezvous_timeout_s = rendezvous_timeout_s  # joining takes seconds; past this, retry
+        self._actor_options = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
+                                   placement_group=placement_group, name_prefix=name_prefix)
+        self._env = dict(env or {})  # environment variables of every rank (e.g. quiet library logs)
+        self.workers: list = []
+        self._start()
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start(self) -> None:
+        for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+            self.workers = self._spawn()
+            try:
+                # Constructors done: config errors surface here, and are not retried.
+                self._gather([w.health.remote() for w in self.workers], "start", self.start_timeout_s)
+                failure = self._rendezvous()
+                if failure is None:
+                    self._gather([w.build.remote() for w in self.workers], "build", self.start_timeout_s)
+                    return
+            except Exception:
+                self.shutdown()  # ranks left waiting in a collective would hold their CPUs until the timeout
+                raise
+            self.shutdown()  # a rank may be stuck in the old rendezvous: new actors, new store
+            if attempt == RENDEZVOUS_ATTEMPTS:
+                raise RendezvousError(f"learner: rendezvous failed {attempt} times, giving up; "
+                                      f"last error: {one_line(failure)}") from failure
+            log.warning("learner: rendezvous failed (%s); retrying with a fresh port (attempt %d/%d)",
+                        one_line(failure), attempt + 1, RENDEZVOUS_ATTEMPTS)
+
+    def _spawn(self) -> list:
         import ray
 
-        from learner.worker import LearnerWorker, node_ip_and_free_port  # worker.py re-exports this module
-
-        self.config = config if isinstance(config, LearnerConfig) else LearnerConfig.from_dict(config)
-        self.config.validate(world_size)
-        self.world_size, self.call_timeout_s = world_size, call_timeout_s
-        self.dropped_rollouts = 0
-        addr, port = ray.get(ray.remote(num_cpus=0)(node_ip_and_free_port).options(
-            **self._placement(placement_group, 0)).remote(), timeout=start_timeout_s)
-        env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")} if not num_gpus_per_rank else {}
+        opts = self._actor_options
+        # CPU ranks must not pick up a CUDA build's default accelerator.
+        env = dict(self._env)
+        if not opts["num_gpus"]:
+            env.setdefault("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
         actor = ray.remote(LearnerWorker)
-        self.workers = [
-            actor.options(name=f"{name_prefix}-{r}", num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
-                          runtime_env={"env_vars": env} if env else None,
-                          **self._placement(placement_group, r)).remote(
-                rank=r, world_size=world_size, model=model, config=self.config,
-                master_addr=addr, master_port=port)
-            for r in range(world_size)]
+        return [actor.options(name=f"{opts['name_prefix']}-{r}", num_cpus=opts["num_cpus"],
+                              num_gpus=opts["num_gpus"], runtime_env={"env_vars": env} if env else None,
+                              **_placement(opts["placement_group"], r)).remote(
+                    rank=r, world_size=self.world_size, model=self.model, config=self.config, start=False)
+                for r in range(self.world_size)]
+
+    def _rendezvous(self) -> Optional[Exception]:
+        """Rank 0 opens the store, every rank joins it; returns the failure, if any."""
+        timeout = self.rendezvous_timeout_s
         try:
-            self._call("health", timeout=start_timeout_s)
-        except Exception:
-            self.shutdown()  # the surviving ranks would wait in the rendezvous until its timeout
-            raise
+            address = self._open_store(timeout)
+            self._gather([w.join.remote(address) for w in self.workers], "rendezvous", timeout)
+        except Exception as e:  # noqa: BLE001 - timeout, unreachable store, a rank lost: all retried
+            return e
+        return None
 
-    @staticmethod
-    def _placement(pg, bundle: int) -> dict:
-        if pg is None:
-            return {}
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=bundle)}
+    def _open_store(self, timeout: float) -> StoreAddress:
+        return self._gather([self.workers[0].open_store.remote()], "open_store", timeout)[0]
 
-    def _call(self, method: str, *args_per_rank, timeout: Optional[float] = None, **kwargs) -> list:
-        """Call ``method`` on every rank (positional args: one list entry per rank) and gather."""
-        refs = [getattr(w, method).remote(*(a[r] for a in args_per_rank), **kwargs)
-                for r, w in enumerate(self.workers)]
-        return _gather(refs, method, timeout or self.call_timeout_s)
+    # ------------------------------------------------------------------ the ranks as one
 
-    def shards(self, rollouts: list) -> list[list]:
-        """Interleaved equal shards (rank r gets rows r, r+W, ...): with shuffle off, global
-        minibatch k is then rows k*M .. k*M+M-1, as in a single process. The remainder
-        (len % W) is dropped: ranks must run the same number of collectives."""
-        keep = len(rollouts) - len(rollouts) % self.world_size
-        if keep < len(rollouts):
-            log.warning("learner: dropping %d rollouts so %d ranks get equal shards",
-                        len(rollouts) - keep, self.world_size)
-        self.dropped_rollouts += len(rollouts) - keep
-        if keep == 0:
-            raise ValueError(f"learner.train: {len(rollouts)} rollouts cannot fill {self.world_size} ranks")
-        return [list(rollouts[r:keep:self.world_size]) for r in range(self.world_size)]
-
-    def train(self, rollouts: list[ScoredRollout], ptx_batch: Optional[list] = None) -> dict:
+    def train(self, shards: list, ptx_batch: Optional[list] = None) -> dict:
+        """One PPO update. ``shards``: one entry per rank (core.rollout.shard_rollouts makes
+        them), each a list of ScoredRollout or a Ray ObjectRef to one; a ref is resolved by
+        Ray inside its rank, so the rollouts never pass through this process."""
         t0 = time.perf_counter()
-        shards = self.shards(rollouts)
-        ptx = None
+        if len(shards) != self.world_size:
+            raise ValueError(f"learner.train: got {len(shards)} shards for {self.world_size} ranks; "
+                             "pass exactly one per rank (core.rollout.shard_rollouts)")
+        ptx = [None] * self.world_size
         if ptx_batch is not None:
             many = len(ptx_batch) >= self.world_size
             ptx = [list(ptx_batch[r::self.world_size]) if many else list(ptx_batch)
                    for r in range(self.world_size)]
-        results = self._call("train", shards, ptx or [None] * self.world_size)
-        metrics = _merge_metrics(results)
+        refs = [w.train.remote(shard, ptx[r]) for r, (w, shard) in enumerate(zip(self.workers, shards))]
+        metrics = _merge_metrics(self._gather(refs, "train"))
         metrics["perf/learner_group_seconds"] = time.perf_counter() - t0
-        metrics["learner/dropped_rollouts"] = self.dropped_rollouts
         return metrics
 
-    def push_weights(self, generators: list, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
-        return self._call("push_weights", generators=generators, version=version,
-                          bucket_bytes=bucket_bytes)[0]
+    def push_weights(self, generators: Mapping, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+        """Send the policy to ``generators`` (replica id -> Generator actor handle); rank 0's report."""
+        if not isinstance(generators, Mapping):
+            raise TypeError(f"learner.push_weights: generators must map replica id -> actor handle, "
+                            f"got {type(generators).__name__}")
+        return self._gather([w.push_weights.remote(generators, version, bucket_bytes) for w in self.workers],
+                            "push_weights")[0]
 
     def state_dict(self) -> dict:
         """Full tensors of the trained module (gathered on rank 0)."""
-        return self._call("full_state_dict")[0]
+        return self._gather([w.full_state_dict.remote() for w in self.workers], "state_dict")[0]
 
     def save(self, out_dir) -> str:
-        return self._call("save", out_dir=str(out_dir))[0]
+        return self._gather([w.save.remote(str(out_dir)) for w in self.workers], "save")[0]
 
     def load(self, in_dir) -> int:
-        return self._call("load", in_dir=str(in_dir))[0]
+        return self._gather([w.load.remote(str(in_dir)) for w in self.workers], "load")[0]
 
     def save_pretrained_policy(self, out_dir) -> str:
-        return self._call("save_pretrained_policy", out_dir=str(out_dir))[0]
+        return self._gather([w.save_pretrained_policy.remote(str(out_dir)) for w in self.workers],
+                            "save_pretrained_policy")[0]
 
     def health(self) -> list[dict]:
         """Per-rank dicts. Queued behind a running call (actors run one call at a time);
         a dead rank still answers at once with an error."""
-        return self._call("health")
+        return self._gather([w.health.remote() for w in self.workers], "health")
 
     def shutdown(self) -> None:
         import ray
@@ -125,8 +155,20 @@ class LearnerGroup:
             ray.kill(w)
         self.workers = []
 
+    def _gather(self, refs: list, what: str, timeout: Optional[float] = None) -> list:
+        return _gather(refs, what, timeout or self.call_timeout_s)
+
+
+def _placement(pg, bundle: int) -> dict:
+    if pg is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=bundle)}
+
 
 def _gather(refs: list, what: str, timeout: float) -> list:
+    """Results in rank order; the first failure raises, naming its rank (ValueError stays one)."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 

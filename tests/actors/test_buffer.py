@@ -199,3 +199,57 @@ def test_concurrent_producers_each_item_exactly_once(cluster):
         assert [i for q, i in keys if q == p] == list(range(20))
     stats = ray.get(buf.stats.remote())
     assert (stats["put_total"], stats["got_total"], stats["depth"], stats["dropped_stale"]) == (60, 60, 0, 0)
+
+
+# ------------------------------------------------------------ by reference: put_chunk / take
+
+def _rollouts(n, version=0):
+    from core.rollout import Rollout
+    return [Rollout(prompt_ids=np.array([1, 2]), response_ids=np.array([3, 4, 5]),
+                    behaviour_logprobs=np.array([-1.0, -1.0, -1.0], np.float32), finish_reason="stop",
+                    policy_version=version, prompt_index=i, sample_index=0) for i in range(n)]
+
+
+def _scores(values, valid):
+    from actors.reward import ScoreResult
+    return ScoreResult(np.array(values, np.float32), np.array(valid, bool), ["reward said no"])
+
+
+def test_put_chunk_annotates_and_stores_each_chunk_once():
+    from core.annotate import RewardShaping
+
+    buf = RolloutBuffer(capacity=16)
+    ref_lp = [np.array([-1.5, -1.0, -0.5], np.float32)] * 3
+    shaping = RewardShaping(beta=0.1)
+    report = buf.put_chunk(7, _rollouts(3), ref_lp, _scores([1.0, np.nan, 2.0], [True, False, True]), shaping)
+    assert (report.stored, report.invalid_scores, report.duplicate) == (2, 1, False)
+    assert report.errors == ("reward said no",)
+    again = buf.put_chunk(7, _rollouts(3), ref_lp, _scores([1.0, 1.0, 2.0], [True] * 3), shaping)
+    assert again.duplicate and again.stored == 0
+    assert buf.stats()["depth"] == 2 and buf.stats()["chunks_stored"] == 1
+    got = buf.get(2)
+    # k1 KL = behaviour - reference; rewards = -beta * kl, plus the score on the last token.
+    np.testing.assert_allclose(got[0].kl, [0.5, 0.0, -0.5])
+    np.testing.assert_allclose(got[0].rewards, [-0.05, 0.0, 0.05 + 1.0], rtol=1e-6)
+    assert [r.prompt_index for r in got] == [0, 2] and got[1].score == 2.0
+
+
+def test_take_returns_interleaved_shards_and_a_summary():
+    buf = RolloutBuffer(capacity=16)
+    items = [item(version=v, index=i) for i, v in enumerate([3, 3, 2, 3, 3])]
+    buf.put(items)
+    *shards, summary = buf.take(5, world_size=2, current_version=3)
+    assert [[r.prompt_index for r in s] for s in shards] == [[0, 2], [1, 3]]
+    assert summary.dropped == 1  # 5 rollouts, 2 ranks: one left out so the shards are equal
+    assert summary.staleness.tolist() == [0, 0, 1, 0, 0]
+    assert summary.response_lengths.tolist() == [2] * 5 and len(summary.samples) == 4
+
+
+def test_take_by_reference_through_ray(cluster):
+    """Each shard is its own object: a rank can be handed one without the others."""
+    buf = new_buffer(16)
+    ray.get(buf.put.remote([item(index=i) for i in range(4)]))
+    *shards, summary = buf.take.options(num_returns=3).remote(4, world_size=2)
+    assert all(isinstance(s, ray.ObjectRef) for s in shards)
+    assert [r.prompt_index for r in ray.get(shards[1])] == [1, 3]
+    assert ray.get(summary).dropped == 0

@@ -1,7 +1,6 @@
 import json
 import math
 import re
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -215,12 +214,6 @@ def test_docs_list_every_metric():
 
 # ---------------------------------------------------------------------- live Ray
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _labels(line: str) -> dict:
     return dict(re.findall(r'(\w+)="([^"]*)"', line))
 
@@ -230,8 +223,8 @@ def ray_with_metrics():
     import ray
     if ray.is_initialized():
         ray.shutdown()
-    port = _free_port()
-    ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port)
+    ray.init(num_cpus=1, include_dashboard=False)
+    port = ray.nodes()[0]["MetricsExportPort"]  # Ray's own choice: no port picked here
     yield ray, port
     ray.shutdown()
 

@@ -1,6 +1,8 @@
 """Unit tests for core/ppo.py: hand-computed values, gradients, padding invariance."""
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -443,6 +445,74 @@ def test_explained_variance():
     torch.testing.assert_close(ppo.explained_variance(ret, ret, mask), t(1.0))
     torch.testing.assert_close(ppo.explained_variance(torch.zeros_like(ret), ret, mask), t(0.0))
     assert math.isnan(ppo.explained_variance(ret, t([[3.0, 3.0, 3.0, 0.0]]), mask))
+
+
+class ThreadAllReduce:
+    """all-reduce(SUM) across ``n`` threads, each standing for one process holding a part of
+    the batch: every caller passes its local scalars and gets the sums over all callers."""
+
+    def __init__(self, n):
+        self.barrier, self.parts, self.calls = threading.Barrier(n), {}, 0
+
+    def __call__(self, values):
+        self.parts[threading.get_ident()] = [float(v) for v in values]
+        self.barrier.wait()
+        sums = [math.fsum(column) for column in zip(*self.parts.values())]
+        self.calls += 1
+        self.barrier.wait()  # every part is read before the next round overwrites it
+        return sums
+
+
+def run_split(fn, rows, *tensors):
+    """``fn(*parts, reduce=...)`` on each row block of ``tensors`` concurrently, results in order."""
+    reduce = ThreadAllReduce(len(rows))
+    with ThreadPoolExecutor(len(rows)) as pool:
+        results = list(pool.map(lambda r: fn(*(x[r] for x in tensors), reduce=reduce), rows))
+    return results, reduce
+
+
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(2, 6), T=st.integers(2, 8), shift=st.booleans())
+def test_whiten_split_over_processes_equals_one_process(seed, B, T, shift):
+    g, mask = random_batch(seed, B, T)
+    x = 3.0 + 5.0 * torch.randn(B, T, generator=g, dtype=D)
+    cut = int(torch.randint(1, B, (1,), generator=g))
+    parts, reduce = run_split(lambda x, m, reduce: ppo.whiten(x, m, shift, reduce=reduce),
+                              [slice(0, cut), slice(cut, B)], x, mask)
+    torch.testing.assert_close(torch.cat(parts), ppo.whiten(x, mask, shift))
+    assert reduce.calls == 2 * 2  # two rounds (sums, then squared deviations) per process
+
+
+def test_whiten_split_hand_values_and_a_part_without_tokens():
+    # Global valid entries 1, 2, 3: mean 2, biased variance 2/3; the last part has none.
+    x, mask = t([[1.0, 2.0], [3.0, 99.0], [7.0, 8.0]]), t([[1, 1], [1, 0], [0, 0]])
+    parts, _ = run_split(lambda x, m, reduce: ppo.whiten(x, m, eps=0.0, reduce=reduce),
+                         [slice(0, 1), slice(1, 2), slice(2, 3)], x, mask)
+    s = math.sqrt(1.5)
+    torch.testing.assert_close(torch.cat(parts), t([[-s, 0.0], [s, 0.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match="whiten: mask has no valid tokens"):
+        run_split(lambda x, m, reduce: ppo.whiten(x, m, reduce=reduce), [slice(0, 1), slice(1, 2)],
+                  x[2:].repeat(2, 1), mask[2:].repeat(2, 1))
+
+
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(2, 6), T=st.integers(2, 8))
+def test_explained_variance_split_over_processes_equals_one_process(seed, B, T):
+    g, mask = random_batch(seed, B, T)
+    ret, val = torch.randn(B, T, generator=g, dtype=D), torch.randn(B, T, generator=g, dtype=D)
+    cut = int(torch.randint(1, B, (1,), generator=g))
+    parts, _ = run_split(ppo.explained_variance, [slice(0, cut), slice(cut, B)], val, ret, mask)
+    whole = ppo.explained_variance(val, ret, mask)
+    for part in parts:  # every process gets the global value
+        torch.testing.assert_close(part, whole)
+
+
+def test_explained_variance_split_hand_value():
+    # R = 1, 2, 4: Var 14/9. R - V = 0, 0, 2: Var 8/9. EV = 1 - 8/14 = 3/7.
+    ret, val, mask = t([[1.0, 2.0], [4.0, 50.0]]), t([[1.0, 2.0], [2.0, -9.0]]), t([[1, 1], [1, 0]])
+    parts, _ = run_split(ppo.explained_variance, [slice(0, 1), slice(1, 2)], val, ret, mask)
+    assert all(float(p) == pytest.approx(3 / 7, rel=1e-12) for p in parts)
+    assert float(ppo.explained_variance(val, ret, mask)) == pytest.approx(3 / 7, rel=1e-12)
 
 
 # ------------------------------------------------------------------------ bad input

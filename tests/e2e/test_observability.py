@@ -200,6 +200,30 @@ def _start_head(tmp: Path, env: dict, ports: dict) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
+def _start_head_with_fresh_ports(tmp: Path, env: dict, token: str, run_root: Path, attempts: int = 3):
+    """Ray takes the ports we name; one may be taken by another process between our pick and
+    Ray's bind, so a head that fails to come up is stopped and started again on fresh ports."""
+    names = ("gcs", "dashboard", "metrics", "client", "agent_http", "agent_grpc", "runtime_env",
+             "node_manager", "object_manager")
+    for attempt in range(1, attempts + 1):
+        ports = dict(zip(names, _free_ports(len(names))))
+        live = Live(tmp=tmp, dashboard=f"http://127.0.0.1:{ports['dashboard']}",
+                    metrics_url=f"http://127.0.0.1:{ports['metrics']}/metrics", token=token, env=env,
+                    submission_id=f"tether-obs-{secrets.token_hex(4)}", run_dir=run_root / "runs" / "obs",
+                    out=run_root)
+        head = _start_head(tmp, env, ports)
+        try:
+            _wait_dashboard(live, head)
+            return head, live
+        except RuntimeError as e:
+            _stop_head(head, tmp)
+            if attempt == attempts:
+                raise
+            print(f"ray head did not come up ({str(e).splitlines()[0]}); retrying with fresh ports "
+                  f"(attempt {attempt + 1}/{attempts})")
+    raise AssertionError("unreachable")
+
+
 def _stop_head(head: subprocess.Popen, tmp: Path) -> None:
     """Stop this cluster only: graceful SIGTERM to `ray start --block`, then SIGKILL leftovers."""
     if head.poll() is None:
@@ -401,17 +425,9 @@ def live(tmp_path_factory):
            if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_API_SERVER_ADDRESS")}
     env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN_PATH=str(token_file), RAY_USAGE_STATS_ENABLED="0")
-    names = ("gcs", "dashboard", "metrics", "client", "agent_http", "agent_grpc", "runtime_env",
-             "node_manager", "object_manager")
-    ports = dict(zip(names, _free_ports(len(names))))
-    live = Live(tmp=tmp, dashboard=f"http://127.0.0.1:{ports['dashboard']}",
-                metrics_url=f"http://127.0.0.1:{ports['metrics']}/metrics", token=token, env=env,
-                submission_id=f"tether-obs-{secrets.token_hex(4)}", run_dir=run_root / "runs" / "obs",
-                out=run_root)
-    head = _start_head(tmp, env, ports)
+    head, live = _start_head_with_fresh_ports(tmp, env, token, run_root)
     browse = None
     try:
-        _wait_dashboard(live, head)
         live.timings["head_up_s"] = round(time.monotonic() - t_module, 1)
         try:
             live.get("/api/jobs/", auth=False)

@@ -22,6 +22,37 @@ def cluster():
     ray.shutdown()
 
 
+@pytest.fixture
+def driver_loads(monkeypatch):
+    """Counts Rollout / ScoredRollout objects unpickled in THIS process (the driver's).
+
+    The patch lives only here: actors run in other processes, where loading rollouts is their job.
+    """
+    from core.rollout import Rollout
+
+    count = {"rollouts": 0}
+
+    def counting_setstate(self, state):
+        count["rollouts"] += 1
+        self.__dict__.update(state)
+
+    monkeypatch.setattr(Rollout, "__setstate__", counting_setstate, raising=False)
+    return count
+
+
+def test_rollout_load_counter_sees_a_load(driver_loads):
+    """The counter itself works: a rollout pickled and loaded here is counted."""
+    import pickle
+
+    import numpy as np
+
+    from core.rollout import Rollout
+    r = Rollout(prompt_ids=np.array([1]), response_ids=np.array([2]), behaviour_logprobs=np.array([-1.0]),
+                finish_reason="stop", policy_version=0, prompt_index=0, sample_index=0)
+    pickle.loads(pickle.dumps(r))
+    assert driver_loads["rollouts"] == 1
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -50,7 +81,7 @@ def test_sync_default_learns(cluster, tmp_path):
     assert (run_dir / "config.yaml").exists() and (run_dir / "plots" / "reward.png").exists()
 
 
-def test_independent_scaling(cluster, tmp_path):
+def test_independent_scaling(cluster, tmp_path, driver_loads):
     run_dir, steps = run(tmp_path, "scaled", "generator.replicas=2", "reference.replicas=1",
                          "reward.replicas=2", "learner.replicas=2", "learner.zero_stage=2",
                          "run.steps=2", "run.eval_every=0")
@@ -61,11 +92,52 @@ def test_independent_scaling(cluster, tmp_path):
         "learner-0", "learner-1", "buffer"])
     assert [m["policy/version"] for m in steps] == [1, 2]
     assert all(m["rollouts/used"] >= 60 for m in steps)
+    # Rollouts went generator -> scorers -> buffer -> learner ranks by reference.
+    assert driver_loads["rollouts"] == 0
     with pytest.raises(ValueError):  # the run's actors are gone once it ends
         ray.get_actor("generator-0")
 
 
-def test_async_bounded_staleness(cluster, tmp_path):
+def test_pools_change_while_running(cluster, tmp_path, driver_loads):
+    """A generator joins mid-run with the current weights and serves; another leaves; nothing restarts."""
+    from cluster.config import load_config
+    from cluster.driver import Driver
+    from cluster.metrics import RunMetrics
+    from cluster.pools import create_pools
+
+    cfg = load_config(train.DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0"])
+    policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
+    pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
+    try:
+        with RunMetrics(run_dir=tmp_path, plot_every=0) as metrics:
+            driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer,
+                            metrics=metrics)
+            health = lambda rid: ray.get(pools.generators.handles()[rid].health.remote())
+            driver.step(None)
+            added = driver.add_generator()
+            assert added == "generator-1" and health(added)["version"] == 1  # weights before serving
+            learner_before = ray.get(ray.get_actor("learner-0").health.remote())
+            second = driver.step(None)
+            assert health(added)["generated_tokens"] > 0  # least-loaded dispatch used it
+            # Sync mode: what the new replica sampled matches the learner's weights.
+            assert second["ppo/logprob_gap_mean"] < 1e-3
+            pools.generators.remove("generator-0")
+            with pytest.raises(ValueError):
+                ray.get_actor("generator-0")
+            served = health(added)["generated_tokens"]
+            third = driver.step(None)
+            assert health(added)["generated_tokens"] > served and third["policy/version"] == 3
+            assert third["rollouts/used"] == 64 - 4 * third["rollouts/skipped_prompts"] \
+                - third["rollouts/invalid_scores"] - third["rollouts/empty_responses"]
+            # The learner and the scorers were never restarted.
+            learner_after = ray.get(ray.get_actor("learner-0").health.remote())
+            assert learner_after["step"] == learner_before["step"] + 2
+    finally:
+        pools.shutdown()
+    assert driver_loads["rollouts"] == 0
+
+
+def test_async_bounded_staleness(cluster, tmp_path, driver_loads):
     _, steps = run(tmp_path, "async", "run.mode=async", "buffer.max_staleness=0",
                    "run.steps=5", "run.eval_every=0")
     assert [m["policy/version"] for m in steps] == list(range(1, 6))
@@ -76,6 +148,7 @@ def test_async_bounded_staleness(cluster, tmp_path):
     # Each step reports the generation work done while it waited; none of it is lost.
     assert sum(m["rollouts/prompts"] for m in steps) >= 5 * 16
     assert all(m["perf/tokens_per_s"] > 0 for m in steps[1:])
+    assert driver_loads["rollouts"] == 0
 
 
 def cli(*args, env=None):

@@ -16,7 +16,8 @@ from helpers import make_rollouts, sgd_config
 from learner.config import LearnerConfig
 from learner.nccl_sync import (GeneratorClient, NCCLWeightSync, _round_source, check_distinct_gpus,
                                packing_plan, rank_layout)
-from learner.weight_sync import CPUWeightSync, make_weight_sync
+from learner.export import make_weight_sync
+from learner.weight_sync import CPUWeightSync
 
 
 # ------------------------------------------------------------------------------ pure
@@ -88,28 +89,43 @@ def test_generator_weight_sync_values(policy_path):
 # ------------------------------------------------------------ one round on the CPU
 
 
-class FakeGenerator:
-    """Plays the Generator's side of the protocol, recording what reaches it."""
+@pytest.fixture(scope="module")
+def fake_generators(ray_cluster):
+    """make(n): n Ray actors playing the Generator's side of the protocol, recording what
+    reaches them (defined here so Ray ships the class by value: tests are not importable there)."""
+    import ray
 
-    def __init__(self):
-        self.calls, self._version = [], 0
+    @ray.remote(num_cpus=0)
+    class FakeGenerator:
+        def __init__(self):
+            self.calls, self._version = [], 0
 
-    def version(self):
-        return self._version
+        def version(self):
+            return self._version
 
-    def init_weight_transfer(self, init_info):
-        self.calls.append(("init", init_info))
+        def init_weight_transfer(self, init_info):
+            self.calls.append(("init", init_info))
 
-    def start_weight_update(self, version):
-        self.calls.append(("start", version))
+        def start_weight_update(self, version):
+            self.calls.append(("start", version))
 
-    def update_weights(self, update_info):
-        self.calls.append(("update", update_info))
+        def update_weights(self, update_info):
+            self.calls.append(("update", update_info))
 
-    def finish_weight_update(self, version):
-        self._version = version
-        self.calls.append(("finish", version))
-        return {"version": version}
+        def finish_weight_update(self, version):
+            self._version = version
+            self.calls.append(("finish", version))
+            return {"version": version}
+
+        def calls_(self):
+            return self.calls
+
+    return lambda n: [FakeGenerator.remote() for _ in range(n)]
+
+
+def calls(generator) -> list:
+    import ray
+    return ray.get(generator.calls_.remote())
 
 
 def cpu_sync(generators, bucket_bytes):
@@ -136,8 +152,9 @@ def lm_state(seed=0):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("streamed", [False, True])
-def test_push_round_through_vllm_trainer_engine(streamed):
-    gens = [FakeGenerator(), FakeGenerator()]
+def test_push_round_through_vllm_trainer_engine(fake_generators, streamed):
+    import ray
+    gens = fake_generators(2)
     sync, sent = cpu_sync(gens, bucket_bytes=300)
     named = lm_state()
     meta = [(n, t.dtype, tuple(t.shape)) for n, t in named] if streamed else None
@@ -147,12 +164,12 @@ def test_push_round_through_vllm_trainer_engine(streamed):
     assert [n for n, _ in sent] == [n for n, _ in expected]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sent, expected))
     for g in gens:  # three metadata-only calls per generator, whatever the number of tensors
-        assert [c[0] for c in g.calls] == ["start", "update", "finish"]
-        update = g.calls[1][1]
+        assert [c[0] for c in calls(g)] == ["start", "update", "finish"]
+        update = calls(g)[1][1]
         assert update["names"] == [n for n, _ in expected]
         assert update["dtype_names"] == ["float32", "float32", "bfloat16"]
         assert update["shapes"] == [[64, 8], [8, 8], [8]]
-        assert g.version() == 4
+        assert ray.get(g.version.remote()) == 4
     nbytes = 64 * 8 * 4 + 8 * 8 * 4 + 8 * 2
     assert report == {**report, "version": 4, "generators": 2, "bytes": nbytes, "transport": "nccl",
                       "buckets": len(packing_plan([2048, 256, 16], 300))}
@@ -161,14 +178,14 @@ def test_push_round_through_vllm_trainer_engine(streamed):
     # An older version is refused before any generator is touched; the group stays usable.
     with pytest.raises(ValueError, match="version 3 is older than the loaded version 4"):
         sync.push(3, iter(lm_state()), tied_embeddings=True, metadata=meta)
-    assert all(len(g.calls) == 3 for g in gens) and not sync._broken
+    assert all(len(calls(g)) == 3 for g in gens) and not sync._broken
     assert sync.push(5, iter(lm_state(1)), tied_embeddings=False)["version"] == 5
-    assert "lm_head.weight" in gens[0].calls[-2][1]["names"]  # untied: the head is its own tensor
+    assert "lm_head.weight" in calls(gens[0])[-2][1]["names"]  # untied: the head is its own tensor
 
 
 @pytest.mark.integration
-def test_metadata_that_disagrees_with_the_tensors_breaks_the_group():
-    gens = [FakeGenerator()]
+def test_metadata_that_disagrees_with_the_tensors_breaks_the_group(fake_generators):
+    gens = fake_generators(1)
     sync, _ = cpu_sync(gens, bucket_bytes=1 << 20)
     named = lm_state()
     wrong = [(n, t.dtype, (1,)) for n, t in named]
@@ -178,18 +195,18 @@ def test_metadata_that_disagrees_with_the_tensors_breaks_the_group():
         sync.push(2, iter(named), tied_embeddings=True)
 
 
-@pytest.mark.unit
-def test_client_gives_each_generator_its_rank_offset():
-    gens = [FakeGenerator(), FakeGenerator(), FakeGenerator()]
+@pytest.mark.integration
+def test_client_gives_each_generator_its_rank_offset(fake_generators):
+    gens = fake_generators(3)
     client = GeneratorClient(gens, [1, 3, 4])  # generator 1 runs tensor_parallel=2
     client.init_weight_transfer_engine({"master_address": "10.0.0.1", "master_port": 5, "rank_offset": 1,
                                         "world_size": 5, "packed": True})
-    assert [g.calls[0][1]["rank_offset"] for g in gens] == [1, 3, 4]
-    assert all(g.calls[0][1]["world_size"] == 5 for g in gens)
+    assert [calls(g)[0][1]["rank_offset"] for g in gens] == [1, 3, 4]
+    assert all(calls(g)[0][1]["world_size"] == 5 for g in gens)
 
 
 @pytest.mark.integration
-def test_nccl_on_cpu_fails_with_one_line(policy_path):
+def test_nccl_on_cpu_fails_with_one_line(policy_path, fake_generators):
     from actors.generator import Generator
     from learner.worker import LearnerWorker
 
@@ -198,7 +215,7 @@ def test_nccl_on_cpu_fails_with_one_line(policy_path):
     with pytest.raises(ValueError, match=r"generator: weight_sync='nccl' needs CUDA"):
         Generator(model=policy_path, weight_sync="nccl")  # before any vLLM engine starts
     with pytest.raises(ValueError, match="needs CUDA on learner rank 0"):
-        NCCLWeightSync([FakeGenerator()]).push(1, iter(lm_state()), tied_embeddings=True)
+        NCCLWeightSync(fake_generators(1)).push(1, iter(lm_state()), tied_embeddings=True)
 
 
 # ------------------------------------------------------------------------- GPU tier
@@ -207,7 +224,7 @@ GAP_TOL = 1e-3  # fp32 on both sides
 
 
 @pytest.fixture(scope="module")
-def gpu_actors(policy_path):
+def gpu_actors(ray_cluster, policy_path):
     """Learner rank 0 (world of 1) and one vLLM generator as Ray actors on separate GPUs."""
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL refuses two ranks of one communicator on one GPU ('Duplicate GPU "
@@ -217,7 +234,6 @@ def gpu_actors(policy_path):
     from actors.generator import Generator
     from learner.worker import LearnerWorker
 
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     made = []
 
     def learner(stage):
@@ -234,8 +250,9 @@ def gpu_actors(policy_path):
         model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 12, "n": 2, "seed": 1},
         engine={"max_model_len": 128, "dtype": "float32", "gpu_memory_utilization": 0.3},
         weight_sync="nccl")
-    yield learner, generator
-    ray.shutdown()
+    yield learner, {"generator-0": generator}
+    for actor in made + [generator]:
+        ray.kill(actor)
 
 
 @pytest.mark.gpu
@@ -244,7 +261,8 @@ def test_nccl_push_matches_learner_logprobs(gpu_actors, policy_path, stage):
     import ray
     from transformers import AutoTokenizer
 
-    make_learner, generator = gpu_actors
+    make_learner, generators = gpu_actors
+    generator = generators["generator-0"]
     tok = AutoTokenizer.from_pretrained(policy_path)
     prompts = [np.asarray(tok(t)["input_ids"]) for t in ("The cat was", "A dog seemed happy", "My friend felt")]
     learner = make_learner(stage)
@@ -257,7 +275,7 @@ def test_nccl_push_matches_learner_logprobs(gpu_actors, policy_path, stage):
 
     stale_gap, _ = gap()
     version = ray.get(generator.version.remote()) + 1
-    report = ray.get(learner.push_weights.remote([generator], version=version))
+    report = ray.get(learner.push_weights.remote(generators, version=version))
     fresh_gap, fresh = gap()
     print(f"ZeRO-{stage} nccl: group up in {report['init_seconds']:.2f}s, "
           f"push {report['seconds'] * 1e3:.0f} ms, "
@@ -270,8 +288,8 @@ def test_nccl_push_matches_learner_logprobs(gpu_actors, policy_path, stage):
 
     # The group is kept: an older version is refused without breaking it, a newer one lands.
     with pytest.raises(ValueError, match="older than the loaded version"):
-        ray.get(learner.push_weights.remote([generator], version=version - 1))
+        ray.get(learner.push_weights.remote(generators, version=version - 1))
     ray.get(learner.train.remote(make_rollouts(policy_path, 8, seed=30 + stage)))
-    again = ray.get(learner.push_weights.remote([generator], version=version + 1))
+    again = ray.get(learner.push_weights.remote(generators, version=version + 1))
     assert again["init_seconds"] == 0.0 and gap()[0] < GAP_TOL
     ray.get(learner.shutdown_weight_sync.remote())  # the next parametrisation forms a new group

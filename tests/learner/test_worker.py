@@ -13,7 +13,9 @@ import pytest
 from helpers import make_rollouts, max_abs_diff, model_logprobs, reference_update, sgd_config
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
 from learner.policy import PolicyWithValueHead
-from learner.worker import LearnerGroup, LearnerWorker
+from core.rollout import shard_rollouts
+from learner.group import LearnerGroup
+from learner.worker import LearnerWorker
 
 pytestmark = pytest.mark.integration
 
@@ -74,6 +76,8 @@ def test_one_rank_update_matches_plain_torch(policy_path, rollouts, initial, ref
     assert set(METRIC_KEYS) <= set(metrics)
     assert metrics["learner/optimizer_steps"] == 4 and metrics["ppo/lr"] == cfg.optim.lr
     assert metrics["ppo/logprob_gap_max"] < 1e-4  # behaviour logprobs came from the same weights
+    assert "ppo/score_mean" not in metrics  # the driver reports reward/mean
+    assert w.health() == {**w.health(), "ok": True, "built": True, "step": 1, "optimizer_steps": 4}
 
 
 @pytest.mark.parametrize("options", [{"dtype": "bfloat16", "zero_stage": 2}, {"dtype": "bfloat16", "zero_stage": 3},
@@ -180,21 +184,16 @@ def test_bad_inputs_raise_one_line_value_errors(policy_path, rollouts):
     w = worker(policy_path, sgd_config(minibatch=2, micro=2))
     with pytest.raises(ValueError, match="zero valid response tokens"):
         w.train(empty)
+    # A dict config is validated for this world size; a LearnerConfig is taken as validated.
     with pytest.raises(ValueError, match=r"minibatch_size=6 is not divisible by .*micro_batch_size=1\*4"):
-        worker(policy_path, LearnerConfig(ppo=PPOConfig(minibatch_size=6, micro_batch_size=4)))
+        worker(policy_path, {"ppo": {"minibatch_size": 6, "micro_batch_size": 4}})
     with pytest.raises(ValueError, match=r"zero_stage=5 is out of range"):
-        worker(policy_path, LearnerConfig(zero_stage=5))
+        worker(policy_path, {"zero_stage": 5})
+    with pytest.raises(ValueError, match="2 ranks start through LearnerGroup"):
+        LearnerWorker(rank=0, world_size=2, model=policy_path, config=sgd_config())
 
 
 # ------------------------------------------------------------------------ two ranks on Ray
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -211,13 +210,18 @@ def groups(ray_cluster, policy_path):
         g.shutdown()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_update_matches_plain_torch(groups, rollouts, initial, references, stage):
+@pytest.mark.parametrize("stage, by_reference", [(2, False), (3, True)])
+def test_two_ranks_update_matches_plain_torch(groups, rollouts, initial, references, stage, by_reference):
+    import ray
     group = groups(stage)
-    metrics = group.train(rollouts)
+    shards, dropped = shard_rollouts(rollouts, 2)
+    assert dropped == 0
+    if by_reference:  # what the buffer hands over: each rank resolves its own shard
+        shards = [ray.put(s) for s in shards]
+    metrics = group.train(shards)
     check_against_reference(group.state_dict(), metrics, initial, references(group.config),
                             f"2 ranks ZeRO-{stage}")
-    assert set(METRIC_KEYS) <= set(metrics) and metrics["learner/dropped_rollouts"] == 0
+    assert set(METRIC_KEYS) <= set(metrics) and "learner/dropped_rollouts" not in metrics
     print(f"2 ranks ZeRO-{stage}: {metrics['perf/learner_seconds']:.3f} s/update, "
           f"{metrics['perf/learner_tokens_per_s']:.0f} tokens/s")
 
@@ -226,10 +230,10 @@ def test_two_rank_save_load_continue(groups, policy_path, tmp_path):
     group = groups(3)  # ZeRO-3: each rank restores its own partition
     second = make_rollouts(policy_path, 8, seed=2)
     group.save(tmp_path / "ckpt")
-    group.train(second)
+    group.train(shard_rollouts(second, 2)[0])
     expected = group.state_dict()
     assert group.load(tmp_path / "ckpt") >= 1
-    group.train(second)
+    group.train(shard_rollouts(second, 2)[0])
     assert max_abs_diff(group.state_dict(), expected) == 0.0
 
 
@@ -248,7 +252,8 @@ def test_two_rank_zero3_push_sends_the_gathered_lm(groups):
 
     group = groups(3)
     recorders = [RecordingGenerator.remote() for _ in range(2)]
-    report = group.push_weights(recorders, version=7, bucket_bytes=256 << 10)
+    report = group.push_weights({"generator-0": recorders[0], "generator-1": recorders[1]}, version=7,
+                                bucket_bytes=256 << 10)
     expected = {k[len("lm."):]: v for k, v in group.state_dict().items() if k.startswith("lm.")}
     for got in ray.get([r.tensors_.remote() for r in recorders]):
         assert "lm_head.weight" not in got  # tied to the embedding: sent once
@@ -260,9 +265,15 @@ def test_group_errors_name_the_rank(groups, policy_path):
     import ray
     group = groups(2)
     with pytest.raises(ValueError, match=r"learner rank \d failed in train: .*zero valid response tokens"):
-        group.train(make_rollouts(policy_path, 2, seed=4, empty=(0, 1)))
+        group.train(shard_rollouts(make_rollouts(policy_path, 2, seed=4, empty=(0, 1)), 2)[0])
+    with pytest.raises(ValueError, match="got 1 shards for 2 ranks"):
+        group.train([make_rollouts(policy_path, 2, seed=4)])
     with pytest.raises(ValueError, match="zero_stage=5"):
-        LearnerGroup(model=policy_path, config=LearnerConfig(zero_stage=5), world_size=2)
+        LearnerGroup(model=policy_path, config={"zero_stage": 5}, world_size=2)
+    with pytest.raises(ValueError, match=r"minibatch_size=4 is not divisible by world_size\*micro_batch_size=2\*4"):
+        LearnerGroup(model=policy_path, config={"ppo": {"minibatch_size": 4, "micro_batch_size": 4}}, world_size=2)
+    with pytest.raises(TypeError, match="generators must map replica id -> actor handle, got list"):
+        group.push_weights([], version=1)
     ray.kill(group.workers[1])
     for _ in range(100):  # the kill lands asynchronously; a call already queued may still succeed
         try:

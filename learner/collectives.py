@@ -1,0 +1,33 @@
+"""All-reduces of a few scalars across the learner ranks (counts, sums, maxima for metrics)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class Collectives:
+    """Float64 all-reduces over the default process group; plain values with one rank."""
+
+    def __init__(self, *, world_size: int, device: torch.device) -> None:
+        self.world_size = world_size
+        self.device = device  # NCCL reduces on the GPU; gloo on the CPU
+
+    def sum(self, values: Sequence) -> list[float]:
+        """Sums over the ranks, in order. Also the ``reduce=`` of core.ppo's whiten and
+        explained_variance, which then see the global batch."""
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: Sequence) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _reduce(self, values: Sequence, op) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=op)
+        return t.tolist()

@@ -1,0 +1,39 @@
+"""The policy (with its value head) inside a DeepSpeed engine, as one rank trains it."""
+from __future__ import annotations
+
+import torch
+
+from learner.config import LearnerConfig
+from learner.policy import PolicyWithValueHead
+
+
+def build_engine(model: str, config: LearnerConfig, world_size: int):
+    """Load the policy and wrap it with its optimizer and lr schedule in a DeepSpeed engine.
+
+    The process group must exist already (DeepSpeed is told not to create one).
+    """
+    import deepspeed
+
+    torch.manual_seed(config.seed)  # identical value-head init on every rank
+    policy = PolicyWithValueHead.from_pretrained(model, critic=config.critic, critic_model=config.critic_model)
+    if config.gradient_checkpointing:
+        policy.lm.gradient_checkpointing_enable()
+    policy.train()  # HF loads in eval mode; checkpointing needs train mode (dropout is off anyway)
+    optim = config.optim
+    optimizer = optim.build(policy.parameters())
+    # A plain closure: LambdaLR then leaves it out of its state_dict (checkpoints stay picklable).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s))
+    engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=config.deepspeed_config(world_size), dist_init_required=False)
+    return engine
+
+
+def pad_token_id(model_config) -> int:
+    """The id that pads batches: the model's pad token, else its EOS."""
+    for attr in ("pad_token_id", "eos_token_id"):
+        value = getattr(model_config, attr, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0  # padding is masked out; any id works

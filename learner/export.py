@@ -1,0 +1,109 @@
+"""Full weights out of a (possibly ZeRO-3 partitioned) engine, and pushed to the generators."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Optional
+
+from learner.config import LearnerConfig
+from learner.nccl_sync import NCCLWeightSync
+from learner.weight_sync import DEFAULT_BUCKET_BYTES, CPUWeightSync
+
+
+class WeightExporter:
+    """Gathers full tensors on rank 0 and sends the LM to the generators.
+
+    Under ZeRO-3 every rank takes part in each gather, so every rank must call the
+    methods here; only rank 0 gets tensors (and reports).
+    """
+
+    def __init__(self, *, engine, config: LearnerConfig, rank: int) -> None:
+        self.engine, self.config, self.rank = engine, config, rank
+        self.tied_embeddings = bool(getattr(engine.module.config, "tie_word_embeddings", False))
+        self._sync = None  # rank 0's NCCL transport: its group outlives a push
+        self._sync_replicas: tuple[str, ...] = ()
+
+    def named_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        """Full LM tensors with HF names on rank 0 (nothing elsewhere). ALL ranks must iterate it."""
+        return self._gathered(self.engine.module.lm.named_parameters(), bucket_bytes)
+
+    def full_state_dict(self) -> Optional[dict]:
+        """Every trainable tensor of the module (LM, value head, critic) on rank 0; all ranks call."""
+        gathered = self._gathered(self.engine.module.named_parameters(), DEFAULT_BUCKET_BYTES)
+        out = {n: t.clone() for n, t in gathered}
+        return out if self.rank == 0 else None
+
+    def push_weights(self, generators: Mapping[str, object], version: int,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[dict]:
+        """Send the current LM to every generator (replica id -> Ray actor handle); rank 0
+        returns the sync report.
+
+        ``config.weight_sync`` picks the transport: "cpu" (safetensors buckets through Ray)
+        or "nccl" (broadcast from this rank's GPU; the group is formed on the first push and
+        kept while the replica ids stay the same).
+        """
+        if not isinstance(generators, Mapping):  # every rank gets the same: all raise, none waits
+            raise TypeError(f"learner.push_weights: generators must map replica id -> actor handle, "
+                            f"got {type(generators).__name__}")
+        named = self.named_weights(bucket_bytes)
+        if self.rank != 0:
+            for _ in named:  # take part in the ZeRO-3 gathers
+                pass
+            return None
+        if self.config.weight_sync == "cpu":
+            sync = make_weight_sync("cpu", list(generators.values()), bucket_bytes=bucket_bytes)
+            return sync.push(version, named, tied_embeddings=self.tied_embeddings)
+        return self._nccl_sync(generators, bucket_bytes).push(
+            version, named, tied_embeddings=self.tied_embeddings, metadata=self._lm_metadata())
+
+    def shutdown_weight_sync(self) -> None:
+        """Release the NCCL group (if any) on both sides; the next nccl push forms a new one."""
+        if self._sync is not None:
+            sync, self._sync, self._sync_replicas = self._sync, None, ()
+            sync.shutdown()
+
+    def _nccl_sync(self, generators: Mapping[str, object], bucket_bytes: int):
+        replicas = tuple(generators)
+        if self._sync is None or replicas != self._sync_replicas:
+            self.shutdown_weight_sync()
+            self._sync = make_weight_sync("nccl", list(generators.values()), bucket_bytes=bucket_bytes)
+            self._sync_replicas = replicas
+        return self._sync
+
+    def _lm_metadata(self) -> list[tuple]:
+        """(name, dtype, full shape) of each tensor named_weights yields, without gathering."""
+        return [(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                for n, p in self.engine.module.lm.named_parameters()]
+
+    def _gathered(self, named, bucket_bytes: int):
+        """Yield (name, full CPU tensor) on rank 0; under ZeRO-3 all ranks gather group by group."""
+        import deepspeed
+
+        named = list(named)
+        if self.config.zero_stage != 3:
+            if self.rank == 0:  # views of the live weights: consume before the next step
+                yield from ((n, p.detach()) for n, p in named)
+            return
+        group, size = [], 0
+        for i, (name, p) in enumerate(named):
+            group.append((name, p))
+            size += getattr(p, "ds_numel", p.numel()) * p.element_size()
+            if size >= bucket_bytes or i == len(named) - 1:
+                with deepspeed.zero.GatheredParameters([q for _, q in group], modifier_rank=None):
+                    # Cloned: the gathered storage is released when the context exits.
+                    copies = [(n, q.detach().to("cpu", copy=True)) for n, q in group] if self.rank == 0 else []
+                yield from copies
+                group, size = [], 0
+
+
+def make_weight_sync(kind: str, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """The transport named by ``kind``: "cpu" -> CPUWeightSync, "nccl" -> NCCLWeightSync;
+    ``generators``: Ray actor handles of actors.generator.Generator, in replica order.
+
+    A CPUWeightSync is stateless (make one per push); an NCCLWeightSync owns an NCCL group
+    with the generators' workers, formed on its first push: keep it across pushes.
+    """
+    if kind == "cpu":
+        return CPUWeightSync(generators, bucket_bytes=bucket_bytes)
+    if kind == "nccl":
+        return NCCLWeightSync(generators, bucket_bytes=bucket_bytes)
+    raise ValueError(f"weight sync: unknown transport {kind!r}; use 'cpu' or 'nccl'")

@@ -1,0 +1,71 @@
+"""What one rank accumulates over a PPO update, and the metrics made from it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+Reduce = Callable[[list], list]  # sums a list of local scalars over the ranks (Collectives.sum)
+
+
+@dataclass
+class UpdateStats:
+    """Running sums over one ``train()`` call on one rank.
+
+    Losses are summed per micro-batch: they are already normalised by GLOBAL token or
+    sequence counts, so summing them over micro-batches and ranks gives the global loss
+    of each optimizer step, summed over steps. Per-token statistics are weighted by this
+    rank's token count so that their global sum divided by the global tokens is the mean.
+    """
+    policy_loss: float = 0.0     # sum of micro-batch policy losses
+    value_loss: float = 0.0      # sum of micro-batch value losses
+    ptx_loss: float = 0.0        # sum of this rank's PTX token-mean LM losses, one per step
+    entropy_sum: float = 0.0     # sum of per-token entropies
+    approx_kl_sum: float = 0.0   # approx_kl x tokens, per micro-batch
+    clip_sum: float = 0.0        # clip_frac x tokens
+    vf_clip_sum: float = 0.0     # vf_clip_frac x tokens
+    tokens: float = 0.0          # valid response tokens seen (each epoch counts again)
+    grad_norm_sum: float = 0.0   # pre-clip global gradient norm, summed over optimizer steps
+    optimizer_steps: int = 0
+    lr: float = 0.0              # the learning rate of the last optimizer step
+
+    def add_micro_batch(self, *, policy_loss: float, value_loss: float, entropy_sum: float,
+                        approx_kl: float, clip_frac: float, vf_clip_frac: float, tokens: float) -> None:
+        self.policy_loss += policy_loss
+        self.value_loss += value_loss
+        self.entropy_sum += entropy_sum
+        self.approx_kl_sum += approx_kl * tokens
+        self.clip_sum += clip_frac * tokens
+        self.vf_clip_sum += vf_clip_frac * tokens
+        self.tokens += tokens
+
+    def add_optimizer_step(self, *, grad_norm: float, lr: float) -> None:
+        self.grad_norm_sum += grad_norm
+        self.optimizer_steps += 1
+        self.lr = lr
+
+    def copy(self) -> "UpdateStats":
+        return replace(self)
+
+    def since(self, before: "UpdateStats") -> "UpdateStats":
+        """What was added after the snapshot ``before`` (one epoch's share)."""
+        return UpdateStats(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
+
+    def epoch_summary(self) -> dict:
+        """This rank's per-epoch loss and clip statistics (LearnerWorker.epoch_history)."""
+        steps, tokens = max(self.optimizer_steps, 1), max(self.tokens, 1)
+        return {"policy_loss": self.policy_loss / steps, "value_loss": self.value_loss / steps,
+                "clip_frac": self.clip_sum / tokens, "approx_kl": self.approx_kl_sum / tokens}
+
+    def metrics(self, reduce: Reduce, *, world_size: int, with_ptx: bool) -> dict:
+        """The ``ppo/*`` metrics over all ranks (one all-reduce; every rank must call)."""
+        pg, vf, ptx, ent, kl, clip, vf_clip, tokens = reduce(
+            [self.policy_loss, self.value_loss, self.ptx_loss, self.entropy_sum, self.approx_kl_sum,
+             self.clip_sum, self.vf_clip_sum, self.tokens])
+        steps = max(self.optimizer_steps, 1)  # the same on every rank
+        out = {"ppo/policy_loss": pg / steps, "ppo/value_loss": vf / steps,
+               "ppo/entropy": ent / tokens, "ppo/approx_kl": kl / tokens, "ppo/clip_frac": clip / tokens,
+               "ppo/vf_clip_frac": vf_clip / tokens, "ppo/grad_norm": self.grad_norm_sum / steps,
+               "ppo/lr": self.lr}
+        if with_ptx:
+            out["ppo/ptx_loss"] = ptx / (steps * world_size)
+        return out

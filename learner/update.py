@@ -1,0 +1,197 @@
+"""The PPO update of one data-parallel rank on a DeepSpeed engine.
+
+Every rank holds an equal shard of the batch. Global minibatch k is the union of every
+rank's local minibatch k. Losses are normalised by GLOBAL token (or sequence) counts,
+so per-rank losses SUM to the global loss; DeepSpeed AVERAGES gradients over ranks,
+hence the loss is scaled by world_size before backward (checked against a
+single-process reference in the tests).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from core import ppo
+from core.rollout import ScoredRollout
+from learner.batch import Batch, collate, collate_lm
+from learner.collectives import Collectives
+from learner.config import LearnerConfig
+from learner.stats import UpdateStats
+
+
+class PPOUpdate:
+    """Scores the shard, computes GAE and global whitening, then runs the clipped-loss epochs."""
+
+    def __init__(self, *, engine, config: LearnerConfig, rank: int, world_size: int,
+                 collectives: Collectives, device: torch.device, pad_id: int) -> None:
+        self.engine, self.config = engine, config
+        self.rank, self.world_size = rank, world_size
+        self.comm, self.device, self.pad_id = collectives, device, pad_id
+        self.step = 0  # completed train() calls; seeds the shuffle so a resumed run replays it
+        self.epoch_history: list[dict] = []  # this rank's per-epoch losses of the last train()
+
+    def train(self, shard: list[ScoredRollout], ptx_batch: Optional[list] = None) -> dict:
+        """``ppo_epochs`` passes over this rank's shard; every rank must call it."""
+        t0 = time.perf_counter()
+        global_tokens, horizon = self._check_shard(shard)
+        batch = collate(shard, self.pad_id).to(self.device)
+        metrics = self._prepare(batch)
+        ptx = self._ptx_inputs(ptx_batch)
+        stats = UpdateStats()
+        local_mb = self.config.ppo.minibatch_size // self.world_size
+        self.epoch_history = []
+        for epoch in range(self.config.ppo.ppo_epochs):
+            before = stats.copy()
+            for rows in self._minibatches(len(batch), local_mb, epoch):
+                self._minibatch_step(batch[rows], horizon, ptx, stats)
+            self.epoch_history.append(stats.since(before).epoch_summary())
+        self.step += 1
+        seconds = time.perf_counter() - t0
+        metrics.update(stats.metrics(self.comm.sum, world_size=self.world_size,
+                                     with_ptx=bool(self.config.ppo.ptx_coef)))
+        metrics.update({"perf/learner_seconds": seconds,
+                        "perf/learner_tokens_per_s": global_tokens / seconds,
+                        "learner/step": self.step, "learner/optimizer_steps": self.engine.global_steps,
+                        "learner/tokens": global_tokens})
+        return metrics
+
+    @torch.no_grad()
+    def policy_logprobs(self, rollouts: list) -> list[np.ndarray]:
+        """[R] logprobs of each rollout's response under the current weights (all ranks call)."""
+        lp = self._score(collate(rollouts, self.pad_id).to(self.device))[0].cpu().numpy()
+        return [lp[i, :r.response_ids.size].copy() for i, r in enumerate(rollouts)]
+
+    def _check_shard(self, shard: list[ScoredRollout]) -> tuple[int, int]:
+        """Agree across ranks on sizes before any collective that depends on them."""
+        n = len(shard)
+        tokens = sum(int(r.response_ids.size) for r in shard)
+        max_r = max((int(r.response_ids.size) for r in shard), default=0)
+        n_max, neg_n_min, no_tokens, horizon = self.comm.max([n, -n, float(tokens == 0), max_r])
+        (global_tokens,) = self.comm.sum([tokens])
+        if global_tokens == 0:
+            raise ValueError(f"learner.train: zero valid response tokens in the batch "
+                             f"({int(n_max)} rollouts per rank); drop empty responses before training")
+        if n_max != -neg_n_min or n == 0:
+            raise ValueError(f"learner.train: ranks got unequal or empty shards (rank {self.rank}: {n}, "
+                             f"max {int(n_max)}); shard with core.rollout.shard_rollouts")
+        if no_tokens:
+            raise ValueError("learner.train: a rank's shard has zero valid response tokens; "
+                             "shard so that every rank gets some response tokens")
+        return int(global_tokens), int(horizon)
+
+    def _forward(self, mb: Batch, with_entropy: bool):
+        return self.engine(mb.input_ids, mb.attention_mask, mb.position_ids, prompt_len=mb.prompt_len,
+                           temperature=self.config.temperature, with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def _prepare(self, batch: Batch) -> dict:
+        """Old logprobs/values under the current weights, GAE, globally whitened advantages."""
+        cfg = self.config.ppo
+        lp, v = self._score(batch)
+        mask = batch.response_mask
+        batch.old_logprobs, batch.old_values = lp * mask, v * mask
+        adv, batch.returns = ppo.gae(batch.rewards, batch.old_values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:  # in float64: the statistics are sums over the global batch
+            adv = ppo.whiten(adv.double(), mask, reduce=self.comm.sum).to(adv.dtype)
+        batch.advantages = adv
+        return self._prepare_metrics(batch)
+
+    def _score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs, values) [B, R] float32 under the current weights, micro-batch by micro-batch."""
+        R, lps, vals = batch.response_len, [], []
+        for mic in batch.split(self.config.ppo.micro_batch_size):
+            lp, v, _ = self._forward(mic.trimmed(), with_entropy=False)
+            pad = (0, R - lp.shape[1])  # trimmed columns were padding: put them back as zeros
+            lps.append(torch.nn.functional.pad(lp.float(), pad))
+            vals.append(torch.nn.functional.pad(v.float(), pad))
+        return torch.cat(lps), torch.cat(vals)
+
+    def _prepare_metrics(self, b: Batch) -> dict:
+        m = b.response_mask.double()
+        ret, val = b.returns.double(), b.old_values.double()
+        gap = (b.behaviour_logprobs.double() - b.old_logprobs.double()).abs() * m
+        n, s_ret, s_gap, s_val = self.comm.sum([m.sum(), (ret * m).sum(), gap.sum(), (val * m).sum()])
+        (gap_max,) = self.comm.max([gap.max()])
+        ev = ppo.explained_variance(val, ret, b.response_mask, reduce=self.comm.sum)
+        return {"ppo/explained_variance": float(ev), "ppo/logprob_gap_max": gap_max,
+                "ppo/logprob_gap_mean": s_gap / n, "ppo/returns_mean": s_ret / n, "ppo/values_mean": s_val / n}
+
+    def _minibatches(self, n: int, size: int, epoch: int) -> list[np.ndarray]:
+        # Seeded by (seed, step, epoch): identical on resume; rank-local like DistributedSampler.
+        order = np.arange(n)
+        if self.config.ppo.shuffle:
+            rng = np.random.default_rng([self.config.seed, self.step, epoch, self.rank])
+            order = rng.permutation(n)
+        return [order[i:i + size] for i in range(0, n, size)]
+
+    def _minibatch_step(self, mb: Batch, horizon: int, ptx, stats: UpdateStats) -> None:
+        """Accumulate gradients over micro-batches (+ PTX), then one optimizer step."""
+        n_tok, n_seq = self.comm.sum([mb.num_tokens(), float((mb.response_mask.sum(1) > 0).sum())])
+        # Length-sorted micro-batches pad less; the minibatch (so the gradient) is unchanged.
+        lengths = mb.response_mask.sum(1) + mb.attention_mask[:, :mb.prompt_len].sum(1)
+        micros = mb[torch.argsort(lengths, stable=True)].split(self.config.ppo.micro_batch_size)
+        for i, mic in enumerate(micros):
+            self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1 and ptx is None)
+            loss = self._micro_loss(mic.trimmed(), n_tok, n_seq, horizon, stats)
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            self._engine_step(stats)
+        if ptx is not None:
+            self.engine.set_gradient_accumulation_boundary(True)
+            self.engine.backward(self._ptx_loss(ptx, stats), scale_wrt_gas=False)
+            self._engine_step(stats)
+
+    def _engine_step(self, stats: UpdateStats) -> None:
+        """DeepSpeed's step: an optimizer step only at the accumulation boundary."""
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()
+            return
+        lr = self.engine.get_lr()[0]  # the lr this step uses
+        norm = None
+        if self.config.zero_stage == 0:  # DeepSpeed records no norm without ZeRO; grads are reduced by now
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters()
+                                                  if p.grad is not None])
+        self.engine.step()
+        stats.add_optimizer_step(grad_norm=_as_float(norm if norm is not None
+                                                     else self.engine.get_global_grad_norm()), lr=lr)
+
+    def _micro_loss(self, mic: Batch, n_tok: float, n_seq: float, horizon: int, stats: UpdateStats):
+        cfg = self.config.ppo
+        lp, v, ent = self._forward(mic, with_entropy=True)
+        m = mic.response_mask
+        local = float(m.sum())
+        if local == 0:  # keep every parameter in the graph so ZeRO's reductions line up
+            return (lp.sum() + v.sum()) * 0.0
+        kw = dict(agg=cfg.agg, global_tokens=n_tok, global_seqs=n_seq, horizon=horizon)
+        pg, clip_frac, approx_kl = ppo.policy_loss(lp, mic.old_logprobs, mic.advantages, m, cfg.clip_low,
+                                                   cfg.clip_high, cfg.dual_clip, **kw)
+        vf, vf_clip = ppo.value_loss(v, mic.old_values, mic.returns, m, cfg.value_clip, **kw)
+        loss = pg + cfg.vf_coef * vf
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * ppo.aggregate_loss(ent, m, cfg.agg, n_tok, n_seq, horizon)
+        stats.add_micro_batch(policy_loss=pg.item(), value_loss=vf.item(),
+                              entropy_sum=float((ent.detach() * m).sum()), approx_kl=approx_kl.item(),
+                              clip_frac=clip_frac.item(), vf_clip_frac=vf_clip.item(), tokens=local)
+        return loss
+
+    def _ptx_inputs(self, ptx_batch):
+        if ptx_batch is None or self.config.ppo.ptx_coef == 0:
+            return None
+        ids, mask = collate_lm(ptx_batch, self.pad_id)
+        return ids.to(self.device), mask.to(self.device)
+
+    def _ptx_loss(self, ptx, stats: UpdateStats):
+        ids, mask = ptx
+        logits, values = self.engine(ids, mask, (mask.cumsum(-1) - 1).clamp_min(0))
+        lm = ppo.ptx_loss(logits[:, :-1], ids[:, 1:], mask[:, 1:])
+        stats.ptx_loss += lm.item()
+        # Per-rank token mean; DeepSpeed's rank average makes it the mean over ranks.
+        return self.config.ppo.ptx_coef * lm + values.sum() * 0.0
+
+
+def _as_float(x) -> float:
+    if x is None:
+        return float("nan")
+    return float(x.item() if isinstance(x, torch.Tensor) else x)
