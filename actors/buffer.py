@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from core.annotate import RewardShaping, annotate_valid
-from core.rollout import BatchSummary, ScoredRollout, shard_rollouts
+from core.rollout import BatchSummary, ScoredRollout, shard_rollouts, staleness
 
 
 @dataclass(frozen=True)
@@ -142,10 +142,9 @@ class RolloutBuffer:
                 out = [self._items.popleft() for _ in range(n)]
                 self._got_total += n
                 ref = current_version if current_version is not None else self._latest_version
-                for x in out:
-                    staleness = max(0, ref - x.policy_version)
-                    self._staleness_sum += staleness
-                    self._staleness_max = max(self._staleness_max, staleness)
+                lag = staleness(out, ref)
+                self._staleness_sum += int(lag.sum())
+                self._staleness_max = max(self._staleness_max, int(lag.max()))
                 self._cond.notify_all()
                 return out
             finally:

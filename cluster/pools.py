@@ -50,25 +50,30 @@ def quiet_libraries() -> None:
 
 
 def actor_env(cfg: TetherConfig) -> dict:
-    """Environment variables every actor starts with."""
-    env = {} if cfg.run.library_logs else dict(QUIET_ENV)
-    if not cfg.learner.num_gpus:
-        env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
-    return env
+    """Environment variables every actor starts with (the learner group adds DS_ACCELERATOR)."""
+    return {} if cfg.run.library_logs else dict(QUIET_ENV)
 
 
-def reserve(pool: str, bundles: int, num_cpus: float, num_gpus: float, timeout_s: float):
-    """A placement group of ``bundles`` equal bundles, or PlacementError naming the pool."""
+def reserve(pool: str, bundles: int, num_cpus: float, num_gpus: float, timeout_s: float,
+            name: str | None = None):
+    """A placement group of ``bundles`` equal bundles, or PlacementError naming the pool.
+
+    ``name`` (default: the pool's) must be unique among the run's live placement groups.
+    """
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-    pg = placement_group([dict(bundle) for _ in range(bundles)], strategy="PACK", name=f"tether-{pool}")
+    pg = placement_group([dict(bundle) for _ in range(bundles)], strategy="PACK",
+                         name=f"tether-{name or pool}")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
-        available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-        raise PlacementError(
-            f"pool {pool}: cannot place {bundles} replica(s) x {bundle} within {timeout_s:.0f}s "
-            f"(cluster has {available} free); lower {pool}.replicas or its num_cpus/num_gpus")
+        raise PlacementError(_cannot_place(pool, bundles, bundle, timeout_s))
     return pg
+
+
+def _cannot_place(pool: str, replicas: int, bundle: dict, timeout_s: float) -> str:
+    available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+    return (f"pool {pool}: cannot place {replicas} replica(s) x {bundle} within {timeout_s:.0f}s "
+            f"(cluster has {available} free); lower {pool}.replicas or its num_cpus/num_gpus")
 
 
 def on_bundle(pg, index: int = 0) -> dict:
@@ -101,24 +106,27 @@ class Pool:
         self._lock = threading.Lock()
 
     # ---- membership
-    def reserve(self, n: int) -> list:
-        """Placement groups for n new replicas (phase 1 of add: fail before any model loads)."""
+    def reserve(self, n: int) -> list[tuple[int, object]]:
+        """(index, placement group) for n new replicas: phase 1 of add, which fails before any
+        model loads. An index is never reused, so neither is a replica's name."""
         num_cpus, num_gpus, timeout = self._resources
-        pgs = []
+        reserved = []
         try:
             for _ in range(n):
-                pgs.append(reserve(self.role, 1, num_cpus, num_gpus, timeout))
+                index = next(self._serial)
+                reserved.append((index, reserve(self.role, 1, num_cpus, num_gpus, timeout,
+                                                name=f"{self.role}-{index}")))
         except PlacementError:
-            for pg in pgs:
+            for _, pg in reserved:
                 _free(pg)
-            raise
-        return pgs
+            bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+            raise PlacementError(_cannot_place(self.role, n, bundle, timeout)) from None
+        return reserved
 
-    def start(self, pgs: list) -> list[str]:
+    def start(self, reserved: list[tuple[int, object]]) -> list[str]:
         """Start one replica in each reserved group and wait until each answers health()."""
         started = []
-        for pg in pgs:
-            index = next(self._serial)
+        for index, pg in reserved:
             rid = f"{self.role}-{index}"
             started.append(Replica(rid, self._start(rid, index, on_bundle(pg)), pg))
         try:
@@ -275,6 +283,6 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) ->
     except BaseException:
         for pool in started:
             pool.shutdown()
-        for pg in [pg for pgs in reserved[len(started):] for pg in pgs] + [learner_pg]:
+        for pg in [pg for group in reserved[len(started):] for _, pg in group] + [learner_pg]:
             _free(pg)
         raise

@@ -71,6 +71,11 @@ def shard_rollouts(rollouts: list, world_size: int) -> tuple[list[list], int]:
     return [list(rollouts[r:keep:world_size]) for r in range(world_size)], len(rollouts) - keep
 
 
+def staleness(rollouts: list, version: int) -> np.ndarray:
+    """[N] int64: how many versions behind ``version`` the policy that sampled each rollout was."""
+    return np.array([max(0, version - r.policy_version) for r in rollouts], dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class BatchSummary:
     """Per-rollout figures of one training batch, for metrics: numbers, never the rollouts.
@@ -97,6 +102,5 @@ class BatchSummary:
                    kl_sums=np.array([float(np.sum(r.kl)) for r in rollouts], dtype=np.float64),
                    response_lengths=np.array([r.response_ids.size for r in rollouts], dtype=np.int64),
                    truncated=np.array([r.truncated for r in rollouts], dtype=bool),
-                   staleness=np.array([max(0, current_version - r.policy_version) for r in rollouts],
-                                      dtype=np.int64),
+                   staleness=staleness(rollouts, current_version),
                    dropped=dropped, samples=samples)

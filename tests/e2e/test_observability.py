@@ -178,7 +178,7 @@ class Live:
 
     def metrics_complete(self) -> bool:
         return (all(self.found(n) for n in WANTED_METRICS)
-                and self.found("ray_tether_generator_tokens_per_s", pool="generator", replica="0")
+                and self.found("ray_tether_generator_tokens_per_s", pool="generator", replica="generator-0")
                 and self.found("ray_tether_score_seconds", pool="reference"))
 
 
@@ -509,7 +509,7 @@ def test_prometheus_exports_the_project_metrics(live):
                          f"{sorted({n for n, _ in live.series})}; errors {live.scrape_errors[-3:]}")
     for name in WANTED_METRICS:
         assert all(math.isfinite(v) for v in live.found(name)), name
-    tps = live.found("ray_tether_generator_tokens_per_s", pool="generator", replica="0")
+    tps = live.found("ray_tether_generator_tokens_per_s", pool="generator", replica="generator-0")
     assert tps and max(tps) > 0, [k for k in live.series if "tokens_per_s" in k[0]]
     score = live.found("ray_tether_score_seconds", pool="reference")
     assert score and max(score) > 0, [k for k in live.series if "score_seconds" in k[0]]
