@@ -170,10 +170,6 @@ class Pool:
         with self._lock:
             return {rid: r.handle for rid, r in self._replicas.items()}
 
-    def loads(self) -> dict:
-        with self._lock:
-            return {rid: r.load for rid, r in self._replicas.items()}
-
     def first(self):
         with self._lock:
             return next(iter(self._replicas.values())).handle
