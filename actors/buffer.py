@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -213,5 +214,5 @@ class RolloutBuffer:
 
     def health(self) -> dict:
         with self._cond:
-            return {"role": "buffer", "ok": not self._closed, "depth": len(self._items),
+            return {"role": "buffer", "ok": not self._closed, "pid": os.getpid(), "depth": len(self._items),
                     "capacity": self.capacity}

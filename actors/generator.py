@@ -258,7 +258,7 @@ class Generator:
         return self._version
 
     def health(self) -> dict:
-        return {"name": self.name, "version": self._version, "skipped_prompts": self._skipped_total,
+        return {"name": self.name, "pid": os.getpid(), "version": self._version, "skipped_prompts": self._skipped_total,
                 "generated_tokens": self._generated_total, "engine_start_s": self.start_seconds}
 
     def config(self) -> dict:

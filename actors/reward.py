@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,5 +216,5 @@ class Reward:
 
     def health(self) -> dict:
         source = {"function": self.function_name} if self.fn is not None else {"model": self.model_path}
-        return {"role": "reward", "ok": True, **source, "device": str(self.device), **self.stats()}
+        return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device), **self.stats()}
 

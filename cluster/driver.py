@@ -56,8 +56,12 @@ class Driver:
                        else FixedKLController(kl.beta))
         self.ray_metrics = RayMetrics()
         self.version = 0
+        # Learner calls are collectives: two threads (async mode's producer replacing a dead
+        # generator, the main loop training) must not interleave them differently per rank.
+        self._learner_lock = threading.Lock()
         self.prompts = dataset.batches(cfg.data.prompts_per_step, epochs=None)
-        self.rollouts = RolloutProducer(pools, put_timeout_s=cfg.buffer.timeout_s)
+        self.rollouts = RolloutProducer(pools, put_timeout_s=cfg.buffer.timeout_s,
+                                        on_new_generator=self._give_current_weights)
 
     def shaping(self) -> RewardShaping:
         """How this step's rollouts get their per-token rewards (beta as the controller has it now)."""
@@ -109,9 +113,9 @@ class Driver:
             if producer is not None:
                 produced = producer.take()  # the generation work that fed this step
             ptx = next(self.ptx_batches) if self.ptx_batches is not None else None
-            with timer("learn"):
+            with timer("learn"), self._learner_lock:
                 learn = learner.train(shards, ptx_batch=ptx)
-            with timer("sync"):
+            with timer("sync"), self._learner_lock:
                 self.kl_ctl.update(float(batch.kl_sums.mean()), n_steps=len(batch.scores))
                 sync = learner.push_weights(self.pools.generators.handles(), self.version + 1)
                 self.version += 1
@@ -128,6 +132,7 @@ class Driver:
              "rollouts/invalid_scores": produced.invalid_scores,
              "rollouts/empty_responses": produced.empty_responses,
              "rollouts/duplicate_chunks": produced.duplicate_chunks,
+             "rollouts/redispatched_chunks": produced.redispatched_chunks,
              "learner/dropped_rollouts": batch.dropped,
              "policy/version": self.version, "buffer/depth": stats["depth"],
              "buffer/dropped_stale": stats["dropped_stale"],
@@ -155,11 +160,15 @@ class Driver:
     # ------------------------------------------------------------------ runtime scaling
     def add_generator(self) -> str:
         """Start one more generator and give it the current weights before it serves."""
-        pool = self.pools.generators
-        (rid,) = pool.start(pool.reserve(1))
-        if self.version:
-            self.pools.learner.push_weights({rid: pool.handles()[rid]}, self.version)
+        (rid,) = self.pools.generators.add(1)
+        self._give_current_weights(rid)
         return rid
+
+    def _give_current_weights(self, replica_id: str) -> None:
+        with self._learner_lock:
+            if self.version:  # version 0 is the checkpoint every generator loads at start
+                self.pools.learner.push_weights({replica_id: self.pools.generators.handles()[replica_id]},
+                                                self.version)
 
     # ------------------------------------------------------------------ checkpoints and eval
     def save_checkpoint(self, name: str) -> str:

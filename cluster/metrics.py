@@ -71,6 +71,7 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "rollouts/invalid_scores": ((), "rollouts dropped because the reward was invalid (NaN, error)"),
     "rollouts/empty_responses": ((), "rollouts with an empty response"),
     "rollouts/duplicate_chunks": ((), "prompt chunks the buffer had stored already (a redispatch that raced its original)"),
+    "rollouts/redispatched_chunks": ((), "prompt chunks sent again because the replica holding them died"),
     "eval/score_mean": ((), "mean score on the held-out eval prompts (eval steps only)"),
     "eval/response_len": ((), "mean eval response length in tokens (eval steps only)"),
     "policy/version": ((), "policy version the generators run"),

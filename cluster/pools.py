@@ -146,8 +146,9 @@ class Pool:
         """Stop a replica and free its resources; work in flight on it must be redispatched
         by the caller (the ledger's release() says which)."""
         with self._lock:
-            replica = self._replicas.pop(replica_id)
-        _kill(replica)
+            replica = self._replicas.pop(replica_id, None)
+        if replica is not None:  # another thread may have removed it already
+            _kill(replica)
 
     # ---- dispatch
     def acquire(self) -> Replica:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from cluster.ledger import Ledger
 
@@ -34,6 +35,7 @@ class Produced:
     invalid_scores: int = 0       # reward returned NaN/inf or raised
     empty_responses: int = 0
     duplicate_chunks: int = 0     # chunks the buffer had already stored (exactly-once at work)
+    redispatched_chunks: int = 0  # chunks sent again because the replica holding them died
     generate_seconds: float = 0.0
     score_seconds: float = 0.0    # scoring time not hidden behind generation
     tokens: int = 0
@@ -46,17 +48,25 @@ class Produced:
                    for k in set(self.score_latency) | set(other.score_latency)}
         sums = {f: getattr(self, f) + getattr(other, f) for f in
                 ("stored", "prompts", "skipped_prompts", "invalid_scores", "empty_responses",
-                 "duplicate_chunks", "generate_seconds", "score_seconds", "tokens")}
+                 "duplicate_chunks", "redispatched_chunks", "generate_seconds", "score_seconds", "tokens")}
         return Produced(**sums, per_generator_tps={**self.per_generator_tps, **other.per_generator_tps},
                         score_latency=latency)
 
 
 class RolloutProducer:
-    """Dispatches prompt chunks through the pools into the buffer (see module docstring)."""
+    """Dispatches prompt chunks through the pools into the buffer (see module docstring).
 
-    def __init__(self, pools, *, chunks_per_generator: int = 2, put_timeout_s: float) -> None:
+    A replica that dies (its process killed, its node lost) is replaced in its pool and
+    the chunks it held are redispatched; ``on_new_generator(replica_id)`` runs before a
+    replacement generator serves (the driver gives it the current weights).
+    """
+
+    def __init__(self, pools, *, chunks_per_generator: int = 2, put_timeout_s: float,
+                 health_timeout_s: float = 30.0, on_new_generator=None) -> None:
         self.pools, self.ledger = pools, Ledger()
         self.chunks_per_generator, self.put_timeout_s = chunks_per_generator, put_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.on_new_generator = on_new_generator or (lambda replica_id: None)
 
     def produce(self, indices, prompt_ids, shaping) -> Produced:
         """Generate, score and store one batch; returns once every chunk is stored."""
@@ -74,7 +84,11 @@ class RolloutProducer:
             job = pending.pop(done)
             if job.stage == "generated":
                 self.pools.generators.release(job.replica)
-                summary = ray.get(done)  # a GenerationSummary: counts only
+                try:
+                    summary = ray.get(done)  # a GenerationSummary: counts only
+                except RayActorError as e:
+                    self._recover(job, e, pending, out)
+                    continue
                 out.skipped_prompts += len(summary.skipped_prompts)
                 out.tokens += summary.generated_tokens
                 tps.setdefault(job.replica, []).append(summary.tokens_per_second)
@@ -82,8 +96,13 @@ class RolloutProducer:
                 if all(j.stage != "generated" for j in pending.values()):
                     t_generated = time.perf_counter()
             elif job.stage == "stored":
-                self._record(out, ray.get(done))  # a ChunkReport: counts only
-            else:  # a scorer finished: free its slot, note its latency
+                try:
+                    report = ray.get(done)  # a ChunkReport: counts only
+                except RayError as e:  # a scorer died, so the put lost an argument
+                    self._recover(job, e, pending, out)
+                    continue
+                self._record(out, report)
+            else:  # a scorer finished (or failed: the put then says so): free its slot
                 job.pool.release(job.replica)
                 out.score_latency.setdefault(job.stage, []).append(time.perf_counter() - job.started)
         t_end = time.perf_counter()
@@ -92,6 +111,58 @@ class RolloutProducer:
         out.per_generator_tps = {g: float(np.mean(v)) for g, v in tps.items()}
         self.ledger.forget_stored()
         return out
+
+    # ------------------------------------------------------------------ replicas that died
+    def _recover(self, job, error: Exception, pending: dict, out: Produced) -> None:
+        """Replace every dead replica the failed call involved; redispatch what they held."""
+        chunk = self.ledger.get(job.chunk_id)
+        suspects = [(self._pool(role), rid) for role, rid in chunk.replicas.items()]
+        dead = [(pool, rid) for pool, rid in suspects if not self._alive(pool, rid)]
+        if not dead:
+            raise error  # no replica died: a genuine failure of the call
+        for pool, rid in dead:
+            log.warning("%s died (%s); replacing it and redispatching its chunks", rid,
+                        type(error).__name__)
+            released = self.ledger.release(rid)
+            pool.remove(rid)
+            if len(pool) == 0:  # the pool's last replica: nothing can run until one is back
+                self._add_replacement(pool)
+                replaced = True
+            else:
+                replaced = False
+            for c in released:  # to the live replicas at once, while a replacement starts
+                self._forget(c.id, pending)
+                pending.update(self._generate(c))
+                out.redispatched_chunks += 1
+            if not replaced:
+                self._add_replacement(pool)
+
+    def _add_replacement(self, pool) -> None:
+        (new_id,) = pool.add(1)
+        if pool is self.pools.generators:
+            self.on_new_generator(new_id)
+
+    def _forget(self, chunk_id: int, pending: dict) -> None:
+        """Drop a released chunk's outstanding calls, freeing the live replicas' slots."""
+        for ref, job in list(pending.items()):
+            if job.chunk_id == chunk_id:
+                del pending[ref]
+                if job.pool is not None:
+                    job.pool.release(job.replica)
+
+    def _pool(self, role: str):
+        return {"generator": self.pools.generators, "reference": self.pools.references,
+                "reward": self.pools.rewards}[role]
+
+    def _alive(self, pool, replica_id: str) -> bool:
+        handle = pool.handles().get(replica_id)
+        if handle is None:
+            return False
+        try:
+            ray.get(handle.health.remote(), timeout=self.health_timeout_s)
+            return True
+        except (RayActorError, GetTimeoutError):
+            return False
 
     def _generate(self, chunk) -> dict:
         replica = self.pools.generators.acquire()

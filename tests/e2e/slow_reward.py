@@ -1,0 +1,11 @@
+"""A reward function slow enough that a test can kill the reward actor while it scores."""
+import time
+
+from actors.reward_functions import sentiment
+
+SECONDS = 0.5
+
+
+def slow_sentiment(prompts, responses):
+    time.sleep(SECONDS)
+    return sentiment(prompts, responses)

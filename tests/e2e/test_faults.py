@@ -1,0 +1,131 @@
+"""Rollout-side replicas die by SIGKILL mid-step; the run goes on and loses no prompt.
+
+Each kill finds the replica's process by the pid it reports through Ray (health()), waits
+until the ledger shows a chunk of the step on that replica (generating, or scoring), and
+kills it there. A step must then still account for every prompt, the dead replica must be
+replaced, and a replacement generator must serve the current weights.
+"""
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from cluster import train
+from cluster.ledger import ChunkState
+
+pytestmark = pytest.mark.e2e
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # The reward actors import tests/e2e/slow_reward.py: workers inherit this PYTHONPATH.
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), old) if p)
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture
+def driver(cluster, tmp_path):
+    from cluster.config import load_config
+    from cluster.driver import Driver
+    from cluster.metrics import RunMetrics
+    from cluster.pools import create_pools
+
+    cfg = load_config(train.DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "generator.replicas=2",
+                                             "reward.function=slow_reward:slow_sentiment"])
+    policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
+    pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
+    try:
+        with RunMetrics(run_dir=tmp_path, plot_every=0) as metrics:
+            yield Driver(cfg, pools=pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer,
+                         metrics=metrics)
+    finally:
+        pools.shutdown()
+
+
+class Killer(threading.Thread):
+    """SIGKILLs ``replica``'s process as soon as the ledger shows it holding a chunk in ``state``."""
+
+    def __init__(self, driver, pool, replica: str, state: ChunkState):
+        super().__init__(daemon=True)
+        self.ledger, self.replica, self.state = driver.rollouts.ledger, replica, state
+        self.pid = ray.get(pool.handles()[replica].health.remote())["pid"]
+        self.fired, self.stop = threading.Event(), threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            if any(c.state is self.state and self.replica in c.replicas.values() for c in self.ledger.in_flight()):
+                os.kill(self.pid, signal.SIGKILL)
+                self.fired.set()
+                return
+            time.sleep(0.002)
+
+
+def steps_until(driver, killer, max_steps=4):
+    """Run steps until the killer has fired (in the step during which it fired), then one more."""
+    killer.start()
+    out = []
+    try:
+        while not killer.fired.is_set() and len(out) < max_steps:
+            out.append(driver.step(None))
+    finally:
+        killer.stop.set()
+    assert killer.fired.is_set(), f"{killer.replica} never held a chunk in state {killer.state.value}"
+    out.append(driver.step(None))
+    return out
+
+
+def assert_every_prompt_accounted(m):
+    assert m["rollouts/prompts"] == 16
+    assert m["rollouts/used"] + 4 * m["rollouts/skipped_prompts"] + m["rollouts/invalid_scores"] \
+        + m["rollouts/empty_responses"] == 64
+
+
+def test_generator_killed_while_generating(driver):
+    gens = driver.pools.generators
+    driver.step(None)  # version 1: a replacement must not come up with the initial weights
+    steps = steps_until(driver, Killer(driver, gens, "generator-0", ChunkState.GENERATING))
+    for m in steps:
+        assert_every_prompt_accounted(m)
+    assert sum(m["rollouts/redispatched_chunks"] for m in steps) >= 1
+    with pytest.raises(ValueError):
+        ray.get_actor("generator-0")
+    assert sorted(gens.handles()) == ["generator-1", "generator-2"]
+    health = ray.get(gens.handles()["generator-2"].health.remote())
+    assert health["version"] == driver.version  # pushed the current weights, then kept in sync
+    after = driver.step(None)
+    assert after["ppo/logprob_gap_mean"] < 1e-3  # sync mode: every generator ran the learner's weights
+    assert ray.get(gens.handles()["generator-2"].health.remote())["generated_tokens"] > 0
+
+
+def test_reward_killed_while_scoring(driver):
+    rewards = driver.pools.rewards
+    steps = steps_until(driver, Killer(driver, rewards, "reward-0", ChunkState.SCORING))
+    for m in steps:
+        assert_every_prompt_accounted(m)
+        assert m["rollouts/invalid_scores"] == 0
+    assert sum(m["rollouts/redispatched_chunks"] for m in steps) >= 1
+    assert list(rewards.handles()) == ["reward-1"]
+    assert [m["policy/version"] for m in steps] == list(range(1, len(steps) + 1))
+
+
+def test_reference_killed_between_steps(driver):
+    refs = driver.pools.references
+    driver.step(None)
+    os.kill(ray.get(refs.handles()["reference-0"].health.remote())["pid"], signal.SIGKILL)
+    m = driver.step(None)  # the first scoring call of this step meets the dead replica
+    assert_every_prompt_accounted(m)
+    assert m["rollouts/redispatched_chunks"] >= 1 and list(refs.handles()) == ["reference-1"]
+    assert math.isfinite(m["kl/mean"]) and m["policy/version"] == 2
