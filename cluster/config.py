@@ -111,6 +111,9 @@ class RunConfig:
     name: Optional[str] = None       # run folder name; default: timestamp
     eval_every: int = 5              # steps between evaluations (0 = only at start and end)
     save_every: int = 0              # steps between HF checkpoints (0 = only the final one)
+    checkpoint_every: int = 5        # steps between resumable checkpoints (learner + driver state; 0 = none)
+    keep_checkpoints: int = 2        # resumable checkpoints kept; older ones are pruned
+    resume: Optional[str] = None     # a run folder to continue, or "auto" (the latest resumable run named run.name)
     samples_every: int = 5           # steps between samples.jsonl dumps
     plot_every: int = 1              # steps between redraws of plots/*.png (0 = no plots)
     tensorboard: bool = False        # also write TensorBoard event files (pip install tensorboard)
@@ -264,6 +267,8 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError(f"config: run.mode={cfg.run.mode!r} must be sync or async")
     if min(cfg.run.plot_every, cfg.run.eval_every, cfg.run.save_every, cfg.run.samples_every) < 0:
         raise ConfigError("config: run.plot_every/eval_every/save_every/samples_every must be >= 0")
+    if cfg.run.checkpoint_every < 0 or cfg.run.keep_checkpoints < 1:
+        raise ConfigError("config: run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
     if cfg.run.steps < 1:
         raise ConfigError(f"config: run.steps={cfg.run.steps} must be >= 1")
     if cfg.buffer.max_staleness < 0 or cfg.buffer.capacity < 1 or cfg.buffer.timeout_s <= 0:
