@@ -197,10 +197,7 @@ def _build(cls, data, prefix: str):
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            near = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {(prefix + '.' if prefix else '') + near[0]}?" if near else \
-                f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"config: unknown key {full}{hint}")
+            raise ConfigError(f"config: unknown key {full}{_unknown_key_hint(str(key), prefix, names)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, full)
@@ -210,6 +207,42 @@ def _build(cls, data, prefix: str):
         return cls(**kwargs)
     except ValueError as e:  # component dataclasses validate in __post_init__
         raise ConfigError(f"config: {prefix}: {e}") from None
+
+
+def _all_paths(cls=None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config, sections and leaves alike ("ppo.kl", "ppo.kl.beta")."""
+    cls = cls or TetherConfig
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if name not in {f.name for f in fields(cls)}:
+            continue
+        path = f"{prefix}{name}"
+        out.append(path)
+        if dataclasses.is_dataclass(tp):
+            out.extend(_all_paths(tp, path + "."))
+    return out
+
+
+def _unknown_key_hint(key: str, prefix: str, names: list[str]) -> str:
+    """Where the key probably belongs: the same name in another section (a key put in the
+    wrong section is the commonest mistake), else a near spelling here, else anywhere."""
+    paths = _all_paths()
+    where = f"{key} is not a {prefix} key" if prefix else "not a section"
+    same_name = [p for p in paths if p.rsplit(".", 1)[-1] == key]
+    if same_name:
+        return f" ({where}); did you mean {_either(same_name)}?"
+    near = difflib.get_close_matches(key, names, n=1)
+    if near:
+        return f"; did you mean {(prefix + '.' if prefix else '') + near[0]}?"
+    leaf_names = {p.rsplit(".", 1)[-1] for p in paths}
+    near = difflib.get_close_matches(key, sorted(leaf_names), n=1)
+    if near:
+        return f" ({where}); did you mean {_either([p for p in paths if p.endswith('.' + near[0]) or p == near[0]])}?"
+    return f"; valid keys: {', '.join(names)}"
+
+
+def _either(paths: list[str]) -> str:
+    return paths[0] if len(paths) == 1 else ", ".join(paths[:-1]) + " or " + paths[-1]
 
 
 def apply_override(data: dict, override: str) -> None:
