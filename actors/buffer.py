@@ -53,6 +53,7 @@ class ChunkReport:
     invalid_scores: int = 0       # reward was NaN/inf or raised: left out
     empty_responses: int = 0      # nothing to put a reward on: left out
     errors: tuple = ()            # one line per reward problem
+    held: tuple = ()              # (prompt_index, rollouts stored) for each prompt now in the buffer
     duplicate: bool = False       # this chunk id was stored before: nothing stored now
 
 
@@ -75,8 +76,9 @@ class RolloutBuffer:
         self._put_total = self._got_total = self._dropped_stale = 0
         self._staleness_sum = 0
         self._staleness_max = 0
-        self._chunks: set[int] = set()  # ids stored so far (exactly-once delivery)
+        self._chunks: dict[int, tuple] = {}  # id -> held, for every chunk stored so far (exactly-once)
         self._chunks_pending: set[int] = set()  # ids whose put is under way
+        self._left: list[tuple[int, int]] = []  # (chunk_id, prompt_index) discarded since the last take
 
     def put(self, items: list[ScoredRollout], timeout: Optional[float] = None) -> int:
         """Append items (all or none), blocking while the buffer lacks room.
@@ -159,32 +161,40 @@ class RolloutBuffer:
         """
         with self._cond:
             if chunk_id in self._chunks or chunk_id in self._chunks_pending:
-                return ChunkReport(chunk_id, duplicate=True)
+                return ChunkReport(chunk_id, duplicate=True, held=self._chunks.get(chunk_id, ()))
             self._chunks_pending.add(chunk_id)
         try:
             scored, invalid, empty = annotate_valid(rollouts, reference_logprobs, scores.scores,
                                                     scores.valid, shaping)
+            for x in scored:
+                x.chunk_id = chunk_id
+            held = tuple(sorted(collections.Counter(x.prompt_index for x in scored).items()))
             self.put(scored, timeout=timeout)
             with self._cond:
-                self._chunks.add(chunk_id)
+                self._chunks[chunk_id] = held
         finally:
             with self._cond:
                 self._chunks_pending.discard(chunk_id)
         return ChunkReport(chunk_id, stored=len(scored), invalid_scores=invalid, empty_responses=empty,
-                           errors=tuple(scores.errors))
+                           errors=tuple(scores.errors), held=held)
 
     def take(self, n: int, *, world_size: int, min_version: int = 0, current_version: int = 0,
              timeout: Optional[float] = None) -> tuple:
         """get() n rollouts and split them for the learner: (shard_0, ..., shard_{W-1}, BatchSummary)."""
         items = self.get(n, min_version=min_version, timeout=timeout, current_version=current_version)
+        with self._cond:
+            left, self._left = self._left, []
+        consumed = left + [(x.chunk_id, x.prompt_index) for x in items]
         shards, dropped = shard_rollouts(items, world_size)
-        return (*shards, BatchSummary.of(items, current_version=current_version, dropped=dropped))
+        return (*shards, BatchSummary.of(items, current_version=current_version, dropped=dropped,
+                                         consumed=consumed))
 
     def _discard_stale(self, min_version: int) -> int:
         # Versions interleave when several generators put, so scan everything, not just the head.
         if not any(x.policy_version < min_version for x in self._items):
             return 0
         fresh = [x for x in self._items if x.policy_version >= min_version]
+        self._left += [(x.chunk_id, x.prompt_index) for x in self._items if x.policy_version < min_version]
         dropped = len(self._items) - len(fresh)
         self._items = collections.deque(fresh)
         self._dropped_stale += dropped

@@ -14,6 +14,11 @@ from core.rollout import Rollout
 log = logging.getLogger(__name__)
 
 
+def request_seed(seed: int, version: int, prompt_index: int) -> int:
+    """The sampling seed of one prompt at one policy version (a 31-bit int)."""
+    return int(np.random.SeedSequence([seed, version, prompt_index]).generate_state(1)[0] >> 1)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 1.0       # behaviour logprobs are of the tempered distribution
@@ -21,7 +26,7 @@ class SamplingConfig:
     top_k: int = 0                 # 0 disables top-k
     max_new_tokens: int = 64
     n: int = 1                     # samples per prompt
-    seed: int = 0                  # engine seed: reproducible runs, distinct samples per prompt
+    seed: int = 0                  # sampling seed; each prompt's is drawn from (seed, version, prompt index)
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -125,12 +130,16 @@ class Generator:
             kwargs["kv_cache_memory_bytes"] = e.kv_cache_bytes
         return LLM(**kwargs)
 
-    def _params(self):
+    def _params(self, prompt_indices: list[int]) -> list:
+        """One SamplingParams per prompt, seeded by (seed, version, prompt index): a prompt's
+        samples do not depend on which replica draws them or what else is in the batch's
+        history, so a resumed or redispatched run samples what the original would have."""
         from vllm import SamplingParams
 
         s = self.sampling
-        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              max_tokens=s.max_new_tokens, n=s.n, logprobs=0)
+        return [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                               max_tokens=s.max_new_tokens, n=s.n, logprobs=0,
+                               seed=request_seed(s.seed, self._version, idx)) for idx in prompt_indices]
 
     def generate(self, prompt_ids: list, prompt_indices: list[int] | None = None) -> GenerationResult:
         """Sample `sampling.n` responses per prompt. prompt_ids: list of [P] int token arrays.
@@ -163,7 +172,7 @@ class Generator:
 
         t0 = time.perf_counter()
         outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in keep],
-                                     self._params(), use_tqdm=False)
+                                     self._params([idx for _, idx in keep]), use_tqdm=False)
         seconds = time.perf_counter() - t0
         rollouts = [self._to_rollout(ids, idx, completion)
                     for (ids, idx), out in zip(keep, outputs) for completion in out.outputs]
@@ -189,6 +198,10 @@ class Generator:
                        finish_reason="stop" if completion.finish_reason == "stop" else "length",
                        policy_version=self._version, prompt_index=prompt_index,
                        sample_index=completion.index)
+
+    def rewind(self, version: int) -> None:
+        """A rollback to a checkpoint: the next weights pushed are that (older) version's."""
+        self._version = int(version)
 
     def load_weights(self, version: int, buckets: list[bytes]) -> dict:
         """Reload the policy in place from safetensors-serialised buckets; record `version`."""

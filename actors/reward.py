@@ -41,19 +41,49 @@ def _one_line(e: BaseException) -> str:
 
 
 def load_function(spec: str):
-    """Import ``"package.module:function"``; any failure is a one-line ValueError."""
+    """Import ``"package.module:function"``; any failure is a one-line ValueError naming the fix."""
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"Reward: function {spec!r} must look like 'module:function'")
+        raise ValueError(f"reward.function {spec!r} must look like 'module:function' "
+                         "(e.g. actors.reward_functions:sentiment)")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - import errors of user code come in every flavour
-        raise ValueError(f"Reward: cannot import module {module_name!r} for function {spec!r}: "
-                         f"{_one_line(e)}") from None
+        not_found = isinstance(e, ModuleNotFoundError) and e.name is not None and \
+            (module_name == e.name or module_name.startswith(e.name + "."))
+        fix = ("run from the directory that holds it or add that directory to PYTHONPATH" if not_found
+               else "fix the error in that module")
+        raise ValueError(f"reward.function {spec!r}: cannot import module {module_name!r} ({_one_line(e)}); "
+                         f"{fix}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"Reward: module {module_name!r} has no callable {attr!r} (function {spec!r})")
+        raise ValueError(f"reward.function {spec!r}: module {module_name!r} has no callable {attr!r}; "
+                         "name a function defined there")
     return fn
+
+
+def probe_function(spec: str, prompts: list[str], responses: list[str]) -> None:
+    """Call the function once on example pairs, as the actors will; a ValueError naming
+    reward.function if it raises or does not return one number per pair.
+
+    At run time such a function only invalidates every batch (the actor must keep
+    serving), so a run would train on nothing; the driver asks first.
+    """
+    fn = load_function(spec)
+    n = len(prompts)
+    try:
+        out = fn(list(prompts), list(responses))
+    except Exception as e:  # noqa: BLE001 - user code fails in every flavour
+        raise ValueError(f"reward.function {spec!r} raised on a probe with {n} example (prompt, response) "
+                         f"pairs: {_one_line(e)}; fix the function") from None
+    try:
+        scores = [float(x) for x in out]
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"reward.function {spec!r} returned {type(out).__name__} on a probe, not a list of "
+                         f"numbers ({_one_line(e)}); return one float per (prompt, response) pair") from None
+    if len(scores) != n:
+        raise ValueError(f"reward.function {spec!r} returned {len(scores)} scores for {n} (prompt, response) "
+                         "pairs on a probe; return one float per pair, in order")
 
 
 def resolve_tokenizer_path(path: str) -> str:

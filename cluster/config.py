@@ -212,14 +212,12 @@ def _build(cls, data, prefix: str):
 def _all_paths(cls=None, prefix: str = "") -> list[str]:
     """Every dotted key of the config, sections and leaves alike ("ppo.kl", "ppo.kl.beta")."""
     cls = cls or TetherConfig
+    hints = typing.get_type_hints(cls)
     out = []
-    for name, tp in typing.get_type_hints(cls).items():
-        if name not in {f.name for f in fields(cls)}:
-            continue
-        path = f"{prefix}{name}"
-        out.append(path)
-        if dataclasses.is_dataclass(tp):
-            out.extend(_all_paths(tp, path + "."))
+    for f in fields(cls):
+        out.append(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.extend(_all_paths(hints[f.name], f"{prefix}{f.name}."))
     return out
 
 
@@ -227,17 +225,16 @@ def _unknown_key_hint(key: str, prefix: str, names: list[str]) -> str:
     """Where the key probably belongs: the same name in another section (a key put in the
     wrong section is the commonest mistake), else a near spelling here, else anywhere."""
     paths = _all_paths()
-    where = f"{key} is not a {prefix} key" if prefix else "not a section"
-    same_name = [p for p in paths if p.rsplit(".", 1)[-1] == key]
-    if same_name:
-        return f" ({where}); did you mean {_either(same_name)}?"
+    named = lambda name: [p for p in paths if p.rsplit(".", 1)[-1] == name]
+    where = f" ({key} is not a {prefix} key)" if prefix else f" ({key} is not a section)"
+    if named(key):
+        return f"{where}; did you mean {_either(named(key))}?"
     near = difflib.get_close_matches(key, names, n=1)
     if near:
         return f"; did you mean {(prefix + '.' if prefix else '') + near[0]}?"
-    leaf_names = {p.rsplit(".", 1)[-1] for p in paths}
-    near = difflib.get_close_matches(key, sorted(leaf_names), n=1)
+    near = difflib.get_close_matches(key, sorted({p.rsplit('.', 1)[-1] for p in paths}), n=1)
     if near:
-        return f" ({where}); did you mean {_either([p for p in paths if p.endswith('.' + near[0]) or p == near[0]])}?"
+        return f"{where}; did you mean {_either(named(near[0]))}?"
     return f"; valid keys: {', '.join(names)}"
 
 
@@ -273,8 +270,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Te
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
-            where = f" (line {mark.line + 1})" if mark else ""
-            raise ConfigError(f"config: {p} is not valid YAML{where}") from None
+            where = f" at line {mark.line + 1}" if mark else ""
+            problem = " ".join(str(getattr(e, "problem", None) or "").split())
+            raise ConfigError(f"config: {p} is not valid YAML{where}" + (f" ({problem})" if problem else "")
+                              + "; fix the YAML there") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config: {p} is not UTF-8 text; save it as UTF-8") from None
     for o in overrides:
         apply_override(data, o)
     cfg = _build(TetherConfig, data, "")
@@ -304,15 +305,25 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError("config: run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
     if cfg.run.steps < 1:
         raise ConfigError(f"config: run.steps={cfg.run.steps} must be >= 1")
+    _check_run_name(cfg.run.name)
     if cfg.buffer.max_staleness < 0 or cfg.buffer.capacity < 1 or cfg.buffer.timeout_s <= 0:
         raise ConfigError("config: buffer.max_staleness must be >= 0, buffer.capacity >= 1 and "
                           "buffer.timeout_s > 0")
     if cfg.data.prompts_per_step < 1:
         raise ConfigError(f"config: data.prompts_per_step={cfg.data.prompts_per_step} must be >= 1")
+    if cfg.data.eval_prompts < 0:
+        raise ConfigError(f"config: data.eval_prompts={cfg.data.eval_prompts} must be >= 0 (0 = no evaluation set)")
+    if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens < 1:
+        raise ConfigError(f"config: data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be >= 1, "
+                          "or null to keep prompts of any length")
+    _check_lengths(cfg.generator, cfg.data.max_prompt_tokens)
     if cfg.ppo.kl.estimator not in KL_ESTIMATORS:
-        raise ConfigError(f"config: ppo.kl.estimator={cfg.ppo.kl.estimator!r} must be one of {KL_ESTIMATORS}")
-    if cfg.ppo.kl.beta < 0 or (cfg.ppo.kl.target is not None and cfg.ppo.kl.target <= 0):
-        raise ConfigError("config: ppo.kl.beta must be >= 0 and ppo.kl.target > 0 (or null)")
+        raise ConfigError(f"config: ppo.kl.estimator={cfg.ppo.kl.estimator!r} is unknown; use one of "
+                          f"{', '.join(KL_ESTIMATORS)}")
+    if cfg.ppo.kl.beta < 0:
+        raise ConfigError(f"config: ppo.kl.beta={cfg.ppo.kl.beta} must be >= 0 (0 = no KL penalty)")
+    if cfg.ppo.kl.target is not None and cfg.ppo.kl.target <= 0:
+        raise ConfigError(f"config: ppo.kl.target={cfg.ppo.kl.target} must be > 0, or null for a fixed beta")
     rollouts = cfg.data.prompts_per_step * cfg.generator.sampling.n
     if rollouts < cfg.ppo.minibatch_size:
         raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x "
@@ -325,6 +336,32 @@ def validate(cfg: TetherConfig) -> None:
         cfg.learner_config().validate(world_size=cfg.learner.replicas)
     except ValueError as e:
         raise ConfigError(f"config: {str(e).replace('learner.ppo.', 'ppo.')}") from None
+    # Every learner rank must get an equal shard (core.rollout.shard_rollouts drops the rest),
+    # so a step that does not divide evenly would throw rollouts away every step.
+    if rollouts % cfg.learner.replicas:
+        raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x generator.sampling.n), "
+                          f"not divisible by learner.replicas={cfg.learner.replicas}; make prompts_per_step x n "
+                          f"a multiple of {cfg.learner.replicas}")
+
+
+def _check_run_name(name: Optional[str]) -> None:
+    """run.name is one folder under run.dir: a path in it would write the run elsewhere."""
+    if name is None:
+        return
+    if "/" in name or "\\" in name or name in (".", ".."):
+        raise ConfigError(f"config: run.name={name!r} must be a plain folder name (no '/', '\\' or '..'); "
+                          "put the parent directory in run.dir")
+
+
+def _check_lengths(gen: GeneratorPoolConfig, max_prompt_tokens: Optional[int]) -> None:
+    """Prompt and response share the engine's context: max_model_len must hold both."""
+    new, room = gen.sampling.max_new_tokens, gen.engine.max_model_len
+    if new >= room:
+        raise ConfigError(f"config: generator.sampling.max_new_tokens={new} leaves no room for a prompt in "
+                          f"generator.engine.max_model_len={room}; raise max_model_len or lower max_new_tokens")
+    if max_prompt_tokens is not None and max_prompt_tokens + new > room:
+        raise ConfigError(f"config: data.max_prompt_tokens={max_prompt_tokens} + generator.sampling.max_new_tokens="
+                          f"{new} exceed generator.engine.max_model_len={room}; raise max_model_len or lower one of them")
 
 
 def describe() -> str:

@@ -114,6 +114,7 @@ class PromptDataset:
                 skips.add("not_an_object", f"{where}: not a JSON object ({type(row).__name__})")
             elif field not in row:
                 skips.add("missing_field", f"{where}: missing field '{field}'")
+                skips.fields_seen.update(map(str, row))
             elif not isinstance(row[field], str):
                 skips.add("not_a_string", f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
             elif not row[field].strip():
@@ -195,6 +196,7 @@ class PromptDataset:
 class _Skips:
     def __init__(self):
         self.counts, self.reasons = Counter(), []
+        self.fields_seen = Counter()  # the fields of rows that lack data.field: the likely fix
 
     def add(self, kind: str, reason: str) -> None:
         self.counts[kind] += 1
@@ -204,7 +206,12 @@ class _Skips:
 
 def _empty_message(source: str, field: str, skips: _Skips) -> str:
     if not skips.counts:
-        return f"data.path: {source} holds no prompts"
+        return f"data.path: {source} holds no prompts; add rows with a '{field}' field (data.field)"
+    if set(skips.counts) == {"missing_field"}:
+        n = skips.counts["missing_field"]
+        seen = ", ".join(f"'{k}'" for k, _ in skips.fields_seen.most_common(5)) or "none"
+        return (f"data.field='{field}' is in none of the {n} rows of {source} (missing_field={n}; "
+                f"their fields: {seen}); set data.field to the prompt column")
     kinds = ", ".join(f"{k}={v}" for k, v in skips.counts.most_common())
     return (f"data.path: no usable prompts in {source}: all {sum(skips.counts.values())} rows skipped "
             f"({kinds}; first: {skips.reasons[0]}); check data.field (now '{field}')")
@@ -213,31 +220,45 @@ def _empty_message(source: str, field: str, skips: _Skips) -> str:
 def _read_rows(path: Path, field: str, skips: _Skips) -> list[tuple[str, object]]:
     """`(where, row)` pairs; malformed JSON lines are recorded in `skips` and left out."""
     if not path.exists():
-        raise FileNotFoundError(f"data.path: {path} does not exist")
+        raise FileNotFoundError(f"data.path: {path} does not exist; point it at a prompt file ({SUPPORTED}), "
+                                "or set data.path=null for the built-in prompts")
     if path.is_dir():
-        return _read_saved_dataset(path, field)
+        return _read_saved_dataset(path, field, skips)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _read_jsonl(path, skips)
     if suffix == ".parquet":
-        return _read_parquet(path, field)
+        return _read_parquet(path, field, skips)
     raise ValueError(f"data.path: unsupported file type '{path.suffix}' for {path}; supported: {SUPPORTED}")
 
 
 def _read_jsonl(path: Path, skips: _Skips) -> list[tuple[str, object]]:
     rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((f"line {lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                skips.add("malformed_json", f"line {lineno}: malformed JSON ({e.msg})")
+    # Split on newlines only: str.splitlines() would also cut at U+2028 etc., legal inside JSON strings.
+    lines = _utf8_text(path).replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((f"line {lineno}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            skips.add("malformed_json", f"line {lineno}: malformed JSON ({e.msg})")
     return rows
 
 
-def _read_parquet(path: Path, field: str) -> list[tuple[str, object]]:
+def _utf8_text(path: Path) -> str:
+    """The file as text. The encoding is the file's, not a row's: a file in another encoding
+    is refused, since skipping (or mangling) its non-ASCII rows would skew the prompts unseen."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")  # -sig: a leading byte-order mark is not part of line 1
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"data.path: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); "
+                         "re-save it as UTF-8") from None
+
+
+def _read_parquet(path: Path, field: str, skips: _Skips) -> list[tuple[str, object]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -245,12 +266,13 @@ def _read_parquet(path: Path, field: str) -> list[tuple[str, object]]:
     pf = pq.ParquetFile(path)
     n = pf.metadata.num_rows
     if field not in pf.schema_arrow.names:  # every row lacks it: let the row check count them
+        skips.fields_seen.update(pf.schema_arrow.names)
         return [(f"row {i}", {}) for i in range(n)]
     values = pf.read(columns=[field]).column(field).to_pylist()
     return [(f"row {i}", {field: v}) for i, v in enumerate(values)]
 
 
-def _read_saved_dataset(path: Path, field: str) -> list[tuple[str, object]]:
+def _read_saved_dataset(path: Path, field: str, skips: _Skips) -> list[tuple[str, object]]:
     try:
         import datasets
     except ImportError:
@@ -267,5 +289,6 @@ def _read_saved_dataset(path: Path, field: str) -> list[tuple[str, object]]:
                              f"point data.path at one split's folder")
         ds = ds["train"]
     if field not in ds.column_names:  # every row lacks it: let the row check count them
+        skips.fields_seen.update(ds.column_names)
         return [(f"row {i}", {}) for i in range(len(ds))]
     return [(f"row {i}", {field: v}) for i, v in enumerate(ds[field])]

@@ -10,23 +10,33 @@ Sync mode is on-policy: each step's rollouts come from the current version and t
 next generation waits for the weight push. Async mode keeps generating while the
 learner trains; the buffer drops rollouts more than `buffer.max_staleness` versions old.
 The driver holds object references and small summaries only; rollouts never pass through it.
+
+Failures (docs/design.md, "Failure semantics"): a dead rollout-side replica or buffer is
+handled where the rollouts are made (cluster/rollouts.py); a dead learner rank rolls the
+whole run back to its last checkpoint (``_rollback``), in the same job.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import ray
+from ray.exceptions import RayActorError
 
+from cluster import checkpoint
+from cluster.checkpoint import RunState
 from cluster.config import TetherConfig
 from cluster.metrics import RayMetrics, RunMetrics, progress_line
-from cluster.pools import Pools
-from cluster.rollouts import Produced, RolloutProducer
+from cluster.pools import Pools, alive
+from cluster.rollouts import BackgroundProducer, Produced, RolloutProducer
 from core.annotate import RewardShaping
 from core.ppo import AdaptiveKLController, FixedKLController
+from learner.group import LearnerRankDied
 
 log = logging.getLogger("tether")
 
@@ -50,18 +60,23 @@ class Driver:
     def __init__(self, cfg: TetherConfig, *, pools: Pools, dataset, eval_dataset, tokenizer,
                  metrics: RunMetrics, ptx_batches=None) -> None:
         self.cfg, self.pools, self.tokenizer, self.metrics = cfg, pools, tokenizer, metrics
-        self.eval_dataset, self.ptx_batches = eval_dataset, ptx_batches
+        self.dataset, self.eval_dataset, self.ptx_batches = dataset, eval_dataset, ptx_batches
         kl = cfg.ppo.kl
         self.kl_ctl = (AdaptiveKLController(kl.beta, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.beta))
         self.ray_metrics = RayMetrics()
-        self.version = 0
+        self.step_count = self.version = 0
         # Learner calls are collectives: two threads (async mode's producer replacing a dead
         # generator, the main loop training) must not interleave them differently per rank.
         self._learner_lock = threading.Lock()
-        self.prompts = dataset.batches(cfg.data.prompts_per_step, epochs=None)
+        # Drawing a batch and opening its ledger chunks is one act, so a checkpoint's data
+        # position and its unfinished prompts agree (async mode draws in another thread).
+        self._issue_lock = threading.Lock()
+        self._seek(0)
         self.rollouts = RolloutProducer(pools, put_timeout_s=cfg.buffer.timeout_s,
                                         on_new_generator=self._give_current_weights)
+        self.stop_requested = threading.Event()  # set by SIGTERM/SIGINT: stop at the next step boundary
+        self.rollbacks: list[dict] = []          # one record per learner recovery
 
     def shaping(self) -> RewardShaping:
         """How this step's rollouts get their per-token rewards (beta as the controller has it now)."""
@@ -69,49 +84,61 @@ class Driver:
         return RewardShaping(beta=self.kl_ctl.value, kl_estimator=p.kl.estimator,
                              truncation_penalty=p.truncation_penalty, reward_clip=p.reward_clip)
 
+    # ------------------------------------------------------------------ the data stream
+    def _seek(self, batches_issued: int) -> None:
+        """Position the prompt stream after ``batches_issued`` batches (it is deterministic)."""
+        stream = self.dataset.batches(self.cfg.data.prompts_per_step, epochs=None)
+        self._prompts = itertools.islice(stream, batches_issued, None)
+        self.batches_issued = batches_issued
+
+    def issue(self) -> list:
+        """The next batch of prompts, as ledger chunks."""
+        with self._issue_lock:
+            indices, prompt_ids, _ = next(self._prompts)
+            self.batches_issued += 1
+            return self.rollouts.open(indices, prompt_ids)
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
         cfg, final = self.cfg, {}
-        eval_metrics = self.evaluate() if cfg.run.eval_every else {}
-        self.metrics.log(0, eval_metrics)
-        log.info("step 0: eval %s", " ".join(f"{k}={v:.3f}" for k, v in eval_metrics.items()))
-        producer = _Producer(self) if cfg.run.mode == "async" else None
+        if self.step_count == 0:
+            eval_metrics = self.evaluate() if cfg.run.eval_every else {}
+            self.metrics.log(0, eval_metrics)
+            log.info("step 0: eval %s", " ".join(f"{k}={v:.3f}" for k, v in eval_metrics.items()))
+        producer = self._start_producer()
         t_start = time.perf_counter()
         try:
-            for step in range(1, cfg.run.steps + 1):
-                metrics = self.step(producer)
-                if cfg.run.eval_every and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
-                    metrics.update(self.evaluate())
-                if cfg.run.save_every and step % cfg.run.save_every == 0:
-                    self.save_checkpoint(f"step-{step}")
-                self.metrics.log(step, metrics)  # also records the Ray gauges
+            while self.step_count < cfg.run.steps and not self.stop_requested.is_set():
+                try:
+                    metrics = self.step(producer)
+                    step = self.step_count
+                    if cfg.run.eval_every and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
+                        metrics.update(self.evaluate())
+                    if cfg.run.save_every and step % cfg.run.save_every == 0:
+                        self.save_checkpoint(f"step-{step}")
+                    self.metrics.log(step, metrics)  # also records the Ray gauges
+                    if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0:
+                        self.checkpoint()
+                except LearnerRankDied as e:
+                    producer = self._rollback(producer, e)
+                    continue
                 log.info(progress_line(step, cfg.run.steps, metrics, time.perf_counter() - t_start))
                 final = metrics
         finally:
-            if producer:
-                producer.stop()
+            self._stop_producer(producer)
         return final
 
     def step(self, producer) -> dict:
         cfg, learner, timer = self.cfg, self.pools.learner, PhaseTimer()
         with timer("step"):
             if producer is None:  # sync: this step's rollouts, from the current version
-                indices, prompt_ids, _ = next(self.prompts)
-                produced = self.rollouts.produce(indices, prompt_ids, self.shaping())
-                n, min_version = produced.stored, self.version
+                produced = self.rollouts.produce(self.issue(), self.shaping())
+                min_version = self.version
             else:
-                n = cfg.data.prompts_per_step * cfg.generator.sampling.n
                 min_version = max(0, self.version - cfg.buffer.max_staleness)
-            if n == 0:
-                raise RuntimeError(f"version {self.version}: no usable rollouts (all prompts skipped or all "
-                                   "scores invalid); check data.max_prompt_tokens and the reward")
             with timer("buffer_wait"):
-                *shards, summary_ref = self.pools.buffer.take.options(num_returns=learner.world_size + 1).remote(
-                    n, world_size=learner.world_size, min_version=min_version,
-                    current_version=self.version, timeout=cfg.buffer.timeout_s)
-                batch = ray.get(summary_ref)
-            if producer is not None:
-                produced = producer.take()  # the generation work that fed this step
+                shards, batch, regenerated = self._take(producer, min_version)
+            produced = (producer.take() if producer is not None else produced).merge(regenerated)
             ptx = next(self.ptx_batches) if self.ptx_batches is not None else None
             with timer("learn"), self._learner_lock:
                 learn = learner.train(shards, ptx_batch=ptx)
@@ -119,7 +146,35 @@ class Driver:
                 self.kl_ctl.update(float(batch.kl_sums.mean()), n_steps=len(batch.scores))
                 sync = learner.push_weights(self.pools.generators.handles(), self.version + 1)
                 self.version += 1
+                self.step_count += 1
         return self._step_metrics(batch, produced, learn, sync, timer.seconds)
+
+    def _take(self, producer, min_version: int):
+        """The learner's shards and their summary from the buffer. A buffer that died is
+        replaced and what it held generated again (sync: here; async: by the producer)."""
+        cfg, world, regenerated = self.cfg, self.pools.learner.world_size, Produced()
+        while True:
+            n = (self.rollouts.ledger.held_rollouts() if producer is None
+                 else cfg.data.prompts_per_step * cfg.generator.sampling.n)
+            if n == 0:
+                raise RuntimeError(f"version {self.version}: no usable rollouts (all prompts skipped or all "
+                                   "scores invalid); check data.max_prompt_tokens and the reward")
+            slot = self.pools.buffer_slot
+            buffer_id, buffer = slot.id, slot.handle
+            try:
+                *shards, summary_ref = buffer.take.options(num_returns=world + 1).remote(
+                    n, world_size=world, min_version=min_version, current_version=self.version,
+                    timeout=cfg.buffer.timeout_s)
+                batch = ray.get(summary_ref)
+            except RayActorError:
+                if alive(buffer):
+                    raise
+                self.rollouts.buffer_died(buffer_id)
+                if producer is None:
+                    regenerated = regenerated.merge(self.rollouts.produce([], self.shaping()))
+                continue
+            self.rollouts.ledger.consumed(batch.consumed)
+            return shards, batch, regenerated
 
     def _step_metrics(self, batch, produced: Produced, learn: dict, sync: dict, seconds: dict) -> dict:
         stats = ray.get(self.pools.buffer.stats.remote())
@@ -157,6 +212,77 @@ class Driver:
                 "response": dec(row["response_ids"], skip_special_tokens=True),
                 **{k: row[k] for k in ("score", "kl_sum", "finish_reason", "policy_version")}}
 
+    # ------------------------------------------------------------------ checkpoints and recovery
+    def run_state(self) -> RunState:
+        with self._issue_lock:
+            return RunState(step=self.step_count, version=self.version, batches_issued=self.batches_issued,
+                            unfinished=tuple(self.rollouts.ledger.unfinished_prompts()),
+                            kl_beta=self.kl_ctl.value, pinned=checkpoint.pinned_values(self.cfg))
+
+    def checkpoint(self) -> Path:
+        """A resumable checkpoint of this step (learner + driver state), written atomically."""
+        t0 = time.perf_counter()
+        with self._learner_lock:
+            path = checkpoint.save(self.metrics.run_dir, self.run_state(), self.pools.learner,
+                                   keep=self.cfg.run.keep_checkpoints)
+        log.info("checkpoint: %s (%.1fs)", path, time.perf_counter() - t0)
+        return path
+
+    def restore(self, path: Path | None) -> RunState:
+        """Learner and driver back to checkpoint ``path`` (None: the start of the run), and the
+        generators given its weights. The producer must be stopped."""
+        state = checkpoint.load_state(path) if path else RunState(
+            step=0, version=0, batches_issued=0, unfinished=(), kl_beta=self.cfg.ppo.kl.beta, pinned={})
+        with self._learner_lock:
+            if path:
+                self.pools.learner.load(Path(path) / "learner")
+            generators = self.pools.generators.handles()
+            ray.get([g.rewind.remote(state.version) for g in generators.values()])
+            self.pools.learner.push_weights(generators, state.version)
+        self.step_count, self.version, self.kl_ctl.value = state.step, state.version, state.kl_beta
+        self._seek(state.batches_issued)
+        if state.unfinished:  # async: prompts drawn before the checkpoint but never trained on
+            ids = dict(zip((int(i) for i in self.dataset.ids), self.dataset.prompt_ids))
+            self.rollouts.requeue(self.rollouts.open(state.unfinished, [ids[i] for i in state.unfinished]))
+        self.metrics.rewind(state.step)
+        return state
+
+    def _rollback(self, producer, error: LearnerRankDied):
+        """A learner rank died: new ranks, the last checkpoint, and the run goes on from there."""
+        t0 = time.perf_counter()
+        log.warning("%s; rebuilding the learner and rolling back to the last checkpoint", error)
+        self._stop_producer(producer)
+        slot = self.pools.buffer_slot
+        slot.replace(slot.id)  # rollouts of the abandoned steps must not be trained on
+        self.rollouts.reset()
+        with self._learner_lock:
+            self.pools.learner.restart()
+        t_rebuilt = time.perf_counter()
+        path = checkpoint.latest(self.metrics.run_dir)
+        failed_at = self.step_count
+        state = self.restore(path)
+        record = {"rank": error.rank, "failed_at_step": failed_at, "resumed_at_step": state.step,
+                  "rebuild_seconds": t_rebuilt - t0, "recovery_seconds": time.perf_counter() - t0}
+        self.rollbacks.append(record)
+        log.warning("learner recovered in %.1fs: back at step %d (version %d) from %s", record["recovery_seconds"],
+                    state.step, state.version, path or "the initial weights")
+        return self._start_producer()
+
+    def _start_producer(self):
+        if self.cfg.run.mode != "async":
+            return None
+        return BackgroundProducer(self.rollouts, issue=self.issue, shaping=self.shaping)
+
+    def _stop_producer(self, producer) -> None:
+        if producer is None:
+            return
+        producer.stop()
+        try:  # wake a producer blocked on a full buffer
+            ray.get(self.pools.buffer.close.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a dead buffer wakes nobody, and blocks nobody either
+            pass
+        producer.join()
+
     # ------------------------------------------------------------------ runtime scaling
     def add_generator(self) -> str:
         """Start one more generator and give it the current weights before it serves."""
@@ -170,12 +296,13 @@ class Driver:
                 self.pools.learner.push_weights({replica_id: self.pools.generators.handles()[replica_id]},
                                                 self.version)
 
-    # ------------------------------------------------------------------ checkpoints and eval
+    # ------------------------------------------------------------------ HF checkpoints and eval
     def save_checkpoint(self, name: str) -> str:
         """HF-format policy under checkpoints/<name>, renamed into place only once complete."""
         final = self.metrics.run_dir / "checkpoints" / name
         tmp = final.with_name(f".{name}.partial")
-        self.pools.learner.save_pretrained_policy(str(tmp))
+        with self._learner_lock:
+            self.pools.learner.save_pretrained_policy(str(tmp))
         tmp.rename(final)
         return str(final)
 
@@ -184,47 +311,16 @@ class Driver:
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
             return {}
         generator, reward = self.pools.generators.first(), self.pools.rewards.first()
-        rollouts_ref, summary_ref = generator.sample.options(num_returns=2).remote(
-            self.eval_dataset.prompt_ids, list(self.eval_dataset.ids))
-        summary = ray.get(summary_ref)
-        if not summary.rollouts:
+        try:
+            rollouts_ref, summary_ref = generator.sample.options(num_returns=2).remote(
+                self.eval_dataset.prompt_ids, list(self.eval_dataset.ids))
+            summary = ray.get(summary_ref)
+            if not summary.rollouts:
+                return {}
+            scores = ray.get(reward.score_rollouts.remote(rollouts_ref))
+        except RayActorError as e:  # the producer replaces the replica; this eval is skipped
+            log.warning("eval skipped: a replica died (%s)", type(e).__name__)
             return {}
-        scores = ray.get(reward.score_rollouts.remote(rollouts_ref))
         valid = scores.scores[scores.valid]
         return {"eval/score_mean": float(valid.mean()) if len(valid) else float("nan"),
                 "eval/response_len": summary.generated_tokens / summary.rollouts}
-
-
-class _Producer:
-    """Async mode: keeps generating and scoring with whatever weights the generators hold.
-
-    take() returns the accounting of everything produced since the previous take(), so
-    each step reports the generation work done during it.
-    """
-
-    def __init__(self, driver: Driver) -> None:
-        self._driver, self._stop = driver, threading.Event()
-        self._pending, self._lock, self._error = Produced(), threading.Lock(), None
-        self._thread = threading.Thread(target=self._loop, name="tether-producer", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        d = self._driver
-        try:
-            while not self._stop.is_set():
-                indices, prompt_ids, _ = next(d.prompts)
-                produced = d.rollouts.produce(indices, prompt_ids, d.shaping())
-                with self._lock:
-                    self._pending = self._pending.merge(produced)
-        except Exception as e:  # noqa: BLE001 - surfaced by take() in the main thread
-            self._error = e
-
-    def take(self) -> Produced:
-        if self._error is not None:
-            raise self._error
-        with self._lock:
-            out, self._pending = self._pending, Produced()
-        return out
-
-    def stop(self) -> None:
-        self._stop.set()

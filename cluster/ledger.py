@@ -2,9 +2,15 @@
 
 A chunk is a slice of one step's prompts. Its life:
 
-    pending --dispatch--> generating --generated--> scoring --stored--> stored
-       ^                      |                        |
-       +------ release(replica) (the replica left the pool) ------+
+    pending --dispatch--> generating --generated--> scoring --stored--> stored --consumed--> (gone)
+       ^                      |                        |                  |
+       +------ release(replica) (the replica left the pool) ------+       |
+       +------ release_stored() (the buffer died with the chunk in it) ---+
+
+A stored chunk stays in the ledger while the buffer holds any of its rollouts
+(``held``: prompt index -> rollouts); the learner's take reports which prompts left
+the buffer (``consumed``), trained on or dropped as stale. So when the buffer dies, the
+ledger knows exactly which prompts it took with it, and they are generated again.
 
 Exactly-once: a chunk id is stored at most once. The buffer refuses a second put of
 the same id (a redispatched chunk whose first put landed after all), and the ledger
@@ -34,6 +40,7 @@ class Chunk:
     state: ChunkState = ChunkState.PENDING
     replicas: dict = field(default_factory=dict)  # role -> replica id now holding it
     attempts: int = 0             # dispatches so far (> 1 after a redispatch)
+    held: dict = field(default_factory=dict)  # stored: prompt index -> rollouts the buffer holds
 
 
 class Ledger:
@@ -55,21 +62,57 @@ class Ledger:
             c = self._live(chunk_id, ChunkState.PENDING)
             c.state, c.replicas, c.attempts = ChunkState.GENERATING, {"generator": generator}, c.attempts + 1
 
-    def scoring(self, chunk_id: int, reference: str, reward: str) -> None:
+    def scoring(self, chunk_id: int, reference: str, reward: str, buffer: str) -> None:
         with self._lock:
             c = self._live(chunk_id, ChunkState.GENERATING)
             # The rollouts now sit in the object store: the generator is no longer needed.
-            c.state, c.replicas = ChunkState.SCORING, {"reference": reference, "reward": reward}
+            c.state, c.replicas = ChunkState.SCORING, {"reference": reference, "reward": reward,
+                                                       "buffer": buffer}
 
-    def stored(self, chunk_id: int) -> bool:
-        """Mark the chunk done; False (and no change) if it was already stored."""
+    def stored(self, chunk_id: int, held: dict | None = None) -> bool:
+        """Mark the chunk stored, the buffer holding ``held`` (prompt index -> rollouts);
+        False (and no change) if it was already stored."""
         with self._lock:
             c = self._chunks[chunk_id]
             if c.state is ChunkState.STORED:
                 return False
-            c.state = ChunkState.STORED
-            c.replicas = {}
+            c.state, c.replicas, c.held = ChunkState.STORED, {}, dict(held or {})
             return True
+
+    def consumed(self, pairs) -> None:
+        """(chunk_id, prompt_index) pairs that left the buffer; a chunk with nothing left goes."""
+        with self._lock:
+            for chunk_id, prompt_index in pairs:
+                c = self._chunks.get(chunk_id)
+                if c is not None and c.state is ChunkState.STORED:
+                    c.held.pop(prompt_index, None)
+
+    def release_stored(self) -> list[Chunk]:
+        """The buffer died: every stored chunk's held prompts go back to pending (to be
+        generated again); returned. Prompts already consumed are not repeated."""
+        with self._lock:
+            out = []
+            for c in self._chunks.values():
+                if c.state is ChunkState.STORED and c.held:
+                    keep = [i for i, idx in enumerate(c.prompt_indices) if idx in c.held]
+                    c.prompt_indices = [c.prompt_indices[i] for i in keep]
+                    c.prompt_ids = [c.prompt_ids[i] for i in keep]
+                    c.state, c.held = ChunkState.PENDING, {}
+                    out.append(c)
+            return out
+
+    def held_rollouts(self) -> int:
+        """Rollouts the buffer holds, by the ledger's account."""
+        with self._lock:
+            return sum(sum(c.held.values()) for c in self._chunks.values() if c.state is ChunkState.STORED)
+
+    def unfinished_prompts(self) -> list[int]:
+        """Prompt indices issued and not yet consumed: in flight, or held by the buffer."""
+        with self._lock:
+            out = []
+            for c in self._chunks.values():
+                out += list(c.held) if c.state is ChunkState.STORED else c.prompt_indices
+            return out
 
     def release(self, replica: str) -> list[Chunk]:
         """Chunks in flight on ``replica`` go back to pending (to be redispatched); returned."""
@@ -85,9 +128,15 @@ class Ledger:
             return [c for c in self._chunks.values() if c.state is not ChunkState.STORED]
 
     def forget_stored(self) -> None:
-        """Drop finished chunks (their ids stay used): keeps the ledger small over a long run."""
+        """Drop chunks stored and wholly consumed (their ids stay used): keeps the ledger small."""
         with self._lock:
-            self._chunks = {i: c for i, c in self._chunks.items() if c.state is not ChunkState.STORED}
+            self._chunks = {i: c for i, c in self._chunks.items()
+                            if c.state is not ChunkState.STORED or c.held}
+
+    def reset(self) -> None:
+        """Forget every chunk (a rollback to a checkpoint discards the timeline they belong to)."""
+        with self._lock:
+            self._chunks = {}
 
     def get(self, chunk_id: int) -> Chunk:
         with self._lock:

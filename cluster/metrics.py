@@ -203,6 +203,22 @@ def _dumps(obj: Any) -> str:
     return json.dumps(_jsonable(obj), allow_nan=False, ensure_ascii=False)
 
 
+def _truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the rows of ``path`` with step <= ``step``; rewritten atomically."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= step:
+                keep.append(line)
+        except ValueError:
+            continue  # a torn line
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{ln}\n" for ln in keep), encoding="utf-8")
+    tmp.replace(path)
+
+
 class RunMetrics:
     """metrics.jsonl, samples.jsonl and plots/*.png in ``run_dir``; Ray gauges when Ray is up.
 
@@ -266,6 +282,19 @@ class RunMetrics:
             if self.plot_every and self._logged % self.plot_every == 0:
                 self._plot()
         self._ray.record(metrics)
+
+    def rewind(self, step: int) -> None:
+        """Forget every row after ``step`` (a resume or rollback redoes those steps), so the
+        files keep one row per step; torn lines from a killed process go too."""
+        with self._lock:
+            for f in (self._metrics_f, self._samples_f):
+                f.close()
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                _truncate_jsonl(self.run_dir / name, step)
+            self._history = {k: [] for k in self.PLOTTED}
+            self._seed_history(self.run_dir / "metrics.jsonl")
+            self._metrics_f = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._samples_f = open(self.run_dir / "samples.jsonl", "a", encoding="utf-8")
 
     def samples(self, step: int, rows: list[dict]) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import ray
@@ -94,7 +94,7 @@ class Pool:
 
     ``start(replica_id, index, options)`` creates the actor (``options`` places it);
     ``index`` counts every replica the pool ever started, so a replacement gets a fresh
-    name and seed. Thread-safe: async mode's producer dispatches while the driver scales.
+    name. Thread-safe: async mode's producer dispatches while the driver scales.
     """
 
     def __init__(self, role: str, *, start: Callable[[str, int, dict], object], num_cpus: float,
@@ -186,6 +186,52 @@ class Pool:
             _kill(r)
 
 
+def alive(handle, timeout_s: float = 30.0) -> bool:
+    """Whether an actor answers health() (a dead process answers at once with an error)."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+    try:
+        ray.get(handle.health.remote(), timeout=timeout_s)
+        return True
+    except (RayActorError, GetTimeoutError):
+        return False
+
+
+class BufferSlot:
+    """The run's one rollout buffer, replaceable: a dead buffer gives way to a fresh, empty
+    one under a new name (buffer-0, buffer-1, ...). What the dead one held is not restored
+    from it: the ledger knows those prompts and the producer generates them again."""
+
+    def __init__(self, *, capacity: int, env: dict) -> None:
+        self._capacity, self._env = capacity, env
+        self._serial, self._lock = itertools.count(), threading.Lock()
+        self.id, self.handle = self._start()
+
+    def _start(self):
+        rid = f"buffer-{next(self._serial)}"
+        # Many producers may block in put() at once; leave room for stats()/health().
+        handle = ray.remote(RolloutBuffer).options(name=rid, num_cpus=0, max_concurrency=16,
+                                                   runtime_env={"env_vars": self._env}).remote(
+            capacity=self._capacity)
+        ray.get(handle.health.remote())
+        return rid, handle
+
+    def replace(self, dead_id: str) -> bool:
+        """Start a new buffer if ``dead_id`` is still the current one; False if another
+        thread did so already."""
+        with self._lock:
+            if self.id != dead_id:
+                return False
+            self.shutdown()
+            self.id, self.handle = self._start()
+            return True
+
+    def shutdown(self) -> None:
+        try:
+            ray.kill(self.handle)
+        except Exception:  # noqa: BLE001 - already dead is fine
+            pass
+
+
 def _kill(replica: Replica) -> None:
     try:
         ray.kill(replica.handle)
@@ -209,13 +255,18 @@ class Pools:
     references: Pool
     rewards: Pool
     learner: LearnerGroup
-    buffer: object
+    buffer_slot: BufferSlot
     learner_placement: object = None
+
+    @property
+    def buffer(self):
+        """The current buffer's handle (it changes if the buffer dies and is replaced)."""
+        return self.buffer_slot.handle
 
     def actor_names(self) -> list[str]:
         """Names of the live actors, looked up in Ray (not derived from the config)."""
         names = [rid for pool in (self.generators, self.references, self.rewards) for rid in pool.handles()]
-        names += [f"learner-{i}" for i in range(self.learner.world_size)] + ["buffer"]
+        names += [f"learner-{i}" for i in range(self.learner.world_size)] + [self.buffer_slot.id]
         for name in names:
             ray.get_actor(name)  # ValueError if it is not alive under that name
         return names
@@ -223,7 +274,7 @@ class Pools:
     def shutdown(self) -> None:
         for pool in (self.generators, self.references, self.rewards):
             pool.shutdown()
-        for stop in (lambda: ray.kill(self.buffer), self.learner.shutdown):
+        for stop in (self.buffer_slot.shutdown, self.learner.shutdown):
             try:
                 stop()
             except Exception:  # noqa: BLE001 - already dead is fine at shutdown
@@ -238,7 +289,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) -> 
     def generator(rid, index, options):
         return ray.remote(Generator).options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,
                                              runtime_env=env, **options).remote(
-            model=policy_path, name=rid, sampling=replace(g.sampling, seed=g.sampling.seed + index),
+            model=policy_path, name=rid, sampling=g.sampling,
             engine=g.engine, tensor_parallel=g.tensor_parallel, weight_sync=cfg.learner.weight_sync)
 
     def reference(rid, index, options):
@@ -260,7 +311,7 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) ->
     """Reserve every pool first (so a shortage fails before any model loads), then start actors."""
     lp = cfg.learner
     pools = _role_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path)
-    reserved, learner_pg, started = [], None, []
+    reserved, learner_pg, started, buffer = [], None, [], None
     try:
         for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.replicas, cfg.reward.replicas)):
             reserved.append(pool.reserve(n))
@@ -269,17 +320,16 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) ->
         for pool, pgs in zip(pools, reserved):
             pool.start(pgs)
             started.append(pool)
-        # Many producers may block in put() at once; leave room for stats()/health().
-        buffer = ray.remote(RolloutBuffer).options(name="buffer", num_cpus=0, max_concurrency=16).remote(
-            capacity=cfg.buffer.capacity)
+        buffer = BufferSlot(capacity=cfg.buffer.capacity, env=actor_env(cfg))
         learner = LearnerGroup(model=policy_path, config=cfg.learner_config(), world_size=lp.replicas,
                                num_cpus_per_rank=lp.num_cpus, num_gpus_per_rank=lp.num_gpus,
                                placement_group=learner_pg, env=actor_env(cfg))
-        ray.get(buffer.health.remote())
-        return Pools(*pools, learner=learner, buffer=buffer, learner_placement=learner_pg)
+        return Pools(*pools, learner=learner, buffer_slot=buffer, learner_placement=learner_pg)
     except BaseException:
         for pool in started:
             pool.shutdown()
+        if buffer is not None:
+            buffer.shutdown()
         for pg in [pg for group in reserved[len(started):] for _, pg in group] + [learner_pg]:
             _free(pg)
         raise

@@ -14,14 +14,16 @@ is dispatched to the least-loaded replica of each pool and tracked in the ledger
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import RayActorError, RayError
 
 from cluster.ledger import Ledger
+from cluster.pools import alive
 
 log = logging.getLogger("tether")
 
@@ -58,7 +60,9 @@ class RolloutProducer:
 
     A replica that dies (its process killed, its node lost) is replaced in its pool and
     the chunks it held are redispatched; ``on_new_generator(replica_id)`` runs before a
-    replacement generator serves (the driver gives it the current weights).
+    replacement generator serves (the driver gives it the current weights). A buffer that
+    dies is replaced by an empty one, and every prompt it held (the ledger knows which)
+    is generated again: nothing is restored from a dead process.
     """
 
     def __init__(self, pools, *, chunks_per_generator: int = 2, put_timeout_s: float,
@@ -67,15 +71,24 @@ class RolloutProducer:
         self.chunks_per_generator, self.put_timeout_s = chunks_per_generator, put_timeout_s
         self.health_timeout_s = health_timeout_s
         self.on_new_generator = on_new_generator or (lambda replica_id: None)
+        self._backlog: list = []  # chunks to generate again (a dead buffer's), any thread adds
+        self._backlog_lock = threading.Lock()
 
-    def produce(self, indices, prompt_ids, shaping) -> Produced:
-        """Generate, score and store one batch; returns once every chunk is stored."""
-        out = Produced(prompts=len(indices))
+    def open(self, indices, prompt_ids) -> list:
+        """One batch of prompts as ledger chunks, a few per generator (so they spread)."""
+        if len(indices) == 0:
+            return []
         n_chunks = min(len(indices), self.chunks_per_generator * len(self.pools.generators))
+        return [self.ledger.open([int(indices[i]) for i in rows], [prompt_ids[i] for i in rows])
+                for rows in np.array_split(np.arange(len(indices)), n_chunks)]
+
+    def produce(self, chunks: list, shaping) -> Produced:
+        """Generate, score and store ``chunks`` (and any backlog); returns once all is stored."""
+        out = Produced(prompts=sum(len(c.prompt_indices) for c in chunks))
         pending: dict = {}  # object ref -> _InFlight
-        for rows in np.array_split(np.arange(len(indices)), n_chunks):
-            chunk = self.ledger.open([int(indices[i]) for i in rows], [prompt_ids[i] for i in rows])
+        for chunk in chunks:
             pending.update(self._generate(chunk))
+        self._dispatch_backlog(pending, out)
         t0 = time.perf_counter()
         t_generated, tps = None, {}
         while pending:
@@ -98,13 +111,14 @@ class RolloutProducer:
             elif job.stage == "stored":
                 try:
                     report = ray.get(done)  # a ChunkReport: counts only
-                except RayError as e:  # a scorer died, so the put lost an argument
+                except RayError as e:  # the buffer died, or a scorer did and the put lost an argument
                     self._recover(job, e, pending, out)
                     continue
                 self._record(out, report)
             else:  # a scorer finished (or failed: the put then says so): free its slot
                 job.pool.release(job.replica)
                 out.score_latency.setdefault(job.stage, []).append(time.perf_counter() - job.started)
+            self._dispatch_backlog(pending, out)
         t_end = time.perf_counter()
         out.generate_seconds = (t_generated or t_end) - t0
         out.score_seconds = t_end - (t_generated or t_end)
@@ -113,28 +127,55 @@ class RolloutProducer:
         return out
 
     # ------------------------------------------------------------------ replicas that died
+    def buffer_died(self, buffer_id: str) -> None:
+        """Replace the buffer (once, whichever thread saw it die first) and queue what it
+        held for generation again."""
+        if self.pools.buffer_slot.replace(buffer_id):
+            chunks = self.ledger.release_stored()
+            log.warning("%s died; replaced it by %s, generating the %d prompts it held again",
+                        buffer_id, self.pools.buffer_slot.id, sum(len(c.prompt_indices) for c in chunks))
+            self.requeue(chunks)
+
+    def requeue(self, chunks: list) -> None:
+        """Chunks for the next produce() to generate (a restored run's unfinished prompts)."""
+        with self._backlog_lock:
+            self._backlog += chunks
+
+    def reset(self) -> None:
+        """Forget every chunk and the backlog: a rollback abandons them."""
+        with self._backlog_lock:
+            self._backlog = []
+        self.ledger.reset()
+
+    def _dispatch_backlog(self, pending: dict, out: Produced) -> None:
+        with self._backlog_lock:
+            chunks, self._backlog = self._backlog, []
+        for c in chunks:
+            pending.update(self._generate(c))
+            out.redispatched_chunks += 1
+
     def _recover(self, job, error: Exception, pending: dict, out: Produced) -> None:
         """Replace every dead replica the failed call involved; redispatch what they held."""
         chunk = self.ledger.get(job.chunk_id)
-        suspects = [(self._pool(role), rid) for role, rid in chunk.replicas.items()]
-        dead = [(pool, rid) for pool, rid in suspects if not self._alive(pool, rid)]
+        dead = [(role, rid) for role, rid in chunk.replicas.items() if not self._alive(role, rid)]
         if not dead:
             raise error  # no replica died: a genuine failure of the call
-        for pool, rid in dead:
-            log.warning("%s died (%s); replacing it and redispatching its chunks", rid,
-                        type(error).__name__)
-            released = self.ledger.release(rid)
-            pool.remove(rid)
-            if len(pool) == 0:  # the pool's last replica: nothing can run until one is back
-                self._add_replacement(pool)
-                replaced = True
+        for role, rid in dead:
+            released, pool = self.ledger.release(rid), None
+            if role == "buffer":
+                self.buffer_died(rid)
             else:
-                replaced = False
+                log.warning("%s died (%s); replacing it and redispatching its chunks", rid,
+                            type(error).__name__)
+                pool = self._pool(role)
+                pool.remove(rid)
+                if len(pool) == 0:  # its last replica: nothing can run until one is back
+                    pool, _ = None, self._add_replacement(pool)
             for c in released:  # to the live replicas at once, while a replacement starts
                 self._forget(c.id, pending)
                 pending.update(self._generate(c))
                 out.redispatched_chunks += 1
-            if not replaced:
+            if pool is not None:
                 self._add_replacement(pool)
 
     def _add_replacement(self, pool) -> None:
@@ -154,15 +195,12 @@ class RolloutProducer:
         return {"generator": self.pools.generators, "reference": self.pools.references,
                 "reward": self.pools.rewards}[role]
 
-    def _alive(self, pool, replica_id: str) -> bool:
-        handle = pool.handles().get(replica_id)
-        if handle is None:
-            return False
-        try:
-            ray.get(handle.health.remote(), timeout=self.health_timeout_s)
-            return True
-        except (RayActorError, GetTimeoutError):
-            return False
+    def _alive(self, role: str, replica_id: str) -> bool:
+        if role == "buffer":
+            slot = self.pools.buffer_slot
+            return slot.id == replica_id and alive(slot.handle, self.health_timeout_s)
+        handle = self._pool(role).handles().get(replica_id)
+        return handle is not None and alive(handle, self.health_timeout_s)
 
     def _generate(self, chunk) -> dict:
         replica = self.pools.generators.acquire()
@@ -175,13 +213,13 @@ class RolloutProducer:
         if summary.rollouts == 0:  # every prompt skipped: nothing to score or store
             self.ledger.stored(chunk_id)
             return {}
-        refs, rewards = self.pools.references, self.pools.rewards
+        refs, rewards, buffer = self.pools.references, self.pools.rewards, self.pools.buffer_slot
         ref, rew = refs.acquire(), rewards.acquire()
-        self.ledger.scoring(chunk_id, ref.id, rew.id)
+        self.ledger.scoring(chunk_id, ref.id, rew.id, buffer.id)
         ref_lp = ref.handle.reference_logprobs.remote(rollouts_ref)
         scores = rew.handle.score_rollouts.remote(rollouts_ref)
-        put = self.pools.buffer.put_chunk.remote(chunk_id, rollouts_ref, ref_lp, scores, shaping,
-                                                 timeout=self.put_timeout_s)
+        put = buffer.handle.put_chunk.remote(chunk_id, rollouts_ref, ref_lp, scores, shaping,
+                                             timeout=self.put_timeout_s)
         return {ref_lp: _InFlight("reference", chunk_id, ref.id, pool=refs),
                 scores: _InFlight("reward", chunk_id, rew.id, pool=rewards),
                 put: _InFlight("stored", chunk_id, None)}
@@ -189,7 +227,7 @@ class RolloutProducer:
     def _record(self, out: Produced, report) -> None:
         for err in report.errors:
             log.warning("reward: %s", err)
-        self.ledger.stored(report.chunk_id)  # in the buffer either way
+        self.ledger.stored(report.chunk_id, dict(report.held))  # in the buffer either way
         if report.duplicate:  # an earlier copy of this chunk was stored: count it once
             out.duplicate_chunks += 1
             return
@@ -207,3 +245,41 @@ class _InFlight:
     pool: object = None           # the pool to release the replica to (scorers)
     rollouts_ref: object = None   # generation: the rollouts, left in the object store
     started: float = field(default_factory=time.perf_counter)
+
+
+class BackgroundProducer:
+    """Async mode: keeps generating and scoring with whatever weights the generators hold.
+
+    ``issue()`` draws the next chunks, ``shaping()`` gives the current reward shaping.
+    take() returns the accounting of everything produced since the previous take(), so
+    each step reports the generation work done during it.
+    """
+
+    def __init__(self, rollouts: RolloutProducer, *, issue, shaping) -> None:
+        self._rollouts, self._issue, self._shaping = rollouts, issue, shaping
+        self._stop = threading.Event()
+        self._pending, self._lock, self._error = Produced(), threading.Lock(), None
+        self._thread = threading.Thread(target=self._loop, name="tether-producer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                produced = self._rollouts.produce(self._issue(), self._shaping())
+                with self._lock:
+                    self._pending = self._pending.merge(produced)
+        except Exception as e:  # noqa: BLE001 - surfaced by take() in the main thread
+            self._error = e
+
+    def take(self) -> Produced:
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            out, self._pending = self._pending, Produced()
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout_s: float = 60.0) -> None:
+        self._thread.join(timeout_s)

@@ -113,6 +113,56 @@ def write_status(run_dir: Path, state: str, **extra) -> None:
     tmp.replace(run_dir / "status.json")
 
 
+# Example pairs for the reward probe: short, plain, what any reward should score.
+PROBE_RESPONSES = (" It was a good day.", " No.")
+
+
+def check_vocabulary(tokenizer, tokenizer_path: str, model_dir: str, key: str):
+    """The model must have an embedding for every id the tokenizer makes; returns its config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab_size and len(tokenizer) > vocab_size:
+        raise UserError(f"the tokenizer at {tokenizer_path} has {len(tokenizer)} tokens but {key}={model_dir!r} "
+                        f"has vocab_size={vocab_size} (ids from {vocab_size} on have no embedding); set "
+                        "model.tokenizer to the tokenizer the model was trained with")
+    return config
+
+
+def check_same_vocabulary(tokenizer, tokenizer_path: str, policy: str) -> None:
+    """A model.tokenizer other than the policy's own must give every token of the policy's own
+    tokenizer the same id (it may add tokens): otherwise ids mean other words, silently."""
+    from transformers import AutoTokenizer
+
+    own_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if Path(tokenizer_path).resolve() == Path(policy).resolve() or \
+            not any((Path(policy) / f).exists() for f in own_files):
+        return
+    own, given = AutoTokenizer.from_pretrained(policy).get_vocab(), tokenizer.get_vocab()
+    moved = [t for t, i in own.items() if given.get(t) != i]
+    if moved:
+        t = moved[0]
+        raise UserError(f"model.tokenizer={tokenizer_path!r} does not match the policy's vocabulary: {len(moved)} "
+                        f"of the {len(own)} tokens of {policy}'s own tokenizer are missing or have other ids (e.g. "
+                        f"{t!r}: {own[t]} vs {given.get(t)}); leave model.tokenizer null or use the policy's tokenizer")
+
+
+def check_reward_model(path: str, tokenizer, tokenizer_path: str) -> None:
+    """The reward model scores the policy's token ids with one output: check both from its config."""
+    from actors.reference import resolve_model_path
+
+    try:
+        path = resolve_model_path(path, "reward.model")
+    except FileNotFoundError:
+        raise UserError(f"reward.model={path!r} does not exist; point it at a sequence-classification model "
+                        "directory, or set reward.model=null and name a reward.function") from None
+    config = check_vocabulary(tokenizer, tokenizer_path, path, "reward.model")
+    if getattr(config, "num_labels", 1) != 1:
+        raise UserError(f"reward.model={path!r} has num_labels={config.num_labels}; a reward model outputs one "
+                        "score (num_labels=1): use a reward checkpoint, or a reward.function")
+
+
 def prepare(cfg):
     """Everything that can fail on user input, before any actor starts."""
     from transformers import AutoTokenizer
@@ -130,11 +180,12 @@ def prepare(cfg):
     if cfg.reward.function:
         from actors.reward import load_function
         load_function(cfg.reward.function)
-    if cfg.reward.model:
-        from actors.reference import resolve_model_path
-        resolve_model_path(cfg.reward.model, "reward.model")
     tokenizer_path = cfg.model.tokenizer or policy
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    check_same_vocabulary(tokenizer, tokenizer_path, policy)
+    check_vocabulary(tokenizer, tokenizer_path, policy, "model.policy")
+    if cfg.reward.model:
+        check_reward_model(cfg.reward.model, tokenizer, tokenizer_path)
     d = cfg.data
     dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
                                  chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
@@ -143,6 +194,14 @@ def prepare(cfg):
         log.warning("data: skipped %d rows %s, e.g. %s", dataset.num_skipped, dataset.skip_counts,
                     dataset.skipped[0])
     train_set, eval_set = dataset.split_eval(d.eval_prompts)
+    if len(train_set) < d.prompts_per_step:  # else the first step fails, after the run folder exists
+        raise UserError(f"data: {len(train_set)} training prompts in {dataset.source} (after holding out "
+                        f"data.eval_prompts={d.eval_prompts}) are fewer than data.prompts_per_step="
+                        f"{d.prompts_per_step}; lower prompts_per_step or eval_prompts, or add prompts")
+    if cfg.reward.function:  # with real prompts: a function that cannot score them would void every batch
+        from actors.reward import probe_function
+        prompts = train_set.texts[:len(PROBE_RESPONSES)]
+        probe_function(cfg.reward.function, prompts, list(PROBE_RESPONSES[:len(prompts)]))
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 

@@ -47,6 +47,7 @@ class ScoredRollout(Rollout):
     kl: np.ndarray = None                  # [R] float32: per-token KL estimate (behaviour vs reference)
     rewards: np.ndarray = None             # [R] float32: -beta*kl_t, plus the score on the last token
     score: float = 0.0                     # reward-model / reward-function score of the whole sequence
+    chunk_id: int = -1                     # the driver's prompt chunk it came from (set by the buffer)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,10 +90,15 @@ class BatchSummary:
     truncated: np.ndarray       # [N] bool: cut at max_new_tokens
     staleness: np.ndarray       # [N] int64: learner version - policy_version that sampled it
     dropped: int = 0            # rollouts left out so every learner rank got an equal shard
+    # (chunk_id, prompt_index) of every rollout that left the buffer since the previous
+    # take: this batch's and the ones discarded as stale. The driver's ledger uses it to
+    # know which prompts the buffer no longer holds (what a dead buffer would lose).
+    consumed: tuple = ()
     samples: tuple = field(default_factory=tuple)  # a few rows (dicts of plain values) for samples.jsonl
 
     @classmethod
-    def of(cls, rollouts: list, *, current_version: int, dropped: int = 0, n_samples: int = 4) -> "BatchSummary":
+    def of(cls, rollouts: list, *, current_version: int, dropped: int = 0, n_samples: int = 4,
+           consumed: tuple = ()) -> "BatchSummary":
         firsts = [r for r in rollouts if r.sample_index == 0][:n_samples]  # distinct prompts
         samples = tuple({"prompt_ids": r.prompt_ids.tolist(), "response_ids": r.response_ids.tolist(),
                          "score": float(r.score), "kl_sum": float(np.sum(r.kl)),
@@ -103,4 +109,4 @@ class BatchSummary:
                    response_lengths=np.array([r.response_ids.size for r in rollouts], dtype=np.int64),
                    truncated=np.array([r.truncated for r in rollouts], dtype=bool),
                    staleness=staleness(rollouts, current_version),
-                   dropped=dropped, samples=samples)
+                   dropped=dropped, samples=samples, consumed=tuple(consumed))

@@ -23,6 +23,16 @@ log = logging.getLogger(__name__)
 RENDEZVOUS_ATTEMPTS = 3
 
 
+class LearnerRankDied(RuntimeError):
+    """A rank's process is gone. Found as soon as Ray reports the death (the group waits on
+    every rank's call at once, so the survivors' stuck collective does not hide it); the
+    group is then useless: restart() it and load a checkpoint."""
+
+    def __init__(self, rank: int, what: str, detail: str) -> None:
+        super().__init__(f"learner rank {rank} died during {what}: {detail}")
+        self.rank = rank
+
+
 class LearnerGroup:
     """``world_size`` LearnerWorker ranks as named Ray actors (``learner-0``, ...).
 
@@ -155,6 +165,24 @@ class LearnerGroup:
             ray.kill(w)
         self.workers = []
 
+    def restart(self) -> None:
+        """New ranks (fresh weights from ``model``) after a rank died; load a checkpoint next."""
+        import ray
+        names = [f"{self._actor_options['name_prefix']}-{r}" for r in range(self.world_size)]
+        self.shutdown()
+        deadline = time.monotonic() + 60
+        for name in names:  # a killed actor's name frees a moment later
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(name)
+                except ValueError:
+                    break
+                time.sleep(0.1)
+        self._start()
+
+    def pids(self) -> list[int]:
+        return [h["pid"] for h in self.health()]
+
     def _gather(self, refs: list, what: str, timeout: Optional[float] = None) -> list:
         return _gather(refs, what, timeout or self.call_timeout_s)
 
@@ -190,7 +218,7 @@ def _gather(refs: list, what: str, timeout: float) -> list:
             kind = ValueError if isinstance(cause, ValueError) else RuntimeError
             raise kind(f"learner rank {rank} failed in {what}: {type(cause).__name__}: {cause}") from e
         except RayActorError as e:
-            raise RuntimeError(f"learner rank {rank} died during {what}: {e}") from e
+            raise LearnerRankDied(rank, what, one_line(e)) from e
     return results
 
 

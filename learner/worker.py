@@ -12,6 +12,7 @@ run concurrently and rank 0 must own the store before anyone can connect to it:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Optional
 
@@ -136,7 +137,7 @@ class LearnerWorker:
     def health(self) -> dict:
         """Cheap: no collective, no tensor."""
         built = self.update is not None
-        return {"rank": self.rank, "world_size": self.world_size, "ok": True, "built": built,
+        return {"rank": self.rank, "pid": os.getpid(), "world_size": self.world_size, "ok": True, "built": built,
                 "step": self.update.step if built else 0,
                 "optimizer_steps": int(self.update.engine.global_steps) if built else 0,
                 "zero_stage": self.config.zero_stage, "backend": self.backend, "device": str(self.device),

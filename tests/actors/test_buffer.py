@@ -1,3 +1,4 @@
+import os
 import sys
 import threading
 import time
@@ -56,7 +57,7 @@ def test_validation():
     with pytest.raises(TypeError, match="ScoredRollout"):
         buf.put(["not a rollout"])
     assert buf.put([]) == 0
-    assert buf.health() == {"role": "buffer", "ok": True, "depth": 0, "capacity": 3}
+    assert buf.health() == {"role": "buffer", "ok": True, "pid": os.getpid(), "depth": 0, "capacity": 3}
 
 
 @pytest.mark.unit

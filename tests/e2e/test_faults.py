@@ -58,19 +58,46 @@ def driver(cluster, tmp_path):
 class Killer(threading.Thread):
     """SIGKILLs ``replica``'s process as soon as the ledger shows it holding a chunk in ``state``."""
 
-    def __init__(self, driver, pool, replica: str, state: ChunkState):
+    def __init__(self, driver, pool, replica: str, state: ChunkState, pid: int | None = None):
         super().__init__(daemon=True)
         self.ledger, self.replica, self.state = driver.rollouts.ledger, replica, state
-        self.pid = ray.get(pool.handles()[replica].health.remote())["pid"]
+        self.pid = pid or ray.get(pool.handles()[replica].health.remote())["pid"]
         self.fired, self.stop = threading.Event(), threading.Event()
 
     def run(self):
         while not self.stop.is_set():
-            if any(c.state is self.state and self.replica in c.replicas.values() for c in self.ledger.in_flight()):
+            if self._holds():
                 os.kill(self.pid, signal.SIGKILL)
                 self.fired.set()
                 return
             time.sleep(0.002)
+
+    def _holds(self) -> bool:
+        if self.state is ChunkState.STORED:  # the buffer holds a chunk
+            return self.ledger.held_rollouts() > 0
+        return any(c.state is self.state and self.replica in c.replicas.values() for c in self.ledger.in_flight())
+
+
+class Accounting:
+    """Every prompt the driver issued and every rollout the learner took, by prompt index."""
+
+    def __init__(self, driver):
+        self.issued, self.trained = [], []
+        issue, consumed = driver.issue, driver.rollouts.ledger.consumed
+
+        def issue_and_note():
+            chunks = issue()
+            self.issued += [i for c in chunks for i in c.prompt_indices]
+            return chunks
+
+        def consumed_and_note(pairs):
+            self.trained += [i for _, i in pairs]
+            return consumed(pairs)
+
+        driver.issue, driver.rollouts.ledger.consumed = issue_and_note, consumed_and_note
+
+    def assert_each_prompt_trained_once(self, samples=4):
+        assert sorted(self.trained) == sorted(i for i in self.issued for _ in range(samples))
 
 
 def steps_until(driver, killer, max_steps=4):
@@ -129,3 +156,37 @@ def test_reference_killed_between_steps(driver):
     assert_every_prompt_accounted(m)
     assert m["rollouts/redispatched_chunks"] >= 1 and list(refs.handles()) == ["reference-1"]
     assert math.isfinite(m["kl/mean"]) and m["policy/version"] == 2
+
+
+def test_buffer_killed_while_chunks_are_stored(driver):
+    """Some chunks are in the buffer, others on their way: all of them are generated again."""
+    account = Accounting(driver)
+    killer = Killer(driver, None, driver.pools.buffer_slot.id, ChunkState.STORED,
+                    pid=ray.get(driver.pools.buffer.health.remote())["pid"])
+    steps = steps_until(driver, killer)
+    for m in steps:
+        assert_every_prompt_accounted(m)
+    assert driver.pools.buffer_slot.id == "buffer-1"
+    assert sum(m["rollouts/redispatched_chunks"] for m in steps) >= 1
+    account.assert_each_prompt_trained_once()
+    assert [m["policy/version"] for m in steps] == list(range(1, len(steps) + 1))
+
+
+def test_buffer_killed_between_rollouts_and_learning(driver):
+    """The whole step's rollouts are in the buffer when it dies: the step makes them again."""
+    account = Accounting(driver)
+    produce = driver.rollouts.produce
+
+    def produce_then_kill(chunks, shaping):
+        out = produce(chunks, shaping)
+        if chunks:  # the step's own batch, not the regeneration after the kill
+            os.kill(ray.get(driver.pools.buffer.health.remote())["pid"], signal.SIGKILL)
+        return out
+
+    driver.rollouts.produce = produce_then_kill
+    m = driver.step(None)
+    driver.rollouts.produce = produce
+    assert_every_prompt_accounted(m)
+    assert m["rollouts/redispatched_chunks"] >= 1 and driver.pools.buffer_slot.id == "buffer-1"
+    account.assert_each_prompt_trained_once()
+    assert driver.step(None)["policy/version"] == 2

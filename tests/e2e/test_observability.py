@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 RAY = BIN / "ray"
 STEPS = 8
-ACTORS = ("generator-0", "reference-0", "reward-0", "learner-0", "buffer")
+ACTORS = ("generator-0", "reference-0", "reward-0", "learner-0", "buffer-0")
 EXCLUDES = [".venv", "runs", ".git", "*.egg-info", ".pytest_cache", ".hypothesis", "__pycache__", ".cache"]
 JOB_DEADLINE_S = 300      # submit -> terminal state
 # Export lags ~10 s, and Ray 2.60 drops a gauge series ~20 s after its last set (2 x
@@ -524,7 +524,7 @@ def test_dashboard_lists_the_named_actors_while_running(live):
         f"named actors ALIVE while running: {sorted(live.alive_while_running)}, wanted {ACTORS}; "
         f"rows {({n: r.get('state') for n, r in live.actor_rows.items()})}; errors {live.actor_errors[-3:]}")
     classes = {n: r.get("class_name") for n, r in live.actor_rows.items()}
-    assert classes["generator-0"] == "Generator" and classes["buffer"] == "RolloutBuffer", classes
+    assert classes["generator-0"] == "Generator" and classes["buffer-0"] == "RolloutBuffer", classes
 
 
 def test_run_folder(live):

@@ -1,0 +1,165 @@
+"""Every user mistake through the real entrypoint: one line on stderr, exit 2, no run folder.
+
+Each case runs `python -m cluster.train run.dir=<empty dir> ...` in a subprocess, as a user
+would. None of them starts Ray: config mistakes fail in load_config, data/model/reward
+mistakes in prepare(), both before the run folder is made.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+
+# Reward functions that the driver's probe must refuse (imported through PYTHONPATH).
+PROBE_REWARDS = '''
+def one_score(prompts, responses):
+    return [1.0]
+
+def words(prompts, responses):
+    return ["good"] * len(responses)
+
+def broken(prompts, responses):
+    raise KeyError("answer")
+'''
+
+
+def _tokenizers(inputs: Path) -> None:
+    """tok_extra: the policy's tokenizer plus more tokens than the policy has embeddings;
+    tok_other: a small tokenizer trained on other text (ids mean other words)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from cluster.tiny_models import build_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(build_tokenizer())
+    tok.add_tokens([f"<extra_{i}>" for i in range(600)])
+    tok.save_pretrained(inputs / "tok_extra")
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    other.train_from_iterator(["Lorem ipsum dolor sit amet, consectetur adipiscing elit."] * 20, trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=other, eos_token="<eos>").save_pretrained(inputs / "tok_other")
+
+
+def _two_label_reward_model(out: Path) -> None:
+    """A sequence classifier with num_labels=2: a classifier, not a reward model."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    config = GPT2Config(vocab_size=1024, n_positions=64, n_embd=16, n_layer=1, n_head=2, num_labels=2,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    GPT2ForSequenceClassification(config).save_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """Everything the cases point at, built offline, outside any run.dir."""
+    d = tmp_path_factory.mktemp("inputs")
+    (d / "bad.yaml").write_text("run: {steps: [1,\n")
+    (d / "no_field.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n"
+                                              for i, t in enumerate(["The cat was", "A dog felt", "My friend"])))
+    (d / "latin1.jsonl").write_bytes(b'{"prompt": "The cat was"}\n{"prompt": "The caf\xe9 was"}\n')
+    (d / "empty.jsonl").write_text("\n\n")
+    (d / "five.jsonl").write_text("".join(json.dumps({"prompt": f"The cat was {w}"}) + "\n"
+                                          for w in ["calm", "happy", "sad", "kind", "bright"]))
+    (d / "probe_rewards.py").write_text(PROBE_REWARDS)
+    _tokenizers(d)
+    _two_label_reward_model(d / "rm_two_labels")
+    return d
+
+
+def _has_tensorboard() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+CASES = [
+    # -- the command line and the config file --
+    pytest.param(["--config", "{inputs}/bad.yaml"], "bad.yaml is not valid YAML at line 2", id="yaml-malformed"),
+    pytest.param(["--config", "{inputs}/missing.yaml"], "missing.yaml' not found; pass --config", id="config-missing"),
+    pytest.param(["nonsense"], "override 'nonsense' must look like section.key=value", id="override-without-equals"),
+    pytest.param(["ppo.kl.bta=1"], "unknown key ppo.kl.bta; did you mean ppo.kl.beta?", id="key-typo"),
+    pytest.param(["run.beta=0.1"], "unknown key run.beta (beta is not a run key); did you mean ppo.kl.beta?",
+                 id="key-in-wrong-section"),
+    pytest.param(["ppo.replicas=2"], "(replicas is not a ppo key); did you mean generator.replicas, "
+                 "reference.replicas, reward.replicas or learner.replicas?", id="pool-key-in-ppo"),
+    pytest.param(["run.steps=many"], "run.steps must be int", id="wrong-type"),
+    # -- impossible values and combinations --
+    pytest.param(["run.steps=0"], "run.steps=0 must be >= 1", id="steps-zero"),
+    pytest.param(["run.steps=-3"], "run.steps=-3 must be >= 1", id="steps-negative"),
+    pytest.param(["run.mode=fast"], "run.mode='fast' must be sync or async", id="mode-unknown"),
+    pytest.param(["run.name=../escape"], "run.name='../escape' must be a plain folder name", id="name-dotdot"),
+    pytest.param(["run.name=a/b"], "run.name='a/b' must be a plain folder name", id="name-with-slash"),
+    pytest.param(["ppo.kl.beta=-0.1"], "ppo.kl.beta=-0.1 must be >= 0", id="kl-beta-negative"),
+    pytest.param(["ppo.kl.estimator=k9"], "ppo.kl.estimator='k9' is unknown; use one of k1, k2, k3",
+                 id="kl-estimator-unknown"),
+    pytest.param(["buffer.capacity=8"], "buffer.capacity=8 is below the 64 rollouts of one step",
+                 id="buffer-below-one-step"),
+    pytest.param(["learner.replicas=3", "ppo.minibatch_size=6", "ppo.micro_batch_size=2"],
+                 "64 rollouts (data.prompts_per_step x generator.sampling.n), not divisible by learner.replicas=3",
+                 id="rollouts-not-divisible-by-learners"),
+    pytest.param(["generator.sampling.max_new_tokens=200"],
+                 "max_new_tokens=200 leaves no room for a prompt in generator.engine.max_model_len=128",
+                 id="max-new-tokens-beyond-context"),
+    pytest.param(["data.max_prompt_tokens=120"],
+                 "data.max_prompt_tokens=120 + generator.sampling.max_new_tokens=16 exceed", id="prompt-plus-response"),
+    pytest.param(["data.max_prompt_tokens=0"], "data.max_prompt_tokens=0 must be >= 1", id="max-prompt-tokens-zero"),
+    # -- data (prepare) --
+    pytest.param(["data.path=/nonexistent/prompts.jsonl"], "data.path: /nonexistent/prompts.jsonl does not exist",
+                 id="data-missing"),
+    pytest.param(["data.path={inputs}/no_field.jsonl"],
+                 "data.field='prompt' is in none of the 3 rows of {inputs}/no_field.jsonl", id="data-without-field"),
+    pytest.param(["data.path={inputs}/latin1.jsonl"], "latin1.jsonl is not UTF-8 text (byte 0xe9 on line 2)",
+                 id="data-not-utf8"),
+    pytest.param(["data.path={inputs}/empty.jsonl"], "empty.jsonl holds no prompts", id="data-empty"),
+    pytest.param(["data.path={inputs}/five.jsonl", "data.eval_prompts=0"],
+                 "5 training prompts", id="data-fewer-than-a-step"),
+    pytest.param(["data.chat_template=true"], "data.chat_template is true but the tokenizer", id="no-chat-template"),
+    # -- models (prepare) --
+    pytest.param(["model.policy=/nonexistent/model"], "does not exist", id="policy-missing"),
+    pytest.param(["model.tokenizer={inputs}/tok_extra"], "tok_extra has 1077 tokens but model.policy=",
+                 id="tokenizer-larger-than-policy"),
+    pytest.param(["model.tokenizer={inputs}/tok_other"], "does not match the policy's vocabulary",
+                 id="tokenizer-other-vocabulary"),
+    pytest.param(["run.tensorboard=true"], "tensorboard package is missing", id="tensorboard-missing",
+                 marks=pytest.mark.skipif(_has_tensorboard(), reason="tensorboard is installed: no mistake")),
+    # -- reward (prepare) --
+    pytest.param(["reward.function=no_such_module:score"], "cannot import module 'no_such_module'",
+                 id="reward-module-unknown"),
+    pytest.param(["reward.function=probe_rewards:one_score"], "returned 1 scores for 2 (prompt, response) pairs",
+                 id="reward-wrong-count"),
+    pytest.param(["reward.function=probe_rewards:words"], "not a list of numbers", id="reward-not-numbers"),
+    pytest.param(["reward.function=probe_rewards:broken"], "raised on a probe", id="reward-raises"),
+    pytest.param(["reward.function=null", "reward.model=/nonexistent/rm"], "reward.model='/nonexistent/rm' does not exist",
+                 id="reward-model-missing"),
+    pytest.param(["reward.function=null", "reward.model={inputs}/rm_two_labels"], "has num_labels=2",
+                 id="reward-model-two-labels"),
+    # -- the run folder itself --
+    pytest.param(["run.dir=/proc/tether-runs"], "set run.dir to a writable directory", id="run-dir-unwritable"),
+]
+
+
+@pytest.mark.parametrize("args, message", CASES)
+def test_user_mistake_exits_2_with_one_line(tmp_path, inputs, args, message):
+    run_dir = tmp_path / "runs"
+    args = [a.format(inputs=inputs) for a in args]
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(inputs)}
+    result = subprocess.run([sys.executable, "-m", "cluster.train", f"run.dir={run_dir}", *args], cwd=REPO,
+                            text=True, capture_output=True, timeout=300, env=env)
+    lines = [ln.strip() for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert lines and lines[-1].startswith("tether: error: "), result.stderr[-2000:]
+    assert [ln for ln in lines if "tether:" in ln] == [lines[-1]]  # one error line, nothing else of ours
+    assert message.format(inputs=inputs) in lines[-1]
+    assert not run_dir.exists() or not any(run_dir.iterdir())  # nothing that could pass for a run
