@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -189,7 +190,8 @@ class Driver:
              "rollouts/duplicate_chunks": produced.duplicate_chunks,
              "rollouts/redispatched_chunks": produced.redispatched_chunks,
              "learner/dropped_rollouts": batch.dropped,
-             "policy/version": self.version, "buffer/depth": stats["depth"],
+             "policy/version": self.version, "data/batches_issued": self.batches_issued,
+             "buffer/depth": stats["depth"],
              "buffer/dropped_stale": stats["dropped_stale"],
              "buffer/staleness_mean": float(batch.staleness.mean()),
              "buffer/staleness_max": int(batch.staleness.max()),
@@ -249,7 +251,7 @@ class Driver:
 
     def _rollback(self, producer, error: LearnerRankDied):
         """A learner rank died: new ranks, the last checkpoint, and the run goes on from there."""
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the death was just reported: this is when it was detected
         log.warning("%s; rebuilding the learner and rolling back to the last checkpoint", error)
         self._stop_producer(producer)
         slot = self.pools.buffer_slot
@@ -261,7 +263,7 @@ class Driver:
         path = checkpoint.latest(self.metrics.run_dir)
         failed_at = self.step_count
         state = self.restore(path)
-        record = {"rank": error.rank, "failed_at_step": failed_at, "resumed_at_step": state.step,
+        record = {"rank": error.rank, "failed_at_step": failed_at, "resumed_at_step": state.step, "detected_at": t0,
                   "rebuild_seconds": t_rebuilt - t0, "recovery_seconds": time.perf_counter() - t0}
         self.rollbacks.append(record)
         log.warning("learner recovered in %.1fs: back at step %d (version %d) from %s", record["recovery_seconds"],
@@ -301,6 +303,8 @@ class Driver:
         """HF-format policy under checkpoints/<name>, renamed into place only once complete."""
         final = self.metrics.run_dir / "checkpoints" / name
         tmp = final.with_name(f".{name}.partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)  # a resumed run writes its "final" again
         with self._learner_lock:
             self.pools.learner.save_pretrained_policy(str(tmp))
         tmp.rename(final)

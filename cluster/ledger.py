@@ -80,7 +80,8 @@ class Ledger:
             return True
 
     def consumed(self, pairs) -> None:
-        """(chunk_id, prompt_index) pairs that left the buffer; a chunk with nothing left goes."""
+        """(chunk_id, prompt_index) pairs that left the buffer. A prompt counts as consumed once
+        any of its rollouts left (the learner trained on it), so it is never generated twice."""
         with self._lock:
             for chunk_id, prompt_index in pairs:
                 c = self._chunks.get(chunk_id)

@@ -75,6 +75,7 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "eval/score_mean": ((), "mean score on the held-out eval prompts (eval steps only)"),
     "eval/response_len": ((), "mean eval response length in tokens (eval steps only)"),
     "policy/version": ((), "policy version the generators run"),
+    "data/batches_issued": ((), "prompt batches drawn from the data stream so far (its position; a resume continues from it)"),
     "learner/step": ((), "learner updates done"),
     "learner/optimizer_steps": ((), "optimiser steps done (DeepSpeed global_steps)"),
     "learner/tokens": ((), "response tokens in the last learner batch"),

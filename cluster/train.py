@@ -205,18 +205,33 @@ def prepare(cfg):
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 
+class Stopped(Exception):
+    """The run stopped on SIGTERM/SIGINT (status.json says whether it can be resumed)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def run(cfg) -> dict:
+    from cluster import checkpoint
     from cluster.driver import Driver
+    from cluster.lifecycle import StopSignals, resume_source
     from cluster.metrics import RunMetrics
     from cluster.pools import PlacementError, create_pools, quiet_libraries
 
     if not cfg.run.library_logs:
         quiet_libraries()
     try:
+        reused_dir, resume_from = resume_source(cfg)  # before loading anything it may refuse
         policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
-    except (ValueError, OSError, ImportError) as e:  # bad data / model paths: the user's to fix
+    except (ValueError, OSError, ImportError) as e:  # bad data / model paths / checkpoint: the user's to fix
         raise UserError(one_line(e)) from None
-    run_dir = make_run_dir(cfg)
+    if reused_dir is None:
+        run_dir = make_run_dir(cfg)
+    else:
+        run_dir = reused_dir
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     log.info("run folder: %s (resolved config in config.yaml)", run_dir)
     log.info(startup_summary(cfg))
     write_status(run_dir, "running")
@@ -238,16 +253,39 @@ def run(cfg) -> dict:
                              tensorboard=cfg.run.tensorboard)
         driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=eval_set,
                         tokenizer=tokenizer, metrics=metrics, ptx_batches=ptx)
-        final = driver.run()
-        checkpoint = driver.save_checkpoint("final")
+        resumed = {}
+        if resume_from is not None:
+            step = driver.restore(resume_from).step
+            resumed = {"resumed_from_step": step, "note": f"resumed from step {step}"}
+            log.info("resumed from step %d (%s)", step, resume_from)
+        elif reused_dir is not None:  # run.resume=auto before the run's first checkpoint: start over
+            metrics.rewind(-1)
+        write_status(run_dir, "running", actors=actors, **resumed)
+        with StopSignals(driver.stop_requested.set) as signals:
+            final = driver.run()
+        if signals.received:
+            path = driver.checkpoint() if driver.step_count else None
+            metrics.close()
+            write_status(run_dir, "stopped", step=driver.step_count, resumable=path is not None,
+                         checkpoint=str(path), **resumed)
+            raise Stopped(f"stopped at step {driver.step_count}; continue with: python -m cluster.train "
+                          f"run.resume={run_dir}", signals.exit_code)
+        final_dir = driver.save_checkpoint("final")
         metrics.close()
-        write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=checkpoint, actors=actors,
-                     final={k: v for k, v in final.items() if isinstance(v, (int, float))})
+        write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=final_dir, actors=actors,
+                     final={k: v for k, v in final.items() if isinstance(v, (int, float))},
+                     rollbacks=driver.rollbacks, **resumed)
         return final
+    except Stopped:
+        raise
     except BaseException as e:
         import traceback
         (run_dir / "error.log").write_text("".join(traceback.format_exception(e)))
-        write_status(run_dir, "failed", reason=one_line(e))
+        if isinstance(e, KeyboardInterrupt):  # a second signal: the last periodic checkpoint stands
+            latest = checkpoint.latest(run_dir)
+            write_status(run_dir, "stopped", resumable=latest is not None, checkpoint=str(latest))
+        else:
+            write_status(run_dir, "failed", reason=one_line(e))
         raise
     finally:
         if pools is not None:
@@ -285,12 +323,17 @@ def main(argv=None) -> int:
     if args.help_config:
         print(describe())
         return 0
+    from cluster.lifecycle import resume_config_file
+
     try:
-        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        cfg = load_config(args.config or resume_config_file(args.overrides) or DEFAULT_CONFIG, args.overrides)
         final = run(cfg)
     except (ConfigError, UserError, FileNotFoundError) as e:
         print(f"tether: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(f"tether: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("tether: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,94 @@
+"""A run's life outside the PPO loop: which folder and checkpoint it resumes from, and
+how it stops on SIGTERM / SIGINT.
+
+Resume (``run.resume``):
+    <run folder>   continue that run from its newest complete checkpoint
+    auto           continue ``run.dir/run.name`` if it has a checkpoint, else start it
+A refused resume raises CheckpointError: one line naming the problem and the fix.
+
+Stop: the first SIGTERM or SIGINT asks the driver to stop at the next step boundary
+(it then writes a checkpoint and status.json ``stopped``); a second one stops at once.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import Optional
+
+from cluster import checkpoint
+from cluster.checkpoint import CheckpointError
+
+log = logging.getLogger("tether")
+
+
+def resume_source(cfg) -> tuple[Optional[Path], Optional[Path]]:
+    """(run folder to reuse, checkpoint to load): (None, None) for a new run; a reused
+    folder with no checkpoint yet (``auto`` only) starts from step 0."""
+    target = cfg.run.resume
+    if target is None:
+        return None, None
+    if target == "auto":
+        if not cfg.run.name:
+            raise CheckpointError("run.resume=auto needs run.name (the run to continue or start)")
+        run_dir = Path(cfg.run.dir) / cfg.run.name
+        if not (run_dir / "status.json").exists():
+            return None, None  # nothing to continue: a new run under that name
+    else:
+        run_dir = Path(target)
+        if not (run_dir / "status.json").is_file():
+            raise CheckpointError(f"run.resume={target}: not a run folder (no status.json); "
+                                  "pass a folder that a previous run created under run.dir")
+    found = checkpoint.latest(run_dir)
+    if found is None:
+        if target == "auto":
+            return run_dir, None
+        raise CheckpointError(f"run.resume={target}: no complete checkpoint under "
+                              f"{run_dir / checkpoint.RESUME_DIR} (the run stopped before its first; "
+                              "set run.checkpoint_every > 0 in new runs) ")
+    state = checkpoint.load_state(found)
+    checkpoint.check_compatible(state, cfg, found)
+    if state.step >= cfg.run.steps:
+        raise CheckpointError(f"run.resume={target}: the run already trained {state.step} steps of "
+                              f"run.steps={cfg.run.steps}; raise run.steps to train further")
+    return run_dir, found
+
+
+def resume_config_file(overrides: list[str]) -> Optional[Path]:
+    """``run.resume=<folder>`` without --config: the folder's own config.yaml (the overrides
+    still apply on top), so a resumed run keeps the settings it was started with."""
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() == "run.resume" and value.strip() not in ("", "auto", "null"):
+            saved = Path(value.strip()) / "config.yaml"
+            return saved if saved.is_file() else None
+    return None
+
+
+class StopSignals:
+    """SIGTERM/SIGINT -> ``on_stop()`` once; the second signal raises KeyboardInterrupt."""
+
+    def __init__(self, on_stop) -> None:
+        self.on_stop, self.received = on_stop, None
+        self._previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+        log.warning("%s received: stopping after this step with a checkpoint (send it again to stop now)",
+                    signal.Signals(signum).name)
+        self.on_stop()
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.received if self.received else 0
