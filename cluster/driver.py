@@ -33,7 +33,7 @@ from cluster import checkpoint
 from cluster.checkpoint import RunState
 from cluster.config import TetherConfig
 from cluster.metrics import RayMetrics, RunMetrics, progress_line
-from cluster.pools import Pools, alive
+from cluster.pools import PlacementError, Pools, alive
 from cluster.rollouts import BackgroundProducer, Produced, RolloutProducer
 from core.annotate import RewardShaping
 from core.ppo import AdaptiveKLController, FixedKLController
@@ -59,8 +59,9 @@ class PhaseTimer:
 
 class Driver:
     def __init__(self, cfg: TetherConfig, *, pools: Pools, dataset, eval_dataset, tokenizer,
-                 metrics: RunMetrics, ptx_batches=None) -> None:
+                 metrics: RunMetrics, ptx_batches=None, control=None) -> None:
         self.cfg, self.pools, self.tokenizer, self.metrics = cfg, pools, tokenizer, metrics
+        self.control = control  # a RunControl actor (cluster/control.py), or None
         self.dataset, self.eval_dataset, self.ptx_batches = dataset, eval_dataset, ptx_batches
         kl = cfg.ppo.kl
         self.kl_ctl = (AdaptiveKLController(kl.beta, kl.target, kl.horizon) if kl.target
@@ -110,6 +111,7 @@ class Driver:
         t_start = time.perf_counter()
         try:
             while self.step_count < cfg.run.steps and not self.stop_requested.is_set():
+                self.apply_scaling()
                 try:
                     metrics = self.step(producer)
                     step = self.step_count
@@ -191,6 +193,7 @@ class Driver:
              "rollouts/redispatched_chunks": produced.redispatched_chunks,
              "learner/dropped_rollouts": batch.dropped,
              "policy/version": self.version, "data/batches_issued": self.batches_issued,
+             **{f"pool/{role}_replicas": n for role, n in self.pool_sizes().items()},
              "buffer/depth": stats["depth"],
              "buffer/dropped_stale": stats["dropped_stale"],
              "buffer/staleness_mean": float(batch.staleness.mean()),
@@ -286,6 +289,32 @@ class Driver:
         producer.join()
 
     # ------------------------------------------------------------------ runtime scaling
+    def pool_sizes(self) -> dict:
+        p = self.pools
+        return {"generator": len(p.generators), "reference": len(p.references), "reward": len(p.rewards)}
+
+    def apply_scaling(self) -> None:
+        """Apply the pool sizes asked for through the control actor (between steps)."""
+        if self.control is None:
+            return
+        targets, errors = ray.get(self.control.pending.remote()), {}
+        pools = {"generator": self.pools.generators, "reference": self.pools.references,
+                 "reward": self.pools.rewards}
+        for role, n in targets.items():
+            try:
+                started, retiring = pools[role].resize(n)
+            except PlacementError as e:
+                errors[role] = str(e)
+                log.warning("scale: %s", e)
+                continue
+            if role == "generator":
+                for rid in started:
+                    self._give_current_weights(rid)
+            log.info("scale: %s pool now %d (started %s, retiring %s)", role, len(pools[role]),
+                     ", ".join(started) or "none", ", ".join(retiring) or "none")
+        if targets:
+            ray.get(self.control.report.remote(self.pool_sizes(), errors))
+
     def add_generator(self) -> str:
         """Start one more generator and give it the current weights before it serves."""
         (rid,) = self.pools.generators.add(1)

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import ray
@@ -87,6 +87,7 @@ class Replica:
     handle: object
     placement_group: object
     load: int = 0                 # work items dispatched to it and not finished
+    retiring: bool = False        # gets no new work; stopped once its load is 0
 
 
 class Pool:
@@ -142,21 +143,39 @@ class Pool:
     def add(self, n: int = 1) -> list[str]:
         return self.start(self.reserve(n))
 
-    def remove(self, replica_id: str) -> None:
+    def remove(self, replica_id: str) -> bool:
         """Stop a replica and free its resources; work in flight on it must be redispatched
-        by the caller (the ledger's release() says which)."""
+        by the caller (the ledger's release() says which). True if it was serving."""
         with self._lock:
             replica = self._replicas.pop(replica_id, None)
         if replica is not None:  # another thread may have removed it already
             _kill(replica)
+        return replica is not None and not replica.retiring
+
+    def resize(self, n: int) -> tuple[list[str], list[str]]:
+        """Grow to or shrink to ``n`` serving replicas: (started ids, retiring ids). A
+        retiring replica gets no new work and stops once it has finished what it holds."""
+        serving = self.handles()
+        if n > len(serving):
+            return self.add(n - len(serving)), []
+        with self._lock:  # the newest, least-loaded ones go first
+            order = sorted((r for r in self._replicas.values() if not r.retiring),
+                           key=lambda r: (r.load, -int(r.id.rsplit("-", 1)[1])))
+            retiring = order[:len(serving) - n]
+            for r in retiring:
+                r.retiring = True
+        for r in retiring:
+            self._stop_if_idle(r.id)
+        return [], [r.id for r in retiring]
 
     # ---- dispatch
     def acquire(self) -> Replica:
-        """The least-loaded replica, its load raised by one (release() lowers it)."""
+        """The least-loaded serving replica, its load raised by one (release() lowers it)."""
         with self._lock:
-            if not self._replicas:
+            serving = [r for r in self._replicas.values() if not r.retiring]
+            if not serving:
                 raise RuntimeError(f"pool {self.role}: no live replica")
-            replica = min(self._replicas.values(), key=lambda r: r.load)
+            replica = min(serving, key=lambda r: r.load)
             replica.load += 1
             return replica
 
@@ -164,20 +183,37 @@ class Pool:
         with self._lock:
             if replica_id in self._replicas:  # it may have been removed meanwhile
                 self._replicas[replica_id].load -= 1
+        self._stop_if_idle(replica_id)
+
+    def _stop_if_idle(self, replica_id: str) -> None:
+        with self._lock:
+            r = self._replicas.get(replica_id)
+            if r is None or not r.retiring or r.load > 0:
+                return
+            del self._replicas[replica_id]
+        log.info("%s retired", replica_id)
+        _kill(r)
 
     # ---- views
     def handles(self) -> dict:
-        """replica id -> actor handle, a snapshot."""
+        """replica id -> actor handle of the serving replicas (not the retiring ones), a snapshot."""
         with self._lock:
-            return {rid: r.handle for rid, r in self._replicas.items()}
+            return {rid: r.handle for rid, r in self._replicas.items() if not r.retiring}
 
     def first(self):
         with self._lock:
-            return next(iter(self._replicas.values())).handle
+            return next(r for r in self._replicas.values() if not r.retiring).handle
+
+    def handle(self, replica_id: str):
+        """Any live replica's handle, retiring ones included; None if it is gone."""
+        with self._lock:
+            r = self._replicas.get(replica_id)
+            return None if r is None else r.handle
 
     def __len__(self) -> int:
+        """Serving replicas (retiring ones finish their work but no longer count)."""
         with self._lock:
-            return len(self._replicas)
+            return sum(not r.retiring for r in self._replicas.values())
 
     def shutdown(self) -> None:
         with self._lock:
@@ -257,6 +293,7 @@ class Pools:
     learner: LearnerGroup
     buffer_slot: BufferSlot
     learner_placement: object = None
+    extra_actors: list = field(default_factory=list)  # run-level actors stopped with the pools
 
     @property
     def buffer(self):
@@ -274,7 +311,8 @@ class Pools:
     def shutdown(self) -> None:
         for pool in (self.generators, self.references, self.rewards):
             pool.shutdown()
-        for stop in (self.buffer_slot.shutdown, self.learner.shutdown):
+        for stop in (self.buffer_slot.shutdown, self.learner.shutdown, *(
+                (lambda a=a: ray.kill(a)) for a in self.extra_actors)):
             try:
                 stop()
             except Exception:  # noqa: BLE001 - already dead is fine at shutdown

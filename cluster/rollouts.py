@@ -168,8 +168,9 @@ class RolloutProducer:
                 log.warning("%s died (%s); replacing it and redispatching its chunks", rid,
                             type(error).__name__)
                 pool = self._pool(role)
-                pool.remove(rid)
-                if len(pool) == 0:  # its last replica: nothing can run until one is back
+                if not pool.remove(rid):  # it was leaving anyway: no replacement
+                    pool = None
+                elif len(pool) == 0:  # its last replica: nothing can run until one is back
                     pool, _ = None, self._add_replacement(pool)
             for c in released:  # to the live replicas at once, while a replacement starts
                 self._forget(c.id, pending)
@@ -199,7 +200,7 @@ class RolloutProducer:
         if role == "buffer":
             slot = self.pools.buffer_slot
             return slot.id == replica_id and alive(slot.handle, self.health_timeout_s)
-        handle = self._pool(role).handles().get(replica_id)
+        handle = self._pool(role).handle(replica_id)
         return handle is not None and alive(handle, self.health_timeout_s)
 
     def _generate(self, chunk) -> dict:

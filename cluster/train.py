@@ -244,7 +244,8 @@ def run(cfg) -> dict:
             raise UserError(str(e)) from None
         actors = pools.actor_names()
         log.info("actors: %s", ", ".join(actors))
-        write_status(run_dir, "running", actors=actors)
+        control, control_info = start_control(run_dir, pools)
+        write_status(run_dir, "running", actors=actors, control=control_info)
         ptx = None
         if cfg.ppo.ptx_coef > 0:
             from cluster.pretrain import ptx_batches
@@ -252,7 +253,7 @@ def run(cfg) -> dict:
         metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every,
                              tensorboard=cfg.run.tensorboard)
         driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=eval_set,
-                        tokenizer=tokenizer, metrics=metrics, ptx_batches=ptx)
+                        tokenizer=tokenizer, metrics=metrics, ptx_batches=ptx, control=control)
         resumed = {}
         if resume_from is not None:
             step = driver.restore(resume_from).step
@@ -260,7 +261,7 @@ def run(cfg) -> dict:
             log.info("resumed from step %d (%s)", step, resume_from)
         elif reused_dir is not None:  # run.resume=auto before the run's first checkpoint: start over
             metrics.rewind(-1)
-        write_status(run_dir, "running", actors=actors, **resumed)
+        write_status(run_dir, "running", actors=actors, control=control_info, **resumed)
         with StopSignals(driver.stop_requested.set) as signals:
             final = driver.run()
         if signals.received:
@@ -290,6 +291,24 @@ def run(cfg) -> dict:
     finally:
         if pools is not None:
             pools.shutdown()
+
+
+def start_control(run_dir: Path, pools):
+    """The job's RunControl actor (python -m cluster.scale talks to it) and where to find it."""
+    import hashlib
+
+    import ray
+
+    from cluster.control import NAMESPACE, RunControl, actor_name
+
+    # The folder's hash keeps two runs of the same name in different run.dirs apart.
+    name = actor_name(f"{run_dir.name}-{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}")
+    sizes = {"generator": len(pools.generators), "reference": len(pools.references), "reward": len(pools.rewards)}
+    control = ray.remote(RunControl).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
+        run_dir=str(run_dir), sizes=sizes)
+    ray.get(control.health.remote())
+    pools.extra_actors.append(control)
+    return control, {"actor": name, "namespace": NAMESPACE, "address": ray.get_runtime_context().gcs_address}
 
 
 def startup_summary(cfg) -> str:

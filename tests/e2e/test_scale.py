@@ -1,0 +1,110 @@
+"""Resizing the pools of a running job through the real CLI (python -m cluster.scale)."""
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from cluster import train
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+
+def scale_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "cluster.scale", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generator=0"], "at least 1 replica"),
+    (["learner=2"], "pool one of generator, reference, reward"),
+    (["generator=two"], "must be an integer"),
+    ([], "nothing to change"),
+])
+def test_scale_mistakes_exit_2_with_one_line(tmp_path, args, message):
+    (tmp_path / "status.json").write_text(json.dumps({"state": "running"}))
+    r = scale_cli(tmp_path, *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_scale_refuses_a_folder_that_is_not_a_running_job(tmp_path):
+    assert "not a run folder" in scale_cli(tmp_path, "generator=2").stderr
+    (tmp_path / "status.json").write_text(json.dumps({"state": "succeeded"}))
+    r = scale_cli(tmp_path, "generator=2")
+    assert r.returncode == 2 and "is succeeded, not running" in r.stderr
+
+
+@pytest.fixture
+def running_job(tmp_path):
+    """The default job, driven in a thread of this process, with its control actor and status.json."""
+    from cluster.config import load_config
+    from cluster.driver import Driver
+    from cluster.metrics import RunMetrics
+    from cluster.pools import create_pools
+
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    cfg = load_config(train.DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.steps=10000",
+                                             "run.checkpoint_every=0"])
+    policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
+    pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
+    control, info = train.start_control(tmp_path, pools)
+    train.write_status(tmp_path, "running", control=info)
+    metrics = RunMetrics(run_dir=tmp_path, plot_every=0)
+    driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer,
+                    metrics=metrics, control=control)
+    thread = threading.Thread(target=driver.run, daemon=True)
+    thread.start()
+    try:
+        yield driver
+    finally:
+        driver.stop_requested.set()
+        thread.join(120)
+        metrics.close()
+        pools.shutdown()
+        ray.shutdown()
+
+
+def rows_after(run_dir: Path, step: int) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > step]
+
+
+def wait_steps(driver, n: int) -> int:
+    target = driver.step_count + n
+    deadline = time.monotonic() + 120
+    while driver.step_count < target:
+        assert time.monotonic() < deadline, "the job stopped stepping"
+        time.sleep(0.05)
+    return driver.step_count
+
+
+def test_pools_scale_up_and_down_while_the_job_runs(running_job, tmp_path):
+    driver = running_job
+    wait_steps(driver, 2)
+    r = scale_cli(tmp_path, "generator=2", "reward=2")
+    assert r.returncode == 0, r.stderr
+    assert "pools now generator=2" in r.stdout
+    applied_at = driver.step_count
+    ray.get_actor("generator-1"), ray.get_actor("reward-1")  # named actors, as the dashboard lists them
+    wait_steps(driver, 3)
+    after = rows_after(tmp_path, applied_at)
+    assert all(m["pool/generator_replicas"] == 2 and m["pool/reward_replicas"] == 2 for m in after)
+    # The new generator served with the learner's weights from its first prompt (sync mode).
+    assert all(m["ppo/logprob_gap_mean"] < 1e-3 for m in after)
+    new = ray.get(driver.pools.generators.handles()["generator-1"].health.remote())
+    assert new["generated_tokens"] > 0 and new["version"] == driver.version
+
+    r = scale_cli(tmp_path, "generator=1")
+    assert r.returncode == 0, r.stderr
+    shrunk_at = driver.step_count
+    wait_steps(driver, 2)
+    assert all(m["pool/generator_replicas"] == 1 for m in rows_after(tmp_path, shrunk_at))
+    assert list(driver.pools.generators.handles()) == ["generator-0"]  # the newest went first
+    with pytest.raises(ValueError):
+        ray.get_actor("generator-1")
+    assert [m["policy/version"] for m in rows_after(tmp_path, 0)] == list(range(1, driver.step_count + 1))
