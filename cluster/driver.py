@@ -157,6 +157,10 @@ class Driver:
         replaced and what it held generated again (sync: here; async: by the producer)."""
         cfg, world, regenerated = self.cfg, self.pools.learner.world_size, Produced()
         while True:
+            # Here, in the thread that applies `consumed`, a dead buffer's prompts are queued
+            # again (sync: and generated now; async: by the producer).
+            if self.rollouts.recover_lost_buffer() and producer is None:
+                regenerated = regenerated.merge(self.rollouts.produce([], self.shaping()))
             n = (self.rollouts.ledger.held_rollouts() if producer is None
                  else cfg.data.prompts_per_step * cfg.generator.sampling.n)
             if n == 0:
@@ -173,8 +177,6 @@ class Driver:
                 if alive(buffer):
                     raise
                 self.rollouts.buffer_died(buffer_id)
-                if producer is None:
-                    regenerated = regenerated.merge(self.rollouts.produce([], self.shaping()))
                 continue
             self.rollouts.ledger.consumed(batch.consumed)
             return shards, batch, regenerated

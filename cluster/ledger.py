@@ -41,6 +41,7 @@ class Chunk:
     replicas: dict = field(default_factory=dict)  # role -> replica id now holding it
     attempts: int = 0             # dispatches so far (> 1 after a redispatch)
     held: dict = field(default_factory=dict)  # stored: prompt index -> rollouts the buffer holds
+    consumed: set = field(default_factory=set)  # prompt indices the learner took (never redone)
 
 
 class Ledger:
@@ -76,7 +77,9 @@ class Ledger:
             c = self._chunks[chunk_id]
             if c.state is ChunkState.STORED:
                 return False
-            c.state, c.replicas, c.held = ChunkState.STORED, {}, dict(held or {})
+            # A take can report a prompt before the put's own report arrives here.
+            c.state, c.replicas = ChunkState.STORED, {}
+            c.held = {i: n for i, n in (held or {}).items() if i not in c.consumed}
             return True
 
     def consumed(self, pairs) -> None:
@@ -85,8 +88,26 @@ class Ledger:
         with self._lock:
             for chunk_id, prompt_index in pairs:
                 c = self._chunks.get(chunk_id)
-                if c is not None and c.state is ChunkState.STORED:
+                if c is not None:  # stored, or its put's report is still on the way
+                    c.consumed.add(prompt_index)
                     c.held.pop(prompt_index, None)
+
+    def reopen(self, chunk_id: int) -> Chunk | None:
+        """One scoring chunk back to pending (its put landed in a buffer that has died since);
+        None if the learner already took all its prompts."""
+        with self._lock:
+            c = self._live(chunk_id, ChunkState.SCORING)
+            c.state, c.replicas = ChunkState.PENDING, {}
+            return c if self._drop_consumed(c) else None
+
+    def _drop_consumed(self, c: Chunk) -> bool:
+        """Keep only the prompts the learner has not taken; False (chunk done) if none is left."""
+        keep = [k for k, idx in enumerate(c.prompt_indices) if idx not in c.consumed]
+        c.prompt_indices = [c.prompt_indices[k] for k in keep]
+        c.prompt_ids = [c.prompt_ids[k] for k in keep]
+        if not keep:
+            c.state, c.replicas, c.held = ChunkState.STORED, {}, {}
+        return bool(keep)
 
     def release_stored(self) -> list[Chunk]:
         """The buffer died: every stored chunk's held prompts go back to pending (to be
@@ -95,9 +116,9 @@ class Ledger:
             out = []
             for c in self._chunks.values():
                 if c.state is ChunkState.STORED and c.held:
-                    keep = [i for i, idx in enumerate(c.prompt_indices) if idx in c.held]
-                    c.prompt_indices = [c.prompt_indices[i] for i in keep]
-                    c.prompt_ids = [c.prompt_ids[i] for i in keep]
+                    keep = [k for k, idx in enumerate(c.prompt_indices) if idx in c.held]
+                    c.prompt_indices = [c.prompt_indices[k] for k in keep]
+                    c.prompt_ids = [c.prompt_ids[k] for k in keep]
                     c.state, c.held = ChunkState.PENDING, {}
                     out.append(c)
             return out
@@ -112,7 +133,8 @@ class Ledger:
         with self._lock:
             out = []
             for c in self._chunks.values():
-                out += list(c.held) if c.state is ChunkState.STORED else c.prompt_indices
+                out += list(c.held) if c.state is ChunkState.STORED else \
+                    [i for i in c.prompt_indices if i not in c.consumed]
             return out
 
     def release(self, replica: str) -> list[Chunk]:
@@ -122,7 +144,7 @@ class Ledger:
                    if c.state in (ChunkState.GENERATING, ChunkState.SCORING) and replica in c.replicas.values()]
             for c in out:
                 c.state, c.replicas = ChunkState.PENDING, {}
-            return out
+            return [c for c in out if self._drop_consumed(c)]
 
     def in_flight(self) -> list[Chunk]:
         with self._lock:

@@ -22,7 +22,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from cluster.ledger import Ledger
+from cluster.ledger import ChunkState, Ledger
 from cluster.pools import alive
 
 log = logging.getLogger("tether")
@@ -73,6 +73,12 @@ class RolloutProducer:
         self.on_new_generator = on_new_generator or (lambda replica_id: None)
         self._backlog: list = []  # chunks to generate again (a dead buffer's), any thread adds
         self._backlog_lock = threading.Lock()
+        self._store_lock = threading.Lock()  # a chunk is stored into the current buffer, or redone
+        self._lost_buffer = None  # a dead buffer whose chunks are not queued again yet
+        self._abandoned: list = []  # calls of redispatched chunks; their errors are collected, not logged
+        # One record per dead replica: role, id, and perf_counter() times of detection and of
+        # the replacement serving (a generator: with the current weights).
+        self.recoveries: list[dict] = []
 
     def open(self, indices, prompt_ids) -> list:
         """One batch of prompts as ledger chunks, a few per generator (so they spread)."""
@@ -114,7 +120,11 @@ class RolloutProducer:
                 except RayError as e:  # the buffer died, or a scorer did and the put lost an argument
                     self._recover(job, e, pending, out)
                     continue
-                self._record(out, report)
+                if not self._record(out, report, job.replica):  # it went into a buffer that died since
+                    self._forget(job.chunk_id, pending)
+                    if self.ledger.get(job.chunk_id).state is ChunkState.PENDING:
+                        pending.update(self._generate(self.ledger.get(job.chunk_id)))
+                        out.redispatched_chunks += 1
             else:  # a scorer finished (or failed: the put then says so): free its slot
                 job.pool.release(job.replica)
                 out.score_latency.setdefault(job.stage, []).append(time.perf_counter() - job.started)
@@ -124,17 +134,34 @@ class RolloutProducer:
         out.score_seconds = t_end - (t_generated or t_end)
         out.per_generator_tps = {g: float(np.mean(v)) for g, v in tps.items()}
         self.ledger.forget_stored()
+        self._collect_abandoned()
         return out
 
     # ------------------------------------------------------------------ replicas that died
     def buffer_died(self, buffer_id: str) -> None:
-        """Replace the buffer (once, whichever thread saw it die first) and queue what it
-        held for generation again."""
-        if self.pools.buffer_slot.replace(buffer_id):
-            chunks = self.ledger.release_stored()
-            log.warning("%s died; replaced it by %s, generating the %d prompts it held again",
-                        buffer_id, self.pools.buffer_slot.id, sum(len(c.prompt_indices) for c in chunks))
+        """Replace the buffer (once, whichever thread saw it die first). What it held is
+        queued again by recover_lost_buffer(), in the thread that applies the learner's takes."""
+        detected = time.perf_counter()
+        with self._store_lock:
+            if self.pools.buffer_slot.replace(buffer_id):
+                self._lost_buffer = buffer_id
+                self.recoveries.append({"role": "buffer", "replica": buffer_id, "detected": detected,
+                                        "serving": time.perf_counter()})
+
+    def recover_lost_buffer(self) -> bool:
+        """After a buffer died: queue every prompt it held (by the ledger) for generation.
+
+        The driver calls this from the thread that applies each take's ``consumed`` pairs, so
+        a take that finished just before the buffer died is accounted before its prompts
+        could be queued again (which would train them twice). True if anything was queued."""
+        with self._store_lock:
+            lost, self._lost_buffer = self._lost_buffer, None
+            chunks = self.ledger.release_stored() if lost else []
+        if lost:
+            log.warning("%s died; replaced it by %s, generating the %d prompts it held again", lost,
+                        self.pools.buffer_slot.id, sum(len(c.prompt_indices) for c in chunks))
             self.requeue(chunks)
+        return bool(chunks)
 
     def requeue(self, chunks: list) -> None:
         """Chunks for the next produce() to generate (a restored run's unfinished prompts)."""
@@ -161,7 +188,7 @@ class RolloutProducer:
         if not dead:
             raise error  # no replica died: a genuine failure of the call
         for role, rid in dead:
-            released, pool = self.ledger.release(rid), None
+            released, pool, detected = self.ledger.release(rid), None, time.perf_counter()
             if role == "buffer":
                 self.buffer_died(rid)
             else:
@@ -171,26 +198,42 @@ class RolloutProducer:
                 if not pool.remove(rid):  # it was leaving anyway: no replacement
                     pool = None
                 elif len(pool) == 0:  # its last replica: nothing can run until one is back
-                    pool, _ = None, self._add_replacement(pool)
+                    pool, _ = None, self._add_replacement(pool, rid, detected)
             for c in released:  # to the live replicas at once, while a replacement starts
                 self._forget(c.id, pending)
                 pending.update(self._generate(c))
                 out.redispatched_chunks += 1
             if pool is not None:
-                self._add_replacement(pool)
+                self._add_replacement(pool, rid, detected)
 
-    def _add_replacement(self, pool) -> None:
+    def _add_replacement(self, pool, dead_id: str, detected: float) -> None:
         (new_id,) = pool.add(1)
         if pool is self.pools.generators:
             self.on_new_generator(new_id)
+        self.recoveries.append({"role": pool.role, "replica": dead_id, "replacement": new_id,
+                                "detected": detected, "serving": time.perf_counter()})
 
     def _forget(self, chunk_id: int, pending: dict) -> None:
         """Drop a released chunk's outstanding calls, freeing the live replicas' slots."""
         for ref, job in list(pending.items()):
             if job.chunk_id == chunk_id:
                 del pending[ref]
+                self._abandoned.append(ref)
                 if job.pool is not None:
                     job.pool.release(job.replica)
+
+    def _collect_abandoned(self) -> None:
+        """Fetch the outcome of abandoned calls that finished, so Ray does not log their
+        (expected) errors as unhandled."""
+        if not self._abandoned:
+            return
+        done, self._abandoned = ray.wait(self._abandoned, num_returns=len(self._abandoned), timeout=0,
+                                         fetch_local=False)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - the replica died; the chunk went elsewhere
+                pass
 
     def _pool(self, role: str):
         return {"generator": self.pools.generators, "reference": self.pools.references,
@@ -223,18 +266,24 @@ class RolloutProducer:
                                              timeout=self.put_timeout_s)
         return {ref_lp: _InFlight("reference", chunk_id, ref.id, pool=refs),
                 scores: _InFlight("reward", chunk_id, rew.id, pool=rewards),
-                put: _InFlight("stored", chunk_id, None)}
+                put: _InFlight("stored", chunk_id, buffer.id)}
 
-    def _record(self, out: Produced, report) -> None:
+    def _record(self, out: Produced, report, buffer_id: str) -> bool:
+        """Account a put's report; False (chunk reopened, to redo) if its buffer has died since."""
+        with self._store_lock:
+            if buffer_id != self.pools.buffer_slot.id:
+                self.ledger.reopen(report.chunk_id)
+                return False
+            self.ledger.stored(report.chunk_id, dict(report.held))  # in the buffer either way
         for err in report.errors:
             log.warning("reward: %s", err)
-        self.ledger.stored(report.chunk_id, dict(report.held))  # in the buffer either way
         if report.duplicate:  # an earlier copy of this chunk was stored: count it once
             out.duplicate_chunks += 1
-            return
+            return True
         out.stored += report.stored
         out.invalid_scores += report.invalid_scores
         out.empty_responses += report.empty_responses
+        return True
 
 
 @dataclass

@@ -95,8 +95,38 @@ def test_a_dead_buffer_gives_back_exactly_the_prompts_it_still_held():
     assert ledger.held_rollouts() == 0 and ledger.release_stored() == []
 
 
-def test_consumed_pairs_of_unknown_or_unstored_chunks_are_ignored():
+def test_consumed_pairs_of_unknown_chunks_are_ignored():
     ledger = Ledger()
-    c = ledger.open([5], [[5]])
-    ledger.consumed([(c.id, 5), (999, 1)])  # pending: not in the buffer, nothing to take away
-    assert c.state is ChunkState.PENDING and ledger.unfinished_prompts() == [5]
+    c = ledger.open([5, 6], [[5], [6]])
+    ledger.consumed([(999, 5)])
+    assert ledger.unfinished_prompts() == [5, 6]
+    ledger.consumed([(c.id, 5)])
+    assert ledger.unfinished_prompts() == [6]
+
+
+def test_a_take_reported_before_the_put_is_not_redone():
+    """The learner can take a chunk's rollouts before the producer has read that put's report:
+    those prompts count as trained; a later redo of the chunk leaves them out."""
+    ledger = Ledger()
+    c = ledger.open([1, 2], [[1], [2]])
+    ledger.generating(c.id, "g")
+    ledger.scoring(c.id, "r", "w", "buffer-0")
+    ledger.consumed([(c.id, 1)] * 4)       # taken while the put's report is on its way
+    again = ledger.reopen(c.id)            # the buffer died: redo what was not taken
+    assert again.prompt_indices == [2] and again.prompt_ids == [[2]]
+    ledger.generating(c.id, "g")
+    ledger.scoring(c.id, "r", "w", "buffer-1")
+    ledger.stored(c.id, {2: 4})
+    ledger.consumed([(c.id, 2)] * 4)
+    ledger.forget_stored()
+    assert ledger.in_flight() == [] and ledger.held_rollouts() == 0 and ledger.unfinished_prompts() == []
+
+
+def test_stored_after_an_early_take_holds_only_the_rest():
+    ledger = Ledger()
+    c = ledger.open([1, 2], [[1], [2]])
+    ledger.generating(c.id, "g")
+    ledger.scoring(c.id, "r", "w", "b")
+    ledger.consumed([(c.id, 1)])
+    ledger.stored(c.id, {1: 4, 2: 4})
+    assert ledger.held_rollouts() == 4 and [x.prompt_indices for x in ledger.release_stored()] == [[2]]
