@@ -184,10 +184,13 @@ class RolloutBuffer:
         items = self.get(n, min_version=min_version, timeout=timeout, current_version=current_version)
         with self._cond:
             left, self._left = self._left, []
+            depth, dropped_stale = len(self._items), self._dropped_stale
         consumed = left + [(x.chunk_id, x.prompt_index) for x in items]
         shards, dropped = shard_rollouts(items, world_size)
+        # The buffer's own figures travel with the batch: no second call to a buffer that may
+        # have died since.
         return (*shards, BatchSummary.of(items, current_version=current_version, dropped=dropped,
-                                         consumed=consumed))
+                                         consumed=consumed, buffer_depth=depth, dropped_stale=dropped_stale))
 
     def _discard_stale(self, min_version: int) -> int:
         # Versions interleave when several generators put, so scan everything, not just the head.

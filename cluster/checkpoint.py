@@ -88,6 +88,9 @@ def latest(run_dir: Path) -> Optional[Path]:
 
 
 def load_state(path: Path) -> RunState:
+    if not (Path(path) / "learner").is_dir():
+        raise CheckpointError(f"checkpoint {path} is incomplete (no learner/); resume from another "
+                              "checkpoint of the run (delete this one) or start a new run")
     try:
         return RunState.from_json((Path(path) / "state.json").read_text())
     except (OSError, ValueError, KeyError, TypeError) as e:

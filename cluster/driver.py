@@ -182,7 +182,6 @@ class Driver:
             return shards, batch, regenerated
 
     def _step_metrics(self, batch, produced: Produced, learn: dict, sync: dict, seconds: dict) -> dict:
-        stats = ray.get(self.pools.buffer.stats.remote())
         m = {"reward/mean": batch.scores.mean(), "reward/std": batch.scores.std(),
              "kl/mean": batch.kl_sums.mean(), "kl/beta": self.kl_ctl.value,
              "response/length_mean": batch.response_lengths.mean(),
@@ -196,8 +195,8 @@ class Driver:
              "learner/dropped_rollouts": batch.dropped,
              "policy/version": self.version, "data/batches_issued": self.batches_issued,
              **{f"pool/{role}_replicas": n for role, n in self.pool_sizes().items()},
-             "buffer/depth": stats["depth"],
-             "buffer/dropped_stale": stats["dropped_stale"],
+             "buffer/depth": batch.buffer_depth,
+             "buffer/dropped_stale": batch.dropped_stale,
              "buffer/staleness_mean": float(batch.staleness.mean()),
              "buffer/staleness_max": int(batch.staleness.max()),
              "perf/step_seconds": seconds["step"], "perf/generate_seconds": produced.generate_seconds,

@@ -94,11 +94,13 @@ class BatchSummary:
     # take: this batch's and the ones discarded as stale. The driver's ledger uses it to
     # know which prompts the buffer no longer holds (what a dead buffer would lose).
     consumed: tuple = ()
+    buffer_depth: int = 0       # rollouts left in the buffer after this take
+    dropped_stale: int = 0      # rollouts the buffer has dropped as stale so far
     samples: tuple = field(default_factory=tuple)  # a few rows (dicts of plain values) for samples.jsonl
 
     @classmethod
     def of(cls, rollouts: list, *, current_version: int, dropped: int = 0, n_samples: int = 4,
-           consumed: tuple = ()) -> "BatchSummary":
+           consumed: tuple = (), buffer_depth: int = 0, dropped_stale: int = 0) -> "BatchSummary":
         firsts = [r for r in rollouts if r.sample_index == 0][:n_samples]  # distinct prompts
         samples = tuple({"prompt_ids": r.prompt_ids.tolist(), "response_ids": r.response_ids.tolist(),
                          "score": float(r.score), "kl_sum": float(np.sum(r.kl)),
@@ -109,4 +111,5 @@ class BatchSummary:
                    response_lengths=np.array([r.response_ids.size for r in rollouts], dtype=np.int64),
                    truncated=np.array([r.truncated for r in rollouts], dtype=bool),
                    staleness=staleness(rollouts, current_version),
-                   dropped=dropped, samples=samples, consumed=tuple(consumed))
+                   dropped=dropped, samples=samples, consumed=tuple(consumed),
+                   buffer_depth=buffer_depth, dropped_stale=dropped_stale)

@@ -72,7 +72,25 @@ def inputs(tmp_path_factory) -> Path:
     (d / "probe_rewards.py").write_text(PROBE_REWARDS)
     _tokenizers(d)
     _two_label_reward_model(d / "rm_two_labels")
+    _old_runs(d)
     return d
+
+
+def _old_runs(d: Path) -> None:
+    """Run folders to resume from, as runs leave them: cut short, corrupted, made another way."""
+    state = {"step": 2, "version": 2, "batches_issued": 2, "unfinished": [], "kl_beta": 0.05,
+             "pinned": {"model.policy": "builtin:tiny-30m"}}
+    for name in ("incomplete", "corrupt", "other_model", "finished", "no_learner"):
+        (d / name).mkdir()
+        (d / name / "status.json").write_text(json.dumps({"state": "stopped"}))
+    (d / "incomplete" / "checkpoints/resume/.step-000002.partial").mkdir(parents=True)  # a crash mid-write
+    (d / "no_learner" / "checkpoints/resume/step-000002").mkdir(parents=True)  # learner state deleted by hand
+    (d / "no_learner" / "checkpoints/resume/step-000002/state.json").write_text(json.dumps({**state, "pinned": {}}))
+    for name, text in (("corrupt", '{"step": 2, "vers'), ("other_model", json.dumps(state)),
+                       ("finished", json.dumps({**state, "step": 20, "pinned": {}}))):
+        (d / name / "checkpoints/resume/step-000002").mkdir(parents=True)
+        (d / name / "checkpoints/resume/step-000002/state.json").write_text(text)
+        (d / name / "checkpoints/resume/step-000002/learner").mkdir()
 
 
 def _has_tensorboard() -> bool:
@@ -144,6 +162,19 @@ CASES = [
                  id="reward-model-missing"),
     pytest.param(["reward.function=null", "reward.model={inputs}/rm_two_labels"], "has num_labels=2",
                  id="reward-model-two-labels"),
+    # -- resume --
+    pytest.param(["run.resume={inputs}/no_such_run"], "no_such_run: not a run folder (no status.json)",
+                 id="resume-missing-folder"),
+    pytest.param(["run.resume={inputs}/incomplete"], "no complete checkpoint under", id="resume-incomplete-checkpoint"),
+    pytest.param(["run.resume={inputs}/corrupt"], "step-000002 is unreadable (JSONDecodeError", id="resume-corrupt-checkpoint"),
+    pytest.param(["run.resume={inputs}/other_model"], "run.resume: model.policy='builtin:tiny' differs from the "
+                 "checkpoint's 'builtin:tiny-30m'", id="resume-changed-model"),
+    pytest.param(["run.resume={inputs}/finished", "run.steps=20"], "already trained 20 steps of run.steps=20; raise run.steps",
+                 id="resume-finished-run"),
+    pytest.param(["run.resume=auto"], "run.resume=auto needs run.name", id="resume-auto-without-name"),
+    pytest.param(["run.resume={inputs}/no_learner"], "step-000002 is incomplete (no learner/)",
+                 id="resume-checkpoint-without-learner-state"),
+    pytest.param(["run.checkpoint_every=-1"], "run.checkpoint_every must be >= 0", id="checkpoint-every-negative"),
     # -- the run folder itself --
     pytest.param(["run.dir=/proc/tether-runs"], "set run.dir to a writable directory", id="run-dir-unwritable"),
 ]

@@ -126,6 +126,8 @@ def test_kill_every_rollout_role_once(cluster, tmp_path, mode):
     assert [r["policy/version"] for r in rows] == list(range(1, 13))
     assert sum(r["rollouts/redispatched_chunks"] for r in rows) >= 4
     assert all(r["rollouts/skipped_prompts"] == 0 and r["rollouts/invalid_scores"] == 0 for r in rows)
+    if mode == "sync":  # replacement generators served the learner's current weights from the start
+        assert all(r["ppo/logprob_gap_mean"] < 1e-3 for r in rows)
     rewards = [r["reward/mean"] for r in rows]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3  # it still learns
     # Exactly once: each issued prompt's samples were all taken by the learner (trained, or in

@@ -18,7 +18,8 @@ import ray
 from cluster import train
 from cluster.ledger import ChunkState
 
-pytestmark = pytest.mark.e2e
+# The chaos test (test_chaos.py) kills each role in the default suite; these pin each case alone.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 HERE = Path(__file__).resolve().parent
 
 

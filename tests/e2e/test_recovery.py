@@ -42,16 +42,22 @@ def make_driver(tmp_path, *overrides):
                   metrics=metrics), pools, metrics
 
 
-class KillRankDuringTrain:
-    """Wraps the group's train(): at ``at_step`` it SIGKILLs ``rank`` while the call runs."""
+class KillRank:
+    """Wraps one learner-group call (train: the PPO epochs; push_weights: the weight sync):
+    at ``at_step`` it SIGKILLs ``rank`` while that call runs."""
 
-    def __init__(self, driver, *, rank: int, at_step: int, delay_s: float = 0.05):
+    def __init__(self, driver, *, phase: str, rank: int, at_step: int, delay_s: float = 0.05):
         self.group, self.rank, self.at_step, self.delay_s = driver.pools.learner, rank, at_step, delay_s
         self.driver, self.killed_at = driver, None
-        self._train = self.group.train
-        self.group.train = self._wrapped
+        call = {"train": self.group.train, "push_weights": self.group.push_weights}[phase]
 
-    def _wrapped(self, shards, ptx_batch=None):
+        def wrapped(*args, **kwargs):
+            self._maybe_kill()
+            return call(*args, **kwargs)
+
+        setattr(self.group, phase, wrapped)
+
+    def _maybe_kill(self):
         if self.killed_at is None and self.driver.step_count + 1 == self.at_step:
             pid = self.group.pids()[self.rank]
 
@@ -61,22 +67,21 @@ class KillRankDuringTrain:
                 os.kill(pid, signal.SIGKILL)
 
             threading.Thread(target=kill, daemon=True).start()
-        return self.group.__class__.train(self.group, shards, ptx_batch)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_learner_rank_killed_mid_step_rolls_back_and_finishes(cluster, tmp_path, mode):
+@pytest.mark.parametrize("mode, phase", [("sync", "train"), ("async", "push_weights")])
+def test_learner_rank_killed_mid_step_rolls_back_and_finishes(cluster, tmp_path, mode, phase):
     driver, pools, metrics = make_driver(tmp_path, "learner.replicas=2", "run.steps=5",
                                          "run.checkpoint_every=2", f"run.mode={mode}")
     try:
-        killer = KillRankDuringTrain(driver, rank=1, at_step=4)
+        killer = KillRank(driver, phase=phase, rank=1, at_step=4, delay_s=0.05 if phase == "train" else 0.0)
         final = driver.run()
         metrics.close()
         assert killer.killed_at is not None
         [rb] = driver.rollbacks
         assert rb["rank"] == 1 and rb["resumed_at_step"] == 2 and rb["failed_at_step"] == 3
         detected = rb["detected_at"] - killer.killed_at
-        print(f"\n{mode}: rank 1 killed mid-train at step 4: detected in {detected:.2f}s, "
+        print(f"\n{mode}: rank 1 killed in {phase} at step 4: detected in {detected:.2f}s, "
               f"learner rebuilt in {rb['rebuild_seconds']:.1f}s, back at step 2 after "
               f"{rb['recovery_seconds']:.1f}s")
         assert detected < 10

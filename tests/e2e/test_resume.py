@@ -71,6 +71,7 @@ def by_step(metric_rows, key):
     return [r.get(key) for r in metric_rows if r["step"] > 0]
 
 
+@pytest.mark.slow  # three full runs; the default suite resumes a stopped run (below) and rolls back in-job
 def test_kill_9_of_the_driver_then_resume_continues_the_same_run(baseline, tmp_path):
     run_dir = tmp_path / "killed"
     proc = start(run_dir)
@@ -92,9 +93,10 @@ def test_kill_9_of_the_driver_then_resume_continues_the_same_run(baseline, tmp_p
         assert by_step(resumed, key) == pytest.approx(by_step(baseline, key), rel=1e-6, abs=1e-9), key
 
 
-def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(baseline, tmp_path):
+def test_sigterm_stops_async_run_with_a_checkpoint_and_resume_finishes(tmp_path):
+    """Async mode: prompts drawn but not trained when it stops come back after the resume."""
     run_dir = tmp_path / "stopped"
-    proc = start(run_dir)
+    proc = start(run_dir, "run.mode=async")
     wait_for_step(run_dir, proc, 1)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -106,6 +108,9 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(baseline, tmp_path)
     assert st["state"] == "stopped" and st["resumable"] is True
     stopped_at = st["step"]
     assert Path(st["checkpoint"]).name == f"step-{stopped_at:06d}"
-    assert finish(start(run_dir, "run.resume=auto")) == 0
+    assert finish(start(run_dir, "run.mode=async", "run.resume=auto")) == 0
     assert status(run_dir)["resumed_from_step"] == stopped_at
-    assert [r["step"] for r in rows(run_dir)] == [0, 1, 2, 3, 4, 5]
+    resumed = rows(run_dir)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5]
+    assert [r["policy/version"] for r in resumed[1:]] == [1, 2, 3, 4, 5]
+    assert all(r["buffer/staleness_max"] <= 1 for r in resumed[1:])  # buffer.max_staleness, across the restart

@@ -58,9 +58,10 @@ def test_address_in_use_is_told_apart_from_other_failures():
 
 
 @pytest.mark.integration
-def test_two_rank_group_starts_and_stops_20_times(ray_cluster, policy_path):
+@pytest.mark.parametrize("starts", [6, pytest.param(20, marks=pytest.mark.slow)])
+def test_two_rank_group_starts_and_stops_repeatedly(ray_cluster, policy_path, starts):
     t0 = time.perf_counter()
-    for i in range(20):
+    for i in range(starts):
         group = LearnerGroup(model=policy_path, config=CHEAPEST, world_size=2, num_cpus_per_rank=0,
                              name_prefix="learner-start")  # reused at once, as a restart does
         try:
@@ -69,7 +70,7 @@ def test_two_rank_group_starts_and_stops_20_times(ray_cluster, policy_path):
             assert all(h["built"] and h["backend"] == "gloo" and h["world_size"] == 2 for h in health)
         finally:
             group.shutdown()
-    print(f"20 starts and stops of a 2-rank group: {time.perf_counter() - t0:.1f}s")
+    print(f"{starts} starts and stops of a 2-rank group: {time.perf_counter() - t0:.1f}s")
 
 
 class DeadStoreGroup(LearnerGroup):
