@@ -36,6 +36,12 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_p must be in (0, 1] (got {self.top_p})")
         if self.max_new_tokens < 1 or self.n < 1 or self.top_k < 0:
             raise ValueError("sampling.max_new_tokens and sampling.n must be >= 1, top_k >= 0")
+        if self.top_p < 1 or self.top_k > 0:
+            # vLLM reports log-probs of the truncated distribution; the reference and the learner
+            # score the full one, so the KL penalty and the PPO ratio would both be wrong.
+            raise ValueError(f"sampling.top_p={self.top_p}, top_k={self.top_k}: truncated sampling is not "
+                             "supported yet (the KL and the PPO ratio would compare different distributions); "
+                             "use top_p=1.0 and top_k=0")
 
 
 @dataclass(frozen=True)

@@ -304,6 +304,9 @@ def aggregate_loss(
     return per_seq.sum() / n_seqs
 
 
+LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| beyond this is clamped before exp (e^20 ~ 4.9e8)
+
+
 def policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
     clip_low: float = 0.2, clip_high: Optional[float] = None, dual_clip: Optional[float] = None,
@@ -327,10 +330,11 @@ def policy_loss(
              f"{fn}: need 0 < clip_low < 1 and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
     _require(dual_clip is None or dual_clip > 1, f"{fn}: dual_clip must be > 1, got {dual_clip}")
 
-    # Masked before exp so padding garbage cannot overflow into inf * 0 = NaN.
+    # Masked before exp so padding garbage cannot overflow into inf * 0 = NaN; clamped so a
+    # runaway token (log-ratio past ~88 overflows fp32) gives a large finite loss, not inf.
     log_ratio = _zero_pad(logprobs - old_logprobs.detach(), mask)
     adv = _zero_pad(advantages.detach(), mask)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg = torch.maximum(unclipped, clipped)

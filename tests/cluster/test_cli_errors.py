@@ -131,6 +131,8 @@ CASES = [
                  id="max-new-tokens-beyond-context"),
     pytest.param(["data.max_prompt_tokens=120"],
                  "data.max_prompt_tokens=120 + generator.sampling.max_new_tokens=16 exceed", id="prompt-plus-response"),
+    pytest.param(["generator.sampling.top_p=0.9"], "top_p=0.9, top_k=0: truncated sampling is not supported yet",
+                 id="top-p-truncation"),
     pytest.param(["data.max_prompt_tokens=0"], "data.max_prompt_tokens=0 must be >= 1", id="max-prompt-tokens-zero"),
     # -- data (prepare) --
     pytest.param(["data.path=/nonexistent/prompts.jsonl"], "data.path: /nonexistent/prompts.jsonl does not exist",

@@ -544,3 +544,20 @@ def test_shape_mismatch_message_names_arguments():
 def test_empty_mask_raises(call):
     with pytest.raises(ValueError, match="no valid tokens"):
         call(torch.zeros(2, 3), torch.zeros(2, 3))
+
+
+def test_policy_loss_is_finite_for_a_runaway_log_ratio():
+    """A token whose log-ratio overflows exp in fp32 (here 100) with a negative advantage and
+    no dual clip: the clamp keeps the loss finite, and equal to -A * e^LIMIT for that token."""
+    from core.ppo import LOG_RATIO_LIMIT, policy_loss
+
+    logprobs = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-100.0, 0.0]])
+    adv = torch.tensor([[-1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0]])
+    loss, clip_frac, _ = policy_loss(logprobs, old, adv, mask)
+    assert torch.isfinite(loss)
+    expected = (math.exp(LOG_RATIO_LIMIT) + (-1.0)) / 2  # token 0: -A * ratio; token 1: -A * 1
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all()

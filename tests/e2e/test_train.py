@@ -73,6 +73,9 @@ def test_sync_default_learns(cluster, tmp_path):
         assert m["rollouts/used"] + 4 * (m["rollouts/skipped_prompts"]) \
             + m["rollouts/invalid_scores"] + m["rollouts/empty_responses"] == 16 * 4
         assert m["buffer/staleness_max"] == 0
+        # The generators sampled with exactly the learner's weights: a push that loaded
+        # nothing but bumped the version would show a gap here.
+        assert m["ppo/logprob_gap_mean"] < 1e-3
     first = sum(m["reward/mean"] for m in steps[:3]) / 3
     last = sum(m["reward/mean"] for m in steps[-3:]) / 3
     print(f"reward first 3 steps {first:.3f} -> last 3 steps {last:.3f}")
