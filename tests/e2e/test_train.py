@@ -101,6 +101,7 @@ def test_independent_scaling(cluster, tmp_path, driver_loads):
         ray.get_actor("generator-0")
 
 
+@pytest.mark.slow  # tests/e2e/test_scale.py grows and shrinks pools of a running job through the CLI
 def test_pools_change_while_running(cluster, tmp_path, driver_loads):
     """A generator joins mid-run with the current weights and serves; another leaves; nothing restarts."""
     from cluster.config import load_config
