@@ -147,7 +147,7 @@ class Driver:
                 learn = learner.train(shards, ptx_batch=ptx)
             with timer("sync"), self._learner_lock:
                 self.kl_ctl.update(float(batch.kl_sums.mean()), n_steps=len(batch.scores))
-                sync = learner.push_weights(self.pools.generators.handles(), self.version + 1)
+                sync = self._push_weights(self.pools.generators.handles(), self.version + 1)
                 self.version += 1
                 self.step_count += 1
         return self._step_metrics(batch, produced, learn, sync, timer.seconds)
@@ -243,8 +243,9 @@ class Driver:
             if path:
                 self.pools.learner.load(Path(path) / "learner")
             generators = self.pools.generators.handles()
+            generators = {rid: g for rid, g in generators.items() if alive(g)}  # the producer replaces the rest
             ray.get([g.rewind.remote(state.version) for g in generators.values()])
-            self.pools.learner.push_weights(generators, state.version)
+            self._push_weights(generators, state.version)
         self.step_count, self.version, self.kl_ctl.value = state.step, state.version, state.kl_beta
         self._seek(state.batches_issued)
         if state.unfinished:  # async: prompts drawn before the checkpoint but never trained on
@@ -252,6 +253,20 @@ class Driver:
             self.rollouts.requeue(self.rollouts.open(state.unfinished, [ids[i] for i in state.unfinished]))
         self.metrics.rewind(state.step)
         return state
+
+    def _push_weights(self, generators: dict, version: int) -> dict:
+        """Weights to the generators. One that died since it was last used is skipped (the
+        producer replaces it, and the replacement gets the weights before it serves)."""
+        try:
+            return self.pools.learner.push_weights(generators, version)
+        except LearnerRankDied:
+            raise
+        except RuntimeError:
+            live = {rid: g for rid, g in generators.items() if alive(g)}
+            if len(live) == len(generators):
+                raise
+            log.warning("weight push: %s died; pushed to the others", ", ".join(sorted(set(generators) - set(live))))
+            return self.pools.learner.push_weights(live, version)
 
     def _rollback(self, producer, error: LearnerRankDied):
         """A learner rank died: new ranks, the last checkpoint, and the run goes on from there."""

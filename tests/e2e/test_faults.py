@@ -191,3 +191,24 @@ def test_buffer_killed_between_rollouts_and_learning(driver):
     assert m["rollouts/redispatched_chunks"] >= 1 and driver.pools.buffer_slot.id == "buffer-1"
     account.assert_each_prompt_trained_once()
     assert driver.step(None)["policy/version"] == 2
+
+
+def test_generator_killed_between_rollouts_and_weight_push(driver):
+    """The push meets a dead generator: the others get the weights, the step completes, and the
+    next step's dispatch replaces the dead one (with the current weights)."""
+    gens = driver.pools.generators
+    produce = driver.rollouts.produce
+
+    def produce_then_kill(chunks, shaping):
+        out = produce(chunks, shaping)
+        os.kill(ray.get(gens.handles()["generator-0"].health.remote())["pid"], signal.SIGKILL)
+        return out
+
+    driver.rollouts.produce = produce_then_kill
+    m = driver.step(None)
+    driver.rollouts.produce = produce
+    assert m["policy/version"] == 1 and m["perf/sync_bytes"] > 0
+    after = [driver.step(None) for _ in range(2)]
+    assert "generator-0" not in gens.handles() and len(gens) == 2
+    assert all(a["ppo/logprob_gap_mean"] < 1e-3 for a in after)
+    assert [a["policy/version"] for a in after] == [2, 3]
