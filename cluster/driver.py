@@ -194,7 +194,7 @@ class Driver:
              "rollouts/redispatched_chunks": produced.redispatched_chunks,
              "learner/dropped_rollouts": batch.dropped,
              "policy/version": self.version, "data/batches_issued": self.batches_issued,
-             **{f"pool/{role}_replicas": n for role, n in self.pool_sizes().items()},
+             **{f"pool/{role}_replicas": n for role, n in self.pools.sizes().items()},
              "buffer/depth": batch.buffer_depth,
              "buffer/dropped_stale": batch.dropped_stale,
              "buffer/staleness_mean": float(batch.staleness.mean()),
@@ -305,17 +305,12 @@ class Driver:
         producer.join()
 
     # ------------------------------------------------------------------ runtime scaling
-    def pool_sizes(self) -> dict:
-        p = self.pools
-        return {"generator": len(p.generators), "reference": len(p.references), "reward": len(p.rewards)}
-
     def apply_scaling(self) -> None:
         """Apply the pool sizes asked for through the control actor (between steps)."""
         if self.control is None:
             return
         targets, errors = ray.get(self.control.pending.remote()), {}
-        pools = {"generator": self.pools.generators, "reference": self.pools.references,
-                 "reward": self.pools.rewards}
+        pools = self.pools.by_role()
         for role, n in targets.items():
             try:
                 started, retiring = pools[role].resize(n)
@@ -329,7 +324,7 @@ class Driver:
             log.info("scale: %s pool now %d (started %s, retiring %s)", role, len(pools[role]),
                      ", ".join(started) or "none", ", ".join(retiring) or "none")
         if targets:
-            ray.get(self.control.report.remote(self.pool_sizes(), errors))
+            ray.get(self.control.report.remote(self.pools.sizes(), errors))
 
     def add_generator(self) -> str:
         """Start one more generator and give it the current weights before it serves."""

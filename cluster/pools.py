@@ -295,6 +295,14 @@ class Pools:
     learner_placement: object = None
     extra_actors: list = field(default_factory=list)  # run-level actors stopped with the pools
 
+    def by_role(self) -> dict:
+        """role -> Pool for the rollout-side pools (the roles cluster.scale can resize)."""
+        return {"generator": self.generators, "reference": self.references, "reward": self.rewards}
+
+    def sizes(self) -> dict:
+        """role -> serving replicas."""
+        return {role: len(pool) for role, pool in self.by_role().items()}
+
     @property
     def buffer(self):
         """The current buffer's handle (it changes if the buffer dies and is replaced)."""

@@ -236,8 +236,7 @@ class RolloutProducer:
                 pass
 
     def _pool(self, role: str):
-        return {"generator": self.pools.generators, "reference": self.pools.references,
-                "reward": self.pools.rewards}[role]
+        return self.pools.by_role()[role]
 
     def _alive(self, role: str, replica_id: str) -> bool:
         if role == "buffer":

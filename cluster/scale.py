@@ -45,7 +45,10 @@ def find_control(run_dir: Path):
     status_file = run_dir / "status.json"
     if not status_file.is_file():
         raise ScaleError(f"{run_dir} is not a run folder (no status.json); pass the folder of a running job")
-    status = json.loads(status_file.read_text())
+    try:
+        status = json.loads(status_file.read_text())
+    except ValueError:
+        raise ScaleError(f"{status_file} is not valid JSON; pass the folder of a running job") from None
     control = status.get("control")
     if status.get("state") != "running" or not control:
         raise ScaleError(f"the run in {run_dir} is {status.get('state')}, not running; only a running job scales")
@@ -90,8 +93,8 @@ def main(argv=None) -> int:
         print(f"tether: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a Ray or timeout failure, in one line
-        print(f"tether: scale failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr)
+        from cluster.train import one_line
+        print(f"tether: scale failed: {one_line(e)}", file=sys.stderr)
         return 1
     print(f"tether: pools now {', '.join(f'{p}={n}' for p, n in sizes.items())}")
     return 0

@@ -303,9 +303,8 @@ def start_control(run_dir: Path, pools):
 
     # The folder's hash keeps two runs of the same name in different run.dirs apart.
     name = actor_name(f"{run_dir.name}-{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}")
-    sizes = {"generator": len(pools.generators), "reference": len(pools.references), "reward": len(pools.rewards)}
     control = ray.remote(RunControl).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
-        run_dir=str(run_dir), sizes=sizes)
+        run_dir=str(run_dir), sizes=pools.sizes())
     ray.get(control.health.remote())
     pools.extra_actors.append(control)
     return control, {"actor": name, "namespace": NAMESPACE, "address": ray.get_runtime_context().gcs_address}

@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -20,21 +19,7 @@ from cluster import train
 from cluster.ledger import ChunkState
 
 pytestmark = pytest.mark.e2e
-HERE = Path(__file__).resolve().parent
 SAMPLES = 4  # generator.sampling.n of the default config
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    old = os.environ.get("PYTHONPATH")  # the reward actors import tests/e2e/slow_reward.py
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), old) if p)
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = old
 
 
 class Chaos(threading.Thread):
@@ -53,8 +38,7 @@ class Chaos(threading.Thread):
         p = self.driver.pools
         if role == "buffer":
             return p.buffer_slot.id, p.buffer
-        pool = {"generator": p.generators, "reference": p.references, "reward": p.rewards}[role]
-        return next(iter(pool.handles().items()))
+        return next(iter(p.by_role()[role].handles().items()))
 
     def _holds(self, rid, state):
         if state is ChunkState.STORED:
@@ -79,7 +63,7 @@ class Chaos(threading.Thread):
 # Async in the default suite (the harder case: the producer runs while the buffer dies);
 # sync, which also proves replacements serve the learner's weights (logprob gap), is slow.
 @pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
-def test_kill_every_rollout_role_once(cluster, tmp_path, mode):
+def test_kill_every_rollout_role_once(cluster_with_test_rewards, tmp_path, mode):
     from cluster.config import load_config
     from cluster.driver import Driver
     from cluster.metrics import RunMetrics

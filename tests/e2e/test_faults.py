@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -20,25 +19,10 @@ from cluster.ledger import ChunkState
 
 # The chaos test (test_chaos.py) kills each role in the default suite; these pin each case alone.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    # The reward actors import tests/e2e/slow_reward.py: workers inherit this PYTHONPATH.
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), old) if p)
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = old
 
 
 @pytest.fixture
-def driver(cluster, tmp_path):
+def driver(cluster_with_test_rewards, tmp_path):
     from cluster.config import load_config
     from cluster.driver import Driver
     from cluster.metrics import RunMetrics
