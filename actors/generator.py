@@ -22,8 +22,8 @@ def request_seed(seed: int, version: int, prompt_index: int) -> int:
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 1.0       # behaviour logprobs are of the tempered distribution
-    top_p: float = 1.0
-    top_k: int = 0                 # 0 disables top-k
+    top_p: float = 1.0             # truncated sampling: vLLM reports the truncated log-probs; the
+    top_k: int = 0                 # reference and learner score the same truncation (0 disables top-k)
     max_new_tokens: int = 64
     n: int = 1                     # samples per prompt
     seed: int = 0                  # sampling seed; each prompt's is drawn from (seed, version, prompt index)
@@ -36,12 +36,6 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_p must be in (0, 1] (got {self.top_p})")
         if self.max_new_tokens < 1 or self.n < 1 or self.top_k < 0:
             raise ValueError("sampling.max_new_tokens and sampling.n must be >= 1, top_k >= 0")
-        if self.top_p < 1 or self.top_k > 0:
-            # vLLM reports log-probs of the truncated distribution; the reference and the learner
-            # score the full one, so the KL penalty and the PPO ratio would both be wrong.
-            raise ValueError(f"sampling.top_p={self.top_p}, top_k={self.top_k}: truncated sampling is not "
-                             "supported yet (the KL and the PPO ratio would compare different distributions); "
-                             "use top_p=1.0 and top_k=0")
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 The reference model is loaded from disk by this actor alone, so it can never share
 storage with a trainable policy (the KL penalty would silently shrink to zero if
-the learner's updates leaked into it). Log-probs use the same temperature
-convention as the generator: log_softmax(logits / T).
+the learner's updates leaked into it). Log-probs are of the distribution the generator
+samples from: log_softmax(logits / T), truncated by top-k/top-p when sampling is
+(core.sampling), so the KL penalty compares like with like.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from core.dtypes import torch_dtype
 from core.ppo import logprobs_from_logits
+from core.sampling import check_truncation
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +90,19 @@ def length_sorted_chunks(lengths: Sequence[int], batch_size: int) -> list[list[i
 class Reference:
     """Token log-probs of given (prompt, response) pairs under a frozen causal LM."""
 
-    def __init__(self, *, model: str, temperature: float = 1.0, dtype: str = "float32",
-                 batch_size: int = 16, device: str | None = None):
+    def __init__(self, *, model: str, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 dtype: str = "float32", batch_size: int = 16, device: str | None = None):
         from transformers import AutoModelForCausalLM
 
         role = "Reference"
         if not (temperature > 0 and np.isfinite(temperature)):
             raise ValueError(f"{role}: temperature must be a finite number > 0, got {temperature}")
+        check_truncation(role, top_k, top_p)
         if batch_size < 1:
             raise ValueError(f"{role}: batch_size must be >= 1, got {batch_size}")
         self.model_path = resolve_model_path(model, role)
         self.temperature = float(temperature)
+        self.top_k, self.top_p = int(top_k), float(top_p)
         self.batch_size = int(batch_size)
         self.dtype = torch_dtype(dtype, role)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -167,11 +171,13 @@ class Reference:
             logits = self.model(**kwargs, logits_to_keep=R + 1).logits[:, :R]
         else:
             logits = self.model(**kwargs).logits[:, P - 1:P + R - 1]
-        lp = logprobs_from_logits(logits.float(), ids_t[:, P:], self.temperature)
+        lp = logprobs_from_logits(logits.float(), ids_t[:, P:], self.temperature, top_k=self.top_k,
+                                  top_p=self.top_p)
         lp = lp.cpu().numpy().astype(np.float32)
         return [lp[row, :r.size].copy() for row, r in enumerate(responses)]
 
     def health(self) -> dict:
         return {"role": "reference", "ok": True, "pid": os.getpid(), "model": self.model_path, "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "temperature": self.temperature,
+                "top_k": self.top_k, "top_p": self.top_p,
                 **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()}}

@@ -104,6 +104,18 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class PTXConfig:
+    """Pretraining text for the PTX loss, used when ppo.ptx_coef > 0 (cluster/ptx.py)."""
+    path: Optional[str] = None       # .jsonl / .parquet / saved HF dataset of text; null = built-in corpus (built-in policy only)
+    field: str = "text"              # the text column
+    seq_len: Optional[int] = None    # tokens per packed row; null = generator.engine.max_model_len
+    batch_size: int = 8              # PTX rows per optimizer step, over all learner ranks
+
+    def tokens_per_row(self, max_model_len: int) -> int:
+        return self.seq_len if self.seq_len is not None else max_model_len
+
+
+@dataclass(frozen=True)
 class RunConfig:
     steps: int = 20                  # PPO steps (policy versions) to train
     mode: str = "sync"               # sync (on-policy) | async (bounded staleness)
@@ -138,15 +150,17 @@ class TetherConfig:
     learner: LearnerPoolConfig = field(default_factory=LearnerPoolConfig)
     ppo: PPOSection = field(default_factory=PPOSection)
     data: DataConfig = field(default_factory=DataConfig)
+    ptx: PTXConfig = field(default_factory=PTXConfig)
     run: RunConfig = field(default_factory=RunConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     def learner_config(self) -> LearnerConfig:
         """What a learner rank needs: the learner section, the PPO update, the run seed and
-        the sampling temperature (the learner always scores with the sampling temperature)."""
+        the sampling temperature and truncation (the learner scores the distribution sampled from)."""
         pick = lambda obj, cls: {f.name: getattr(obj, f.name) for f in fields(cls)}
         return LearnerConfig(**pick(self.learner, TrainerConfig), ppo=PPOConfig(**pick(self.ppo, PPOConfig)),
-                             seed=self.run.seed, temperature=self.generator.sampling.temperature)
+                             seed=self.run.seed, temperature=self.generator.sampling.temperature,
+                             top_k=self.generator.sampling.top_k, top_p=self.generator.sampling.top_p)
 
     def to_dict(self) -> dict:
         """Plain nested dict that load_config accepts back."""
@@ -336,12 +350,22 @@ def validate(cfg: TetherConfig) -> None:
         cfg.learner_config().validate(world_size=cfg.learner.replicas)
     except ValueError as e:
         raise ConfigError(f"config: {str(e).replace('learner.ppo.', 'ppo.')}") from None
+    _check_ptx(cfg)
     # Every learner rank must get an equal shard (core.rollout.shard_rollouts drops the rest),
     # so a step that does not divide evenly would throw rollouts away every step.
     if rollouts % cfg.learner.replicas:
         raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x generator.sampling.n), "
                           f"not divisible by learner.replicas={cfg.learner.replicas}; make prompts_per_step x n "
                           f"a multiple of {cfg.learner.replicas}")
+
+
+def _check_ptx(cfg: TetherConfig) -> None:
+    p = cfg.ptx
+    if p.seq_len is not None and p.seq_len < 2:
+        raise ConfigError(f"config: ptx.seq_len={p.seq_len} must be >= 2, or null for generator.engine.max_model_len")
+    if cfg.ppo.ptx_coef > 0 and (p.batch_size < 1 or p.batch_size % cfg.learner.replicas):
+        raise ConfigError(f"config: ptx.batch_size={p.batch_size} must be a positive multiple of "
+                          f"learner.replicas={cfg.learner.replicas} (every rank trains on an equal share)")
 
 
 def _check_run_name(name: Optional[str]) -> None:

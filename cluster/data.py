@@ -103,26 +103,12 @@ class PromptDataset:
 
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {max_prompt_tokens}")
-        skips = _Skips()
         if path is None:
-            source, rows = "builtin", [(f"prompt {i}", {field: p}) for i, p in enumerate(builtin_prompts())]
+            skips, source = _Skips(), "builtin"
+            texts = [(f"prompt {i}", p) for i, p in enumerate(builtin_prompts())]
         else:
-            source, rows = str(path), _read_rows(Path(path), field, skips)
-        texts = []
-        for where, row in rows:
-            if not isinstance(row, dict):
-                skips.add("not_an_object", f"{where}: not a JSON object ({type(row).__name__})")
-            elif field not in row:
-                skips.add("missing_field", f"{where}: missing field '{field}'")
-                skips.fields_seen.update(map(str, row))
-            elif not isinstance(row[field], str):
-                skips.add("not_a_string", f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
-            elif not row[field].strip():
-                skips.add("empty", f"{where}: field '{field}' is empty")
-            else:
-                texts.append((where, row[field]))
-        if not texts:
-            raise ValueError(_empty_message(source, field, skips))
+            texts, skips = read_texts(path, field, "data")
+            source = str(path)
 
         tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
         if chat_template:
@@ -193,6 +179,29 @@ class PromptDataset:
                              source=self.source, skipped=self.skipped, skip_counts=self.skip_counts)
 
 
+def read_texts(path: str | Path, field: str, section: str) -> tuple[list[tuple[str, str]], "_Skips"]:
+    """`([(where, text)], skips)`: the non-blank strings in column `field` of a .jsonl, .parquet
+    or saved-dataset `path`. Unusable rows are skipped and counted; none usable is a
+    ValueError naming `section` (the config section: "data", "ptx")."""
+    skips = _Skips()
+    texts = []
+    for where, row in _read_rows(Path(path), field, skips, section):
+        if not isinstance(row, dict):
+            skips.add("not_an_object", f"{where}: not a JSON object ({type(row).__name__})")
+        elif field not in row:
+            skips.add("missing_field", f"{where}: missing field '{field}'")
+            skips.fields_seen.update(map(str, row))
+        elif not isinstance(row[field], str):
+            skips.add("not_a_string", f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
+        elif not row[field].strip():
+            skips.add("empty", f"{where}: field '{field}' is empty")
+        else:
+            texts.append((where, row[field]))
+    if not texts:
+        raise ValueError(_empty_message(str(path), field, skips, section))
+    return texts, skips
+
+
 class _Skips:
     def __init__(self):
         self.counts, self.reasons = Counter(), []
@@ -204,38 +213,39 @@ class _Skips:
             self.reasons.append(reason)
 
 
-def _empty_message(source: str, field: str, skips: _Skips) -> str:
+def _empty_message(source: str, field: str, skips: _Skips, section: str = "data") -> str:
+    noun = "prompts" if section == "data" else "texts"
     if not skips.counts:
-        return f"data.path: {source} holds no prompts; add rows with a '{field}' field (data.field)"
+        return f"{section}.path: {source} holds no {noun}; add rows with a '{field}' field ({section}.field)"
     if set(skips.counts) == {"missing_field"}:
         n = skips.counts["missing_field"]
         seen = ", ".join(f"'{k}'" for k, _ in skips.fields_seen.most_common(5)) or "none"
-        return (f"data.field='{field}' is in none of the {n} rows of {source} (missing_field={n}; "
-                f"their fields: {seen}); set data.field to the prompt column")
+        return (f"{section}.field='{field}' is in none of the {n} rows of {source} (missing_field={n}; "
+                f"their fields: {seen}); set {section}.field to the {noun[:-1]} column")
     kinds = ", ".join(f"{k}={v}" for k, v in skips.counts.most_common())
-    return (f"data.path: no usable prompts in {source}: all {sum(skips.counts.values())} rows skipped "
-            f"({kinds}; first: {skips.reasons[0]}); check data.field (now '{field}')")
+    return (f"{section}.path: no usable {noun} in {source}: all {sum(skips.counts.values())} rows skipped "
+            f"({kinds}; first: {skips.reasons[0]}); check {section}.field (now '{field}')")
 
 
-def _read_rows(path: Path, field: str, skips: _Skips) -> list[tuple[str, object]]:
+def _read_rows(path: Path, field: str, skips: _Skips, section: str) -> list[tuple[str, object]]:
     """`(where, row)` pairs; malformed JSON lines are recorded in `skips` and left out."""
     if not path.exists():
-        raise FileNotFoundError(f"data.path: {path} does not exist; point it at a prompt file ({SUPPORTED}), "
-                                "or set data.path=null for the built-in prompts")
+        raise FileNotFoundError(f"{section}.path: {path} does not exist; point it at a file ({SUPPORTED})"
+                                + (", or set data.path=null for the built-in prompts" if section == "data" else ""))
     if path.is_dir():
-        return _read_saved_dataset(path, field, skips)
+        return _read_saved_dataset(path, field, skips, section)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _read_jsonl(path, skips)
+        return _read_jsonl(path, skips, section)
     if suffix == ".parquet":
-        return _read_parquet(path, field, skips)
-    raise ValueError(f"data.path: unsupported file type '{path.suffix}' for {path}; supported: {SUPPORTED}")
+        return _read_parquet(path, field, skips, section)
+    raise ValueError(f"{section}.path: unsupported file type '{path.suffix}' for {path}; supported: {SUPPORTED}")
 
 
-def _read_jsonl(path: Path, skips: _Skips) -> list[tuple[str, object]]:
+def _read_jsonl(path: Path, skips: _Skips, section: str) -> list[tuple[str, object]]:
     rows = []
     # Split on newlines only: str.splitlines() would also cut at U+2028 etc., legal inside JSON strings.
-    lines = _utf8_text(path).replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    lines = _utf8_text(path, section).replace("\r\n", "\n").replace("\r", "\n").split("\n")
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -246,7 +256,7 @@ def _read_jsonl(path: Path, skips: _Skips) -> list[tuple[str, object]]:
     return rows
 
 
-def _utf8_text(path: Path) -> str:
+def _utf8_text(path: Path, section: str) -> str:
     """The file as text. The encoding is the file's, not a row's: a file in another encoding
     is refused, since skipping (or mangling) its non-ASCII rows would skew the prompts unseen."""
     data = path.read_bytes()
@@ -254,15 +264,15 @@ def _utf8_text(path: Path) -> str:
         return data.decode("utf-8-sig")  # -sig: a leading byte-order mark is not part of line 1
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"data.path: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); "
+        raise ValueError(f"{section}.path: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); "
                          "re-save it as UTF-8") from None
 
 
-def _read_parquet(path: Path, field: str, skips: _Skips) -> list[tuple[str, object]]:
+def _read_parquet(path: Path, field: str, skips: _Skips, section: str) -> list[tuple[str, object]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"data.path: reading {path} needs pyarrow; pip install pyarrow (or use .jsonl)") from None
+        raise ImportError(f"{section}.path: reading {path} needs pyarrow; pip install pyarrow (or use .jsonl)") from None
     pf = pq.ParquetFile(path)
     n = pf.metadata.num_rows
     if field not in pf.schema_arrow.names:  # every row lacks it: let the row check count them
@@ -272,21 +282,21 @@ def _read_parquet(path: Path, field: str, skips: _Skips) -> list[tuple[str, obje
     return [(f"row {i}", {field: v}) for i, v in enumerate(values)]
 
 
-def _read_saved_dataset(path: Path, field: str, skips: _Skips) -> list[tuple[str, object]]:
+def _read_saved_dataset(path: Path, field: str, skips: _Skips, section: str) -> list[tuple[str, object]]:
     try:
         import datasets
     except ImportError:
-        raise ImportError(f"data.path: {path} is a directory, read as a datasets.save_to_disk folder, which "
+        raise ImportError(f"{section}.path: {path} is a directory, read as a datasets.save_to_disk folder, which "
                           f"needs the datasets package; pip install datasets (or use .jsonl)") from None
     try:
         ds = datasets.load_from_disk(str(path))
     except FileNotFoundError:
-        raise ValueError(f"data.path: directory {path} is not a datasets.save_to_disk folder; "
+        raise ValueError(f"{section}.path: directory {path} is not a datasets.save_to_disk folder; "
                          f"supported: {SUPPORTED}") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise ValueError(f"data.path: {path} holds splits {sorted(ds)} but no 'train' split; "
-                             f"point data.path at one split's folder")
+            raise ValueError(f"{section}.path: {path} holds splits {sorted(ds)} but no 'train' split; "
+                             f"point {section}.path at one split's folder")
         ds = ds["train"]
     if field not in ds.column_names:  # every row lacks it: let the row check count them
         skips.fields_seen.update(ds.column_names)

@@ -59,10 +59,11 @@ class PhaseTimer:
 
 class Driver:
     def __init__(self, cfg: TetherConfig, *, pools: Pools, dataset, eval_dataset, tokenizer,
-                 metrics: RunMetrics, ptx_batches=None, control=None) -> None:
+                 metrics: RunMetrics, ptx=None, control=None) -> None:
         self.cfg, self.pools, self.tokenizer, self.metrics = cfg, pools, tokenizer, metrics
         self.control = control  # a RunControl actor (cluster/control.py), or None
-        self.dataset, self.eval_dataset, self.ptx_batches = dataset, eval_dataset, ptx_batches
+        self.dataset, self.eval_dataset = dataset, eval_dataset
+        self.ptx = ptx  # cluster.ptx.PTXData when ppo.ptx_coef > 0
         kl = cfg.ppo.kl
         self.kl_ctl = (AdaptiveKLController(kl.beta, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.beta))
@@ -142,15 +143,23 @@ class Driver:
             with timer("buffer_wait"):
                 shards, batch, regenerated = self._take(producer, min_version)
             produced = (producer.take() if producer is not None else produced).merge(regenerated)
-            ptx = next(self.ptx_batches) if self.ptx_batches is not None else None
             with timer("learn"), self._learner_lock:
-                learn = learner.train(shards, ptx_batch=ptx)
+                learn = learner.train(shards, ptx_rows=self.ptx_rows())
             with timer("sync"), self._learner_lock:
                 self.kl_ctl.update(float(batch.kl_sums.mean()), n_steps=len(batch.scores))
                 sync = self._push_weights(self.pools.generators.handles(), self.version + 1)
                 self.version += 1
                 self.step_count += 1
         return self._step_metrics(batch, produced, learn, sync, timer.seconds)
+
+    def ptx_rows(self):
+        """This step's PTX rows: ptx.batch_size per optimizer step of the update, chosen by the
+        step number (so a resumed or rolled-back run mixes in the same text)."""
+        if self.ptx is None:
+            return None
+        c = self.cfg
+        minibatches = -(-c.data.prompts_per_step * c.generator.sampling.n // c.ppo.minibatch_size)
+        return self.ptx.rows_for_step(self.step_count, c.ppo.ppo_epochs * minibatches * c.ptx.batch_size)
 
     def _take(self, producer, min_version: int):
         """The learner's shards and their summary from the buffer. A buffer that died is

@@ -341,7 +341,8 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) -> 
     def reference(rid, index, options):
         return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
                                              runtime_env=env, **options).remote(
-            model=policy_path, temperature=g.sampling.temperature, batch_size=r.batch_size)
+            model=policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
+            top_p=g.sampling.top_p, batch_size=r.batch_size)
 
     def reward(rid, index, options):
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,

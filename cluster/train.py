@@ -205,6 +205,22 @@ def prepare(cfg):
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 
+def prepare_ptx(cfg, tokenizer_path: str):
+    """The packed PTX rows when ppo.ptx_coef > 0 (cluster/ptx.py), else None."""
+    p = cfg.ptx
+    if cfg.ppo.ptx_coef == 0:
+        if p.path is not None:
+            log.warning("ptx.path is set but ppo.ptx_coef=0: the PTX loss is off (set ppo.ptx_coef > 0 to use it)")
+        return None
+    from cluster.ptx import PTXData
+    ptx = PTXData.load(path=p.path, field=p.field, tokenizer_path=tokenizer_path,
+                       seq_len=p.tokens_per_row(cfg.generator.engine.max_model_len),
+                       builtin_policy=cfg.model.policy.startswith("builtin:"), seed=cfg.run.seed)
+    log.info("ptx: %d rows of %d tokens from %s, %d per optimizer step, coefficient %g", len(ptx),
+             ptx.rows.shape[1], ptx.source, p.batch_size, cfg.ppo.ptx_coef)
+    return ptx
+
+
 class Stopped(Exception):
     """The run stopped on SIGTERM/SIGINT (status.json says whether it can be resumed)."""
 
@@ -225,6 +241,7 @@ def run(cfg) -> dict:
     try:
         reused_dir, resume_from = resume_source(cfg)  # before loading anything it may refuse
         policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
+        ptx = prepare_ptx(cfg, tokenizer_path)
     except (ValueError, OSError, ImportError) as e:  # bad data / model paths / checkpoint: the user's to fix
         raise UserError(one_line(e)) from None
     if reused_dir is None:
@@ -246,14 +263,10 @@ def run(cfg) -> dict:
         log.info("actors: %s", ", ".join(actors))
         control, control_info = start_control(run_dir, pools)
         write_status(run_dir, "running", actors=actors, control=control_info)
-        ptx = None
-        if cfg.ppo.ptx_coef > 0:
-            from cluster.pretrain import ptx_batches
-            ptx = ptx_batches(tokenizer_path, batch_size=cfg.ppo.micro_batch_size, seed=cfg.run.seed)
         metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every,
                              tensorboard=cfg.run.tensorboard)
         driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=eval_set,
-                        tokenizer=tokenizer, metrics=metrics, ptx_batches=ptx, control=control)
+                        tokenizer=tokenizer, metrics=metrics, ptx=ptx, control=control)
         resumed = {}
         if resume_from is not None:
             step = driver.restore(resume_from).step

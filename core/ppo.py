@@ -16,6 +16,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
+from core import sampling
+
 Tensor = torch.Tensor
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -136,31 +138,41 @@ def _tempered(logits: Tensor, temperature: float) -> Tensor:
     return logits / temperature if temperature != 1.0 else logits
 
 
-def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *,
+                         top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Log-probability of ``tokens`` [B, T] under ``softmax(logits / temperature)``.
 
     ``logits`` is [B, T, V] and is aligned with ``tokens`` (logits[:, t] scores
-    tokens[:, t]; the caller does any shift). The temperature must be the one used
-    for sampling so that the ratio matches the behaviour policy. Returns [B, T]
-    (float32 for half-precision logits). Padding positions are computed like any
-    other; mask them downstream.
+    tokens[:, t]; the caller does any shift). The temperature, ``top_k`` and ``top_p``
+    must be the ones used for sampling so that the ratio matches the behaviour policy:
+    with truncation the softmax is renormalised over the tokens the sampler keeps
+    (core.sampling). Returns [B, T] (float32 for half-precision logits). Padding
+    positions are computed like any other; mask them downstream.
     """
     fn = "logprobs_from_logits"
     _check_temperature(fn, temperature)
+    sampling.check_truncation(fn, top_k, top_p)
     if logits.dim() != tokens.dim() + 1:
         raise ValueError(f"{fn}: logits shape {tuple(logits.shape)} must be tokens shape "
                          f"{tuple(tokens.shape)} plus a vocabulary dimension")
     _check_shapes(fn, "logits batch", logits.shape[:-1], tokens=tokens)
     scaled = _tempered(logits, temperature)
+    if sampling.is_truncated(top_k, top_p):
+        return sampling.truncated_logprobs(scaled, tokens, top_k, top_p)
     # gather - logsumexp avoids a second [B, T, V] tensor for the full log-softmax.
     picked = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
 
 
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy [B, T] of ``softmax(logits / temperature)`` for logits [B, T, V]."""
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0,
+                        top_p: float = 1.0) -> Tensor:
+    """Entropy [B, T] of ``softmax(logits / temperature)`` for logits [B, T, V], truncated
+    by ``top_k``/``top_p`` as the sampler truncates it."""
     _check_temperature("entropy_from_logits", temperature)
+    sampling.check_truncation("entropy_from_logits", top_k, top_p)
     scaled = _tempered(logits, temperature)
+    if sampling.is_truncated(top_k, top_p):
+        return sampling.truncated_entropy(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
     # H = logsumexp(z) - sum(p * z); avoids log(p) underflow for tiny probabilities.
     return torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(-1)

@@ -105,7 +105,7 @@ class PPOConfig:
     value_clip: Optional[float] = 0.2    # value updates clipped to old value +- this; None disables
     vf_coef: float = 0.1                 # weight of the value loss in the total loss
     entropy_coef: float = 0.0            # weight of the entropy bonus (subtracted from the loss)
-    ptx_coef: float = 0.0                # weight of the pretraining LM loss on train(ptx_batch=...)
+    ptx_coef: float = 0.0                # gamma: weight of the pretraining LM loss on train(ptx_rows=...)
     gamma: float = 1.0                   # GAE discount
     lam: float = 0.95                    # GAE lambda
     agg: str = "token-mean"              # loss aggregation, see core.ppo.aggregate_loss
@@ -176,16 +176,21 @@ class TrainerConfig:
 @dataclass(frozen=True)
 class LearnerConfig(TrainerConfig):
     """Everything a LearnerWorker needs: the trainer settings plus the PPO update and
-    two values owned by other sections of a run's config (the run seed, the sampling
-    temperature), filled in by cluster.config.TetherConfig.learner_config()."""
+    values owned by other sections of a run's config (the run seed, the sampling
+    temperature and truncation), filled in by cluster.config.TetherConfig.learner_config()."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     seed: int = 0                        # seeds minibatch shuffling and value-head init
     temperature: float = 1.0             # the sampling temperature: logits are divided by it (as in vLLM)
+    top_k: int = 0                       # the sampling truncation: the learner scores the distribution
+    top_p: float = 1.0                   # the generator sampled from (core.sampling)
 
     def validate(self, world_size: int = 1) -> None:
         super().validate(world_size)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             _fail(f"learner.temperature={self.temperature} must be a finite number > 0 (the sampling temperature)")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            _fail(f"learner.top_k={self.top_k} must be >= 0 and learner.top_p={self.top_p} in (0, 1] "
+                  "(the sampling truncation)")
         self.ppo.validate(world_size)
 
     def check_device(self, has_cuda: bool) -> None:

@@ -114,20 +114,18 @@ class LearnerGroup:
 
     # ------------------------------------------------------------------ the ranks as one
 
-    def train(self, shards: list, ptx_batch: Optional[list] = None) -> dict:
+    def train(self, shards: list, ptx_rows: Optional[np.ndarray] = None) -> dict:
         """One PPO update. ``shards``: one entry per rank (core.rollout.shard_rollouts makes
         them), each a list of ScoredRollout or a Ray ObjectRef to one; a ref is resolved by
-        Ray inside its rank, so the rollouts never pass through this process."""
+        Ray inside its rank, so the rollouts never pass through this process.
+        ``ptx_rows``: [N, T] token ids of pretraining text for the PTX loss; rank r gets the
+        r-th of W equal consecutive blocks, so N must be a multiple of the world size."""
         t0 = time.perf_counter()
         if len(shards) != self.world_size:
             raise ValueError(f"learner.train: got {len(shards)} shards for {self.world_size} ranks; "
                              "pass exactly one per rank (core.rollout.shard_rollouts)")
-        ptx = [None] * self.world_size
-        if ptx_batch is not None:
-            many = len(ptx_batch) >= self.world_size
-            ptx = [list(ptx_batch[r::self.world_size]) if many else list(ptx_batch)
-                   for r in range(self.world_size)]
-        refs = [w.train.remote(shard, ptx[r]) for r, (w, shard) in enumerate(zip(self.workers, shards))]
+        refs = [w.train.remote(shard, rows)
+                for w, shard, rows in zip(self.workers, shards, split_rows(ptx_rows, self.world_size))]
         metrics = _merge_metrics(self._gather(refs, "train"))
         metrics["perf/learner_group_seconds"] = time.perf_counter() - t0
         return metrics
@@ -185,6 +183,17 @@ class LearnerGroup:
 
     def _gather(self, refs: list, what: str, timeout: Optional[float] = None) -> list:
         return _gather(refs, what, timeout or self.call_timeout_s)
+
+
+def split_rows(rows: Optional[np.ndarray], world_size: int) -> list:
+    """[N, T] -> W blocks of [N/W, T] (None -> W Nones): each rank's share of the PTX rows."""
+    if rows is None:
+        return [None] * world_size
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or len(rows) == 0 or len(rows) % world_size:
+        raise ValueError(f"learner.train: ptx_rows must be a 2-D [N, T] array with N a positive multiple "
+                         f"of the {world_size} ranks, got shape {rows.shape}")
+    return np.split(rows, world_size)
 
 
 def _placement(pg, bundle: int) -> dict:

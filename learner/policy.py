@@ -83,12 +83,14 @@ class PolicyWithValueHead(nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
     def forward(self, input_ids, attention_mask, position_ids, *, prompt_len: Optional[int] = None,
-                temperature: float = 1.0, with_entropy: bool = True):
+                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, with_entropy: bool = True):
         """Without ``prompt_len``: (logits [B, T, V], values [B, T] float32) at every position.
 
         With ``prompt_len`` = P (the batch layout of learner.batch): (logprobs, values,
         entropy), each [B, R] for the response tokens input_ids[:, P:]; the LM head runs on
-        those columns only. One entry point, so DeepSpeed's engine wraps every forward.
+        those columns only. Log-probs and entropy are of the sampled distribution: logits /
+        temperature, truncated by top_k/top_p (core.sampling). One entry point, so
+        DeepSpeed's engine wraps every forward.
         """
         hidden = self._hidden(body_of(self.lm), input_ids, attention_mask, position_ids)
         head = self.lm.get_output_embeddings()
@@ -98,19 +100,21 @@ class PolicyWithValueHead(nn.Module):
         cols = lambda t: response_slice(t, prompt_len, R)  # noqa: E731
         hidden = cols(hidden)
         logits = head(hidden)
-        logprobs = ppo.logprobs_from_logits(logits, input_ids[:, prompt_len:], temperature)
-        entropy = ppo.entropy_from_logits(logits, temperature) if with_entropy else None
+        truncation = dict(top_k=top_k, top_p=top_p)
+        logprobs = ppo.logprobs_from_logits(logits, input_ids[:, prompt_len:], temperature, **truncation)
+        entropy = ppo.entropy_from_logits(logits, temperature, **truncation) if with_entropy else None
         values = self._values(hidden, input_ids, attention_mask, position_ids, cols)
         return logprobs, values, entropy
 
-    def response_logprobs_values(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True):
+    def response_logprobs_values(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True,
+                                 *, top_k: int = 0, top_p: float = 1.0):
         """-> (logprobs, values, entropy), each [B, R] float32, aligned with the response tokens.
 
         values[:, t] is the value of the state before response token t (read at the
         position that predicts it). entropy is None when ``with_entropy`` is False.
         """
         return self(batch.input_ids, batch.attention_mask, batch.position_ids, prompt_len=batch.prompt_len,
-                    temperature=temperature, with_entropy=with_entropy)
+                    temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy)
 
     # ------------------------------------------------------------------ persistence
 

@@ -8,6 +8,7 @@ single-process reference in the tests).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Optional
 
@@ -32,21 +33,24 @@ class PPOUpdate:
         self.comm, self.device, self.pad_id = collectives, device, pad_id
         self.step = 0  # completed train() calls; seeds the shuffle so a resumed run replays it
         self.epoch_history: list[dict] = []  # this rank's per-epoch losses of the last train()
+        self.last_ptx_rows: Optional[np.ndarray] = None  # [n, T] PTX rows of the last train()
 
-    def train(self, shard: list[ScoredRollout], ptx_batch: Optional[list] = None) -> dict:
-        """``ppo_epochs`` passes over this rank's shard; every rank must call it."""
+    def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None) -> dict:
+        """``ppo_epochs`` passes over this rank's shard; every rank must call it. ``ptx_rows``
+        [n, T]: this rank's PTX text, spread evenly over the update's optimizer steps."""
         t0 = time.perf_counter()
         global_tokens, horizon = self._check_shard(shard)
         batch = collate(shard, self.pad_id).to(self.device)
         metrics = self._prepare(batch)
-        ptx = self._ptx_inputs(ptx_batch)
         stats = UpdateStats()
         local_mb = self.config.ppo.minibatch_size // self.world_size
+        epochs = [self._minibatches(len(batch), local_mb, e) for e in range(self.config.ppo.ppo_epochs)]
+        ptx = self._ptx_slices(ptx_rows, sum(map(len, epochs)))
         self.epoch_history = []
-        for epoch in range(self.config.ppo.ppo_epochs):
+        for minibatches in epochs:
             before = stats.copy()
-            for rows in self._minibatches(len(batch), local_mb, epoch):
-                self._minibatch_step(batch[rows], horizon, ptx, stats)
+            for rows in minibatches:
+                self._minibatch_step(batch[rows], horizon, next(ptx), stats)
             self.epoch_history.append(stats.since(before).epoch_summary())
         self.step += 1
         seconds = time.perf_counter() - t0
@@ -84,7 +88,8 @@ class PPOUpdate:
 
     def _forward(self, mb: Batch, with_entropy: bool):
         return self.engine(mb.input_ids, mb.attention_mask, mb.position_ids, prompt_len=mb.prompt_len,
-                           temperature=self.config.temperature, with_entropy=with_entropy)
+                           temperature=self.config.temperature, top_k=self.config.top_k,
+                           top_p=self.config.top_p, with_entropy=with_entropy)
 
     @torch.no_grad()
     def _prepare(self, batch: Batch) -> dict:
@@ -139,9 +144,7 @@ class PPOUpdate:
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             self._engine_step(stats)
         if ptx is not None:
-            self.engine.set_gradient_accumulation_boundary(True)
-            self.engine.backward(self._ptx_loss(ptx, stats), scale_wrt_gas=False)
-            self._engine_step(stats)
+            self._ptx_step(ptx, stats)
 
     def _engine_step(self, stats: UpdateStats) -> None:
         """DeepSpeed's step: an optimizer step only at the accumulation boundary."""
@@ -176,19 +179,35 @@ class PPOUpdate:
                               clip_frac=clip_frac.item(), vf_clip_frac=vf_clip.item(), tokens=local)
         return loss
 
-    def _ptx_inputs(self, ptx_batch):
-        if ptx_batch is None or self.config.ppo.ptx_coef == 0:
-            return None
-        ids, mask = collate_lm(ptx_batch, self.pad_id)
-        return ids.to(self.device), mask.to(self.device)
+    def _ptx_slices(self, rows: Optional[np.ndarray], optimizer_steps: int):
+        """One (ids, mask) slice of the PTX rows per optimizer step: consecutive, near-equal
+        parts when there are enough rows, else one row each, cycling. Every rank gets the same
+        number of rows, so every rank runs the same number of PTX micro-batches."""
+        if rows is None or self.config.ppo.ptx_coef == 0:
+            self.last_ptx_rows = None
+            return itertools.repeat(None)
+        self.last_ptx_rows = np.asarray(rows)
+        parts = (np.array_split(self.last_ptx_rows, optimizer_steps) if len(rows) >= optimizer_steps
+                 else [self.last_ptx_rows[k % len(rows)][None] for k in range(optimizer_steps)])
+        return iter([tuple(t.to(self.device) for t in collate_lm(part, self.pad_id)) for part in parts])
 
-    def _ptx_loss(self, ptx, stats: UpdateStats):
+    def _ptx_step(self, ptx, stats: UpdateStats) -> None:
+        """Backward of ptx_coef x this slice's token-mean LM loss, micro-batch by micro-batch;
+        the last micro-batch closes the optimizer step."""
         ids, mask = ptx
-        logits, values = self.engine(ids, mask, (mask.cumsum(-1) - 1).clamp_min(0))
-        lm = ppo.ptx_loss(logits[:, :-1], ids[:, 1:], mask[:, 1:])
-        stats.ptx_loss += lm.item()
-        # Per-rank token mean; DeepSpeed's rank average makes it the mean over ranks.
-        return self.config.ppo.ptx_coef * lm + values.sum() * 0.0
+        tokens = float(mask[:, 1:].sum())
+        micro = self.config.ppo.micro_batch_size
+        starts = range(0, len(ids), micro)
+        for i, lo in enumerate(starts):
+            mid, mmask = ids[lo:lo + micro], mask[lo:lo + micro]
+            logits, values = self.engine(mid, mmask, (mmask.cumsum(-1) - 1).clamp_min(0))
+            lm = ppo.ptx_loss(logits[:, :-1], mid[:, 1:], mmask[:, 1:]) * (float(mmask[:, 1:].sum()) / tokens)
+            stats.ptx_loss += lm.item()
+            self.engine.set_gradient_accumulation_boundary(i == len(starts) - 1)
+            # Per-rank token mean; DeepSpeed's rank average makes it the mean over ranks. The value
+            # head joins the graph at zero weight so ZeRO's gradient reductions line up.
+            self.engine.backward(self.config.ppo.ptx_coef * lm + values.sum() * 0.0, scale_wrt_gas=False)
+            self._engine_step(stats)
 
 
 def _as_float(x) -> float:

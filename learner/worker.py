@@ -88,9 +88,14 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ training
 
-    def train(self, shard: list[ScoredRollout], ptx_batch: Optional[list] = None) -> dict:
-        """One PPO update (``ppo_epochs`` passes) on this rank's shard; every rank must call it."""
-        return self.update.train(shard, ptx_batch)
+    def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None) -> dict:
+        """One PPO update (``ppo_epochs`` passes) on this rank's shard, with this rank's
+        [n, T] PTX rows when ``ppo.ptx_coef`` > 0; every rank must call it."""
+        return self.update.train(shard, ptx_rows)
+
+    def ptx_rows(self) -> Optional[np.ndarray]:
+        """The PTX rows this rank trained on in its last update (for checks and debugging)."""
+        return self.update.last_ptx_rows
 
     def policy_logprobs(self, rollouts: list) -> list[np.ndarray]:
         """[R] logprobs of each rollout's response under the current weights (all ranks call)."""

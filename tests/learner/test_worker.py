@@ -125,16 +125,15 @@ def test_value_head_trains_explained_variance_rises(policy_path, rollouts):
 
 
 def test_ptx_loss_falls(policy_path, rollouts):
-    from transformers import AutoTokenizer
-
+    from cluster.ptx import pack, tokenize
     from cluster.tiny_models import corpus
-    tok = AutoTokenizer.from_pretrained(policy_path)
-    ptx = [tok(s)["input_ids"] for s in corpus(8, seed=5)]
-    cfg = LearnerConfig(optim=OptimConfig(lr=3e-3), ppo=PPOConfig(minibatch_size=8, micro_batch_size=4,
+    rows = pack(tokenize(corpus(40, seed=5), policy_path), 24)[:6]  # 6 packed rows, 3 per optimizer step
+    cfg = LearnerConfig(optim=OptimConfig(lr=3e-3), ppo=PPOConfig(minibatch_size=4, micro_batch_size=2,
                                                                   ptx_coef=1.0))
     w = worker(policy_path, cfg)
-    losses = [w.train(rollouts, ptx_batch=ptx)["ppo/ptx_loss"] for _ in range(4)]
+    losses = [w.train(rollouts, ptx_rows=rows)["ppo/ptx_loss"] for _ in range(4)]
     print("ptx LM loss per update", np.round(losses, 3))
+    assert np.array_equal(w.ptx_rows(), rows)  # the rows arrived as rows, not flattened or transposed
     assert losses[-1] < losses[0] - 0.1
 
 
