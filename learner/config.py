@@ -105,7 +105,7 @@ class PPOConfig:
     value_clip: Optional[float] = 0.2    # value updates clipped to old value +- this; None disables
     vf_coef: float = 0.1                 # weight of the value loss in the total loss
     entropy_coef: float = 0.0            # weight of the entropy bonus (subtracted from the loss)
-    ptx_coef: float = 0.0                # gamma: weight of the pretraining LM loss on train(ptx_rows=...)
+    ptx_coef: float = 0.0                # gamma of InstructGPT's PPO-ptx: weight of the pretraining LM loss (text: ptx.*)
     gamma: float = 1.0                   # GAE discount
     lam: float = 0.95                    # GAE lambda
     agg: str = "token-mean"              # loss aggregation, see core.ppo.aggregate_loss

@@ -148,3 +148,25 @@ def test_two_generators_as_ray_actors(policy_path, tokenizer):
         assert ray.get_actor("generator-1") is not None
     finally:
         ray.shutdown()
+
+
+def test_lm_head_repack_is_gated_on_the_vllm_release(monkeypatch, caplog):
+    """The re-pack reaches into vLLM internals: a tested release is silent, another warns
+    once (and still re-packs), so an upgrade cannot silently serve a stale tied head."""
+    import logging
+
+    import torch
+    import vllm
+
+    from actors import vllm_extension
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))  # no embedding layers: nothing to re-pack
+    monkeypatch.setattr(vllm_extension, "_warned", set())
+    ours = lambda: [r.getMessage()[:40] for r in caplog.records if r.name == "actors.vllm_extension"]  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="actors.vllm_extension"):
+        vllm_extension._refresh_cpu_lm_head(model)
+        assert not ours()  # 0.32 is the tested release
+        monkeypatch.setattr(vllm, "__version__", "0.99.1")
+        vllm_extension._refresh_cpu_lm_head(model)
+        vllm_extension._refresh_cpu_lm_head(model)
+    assert ours() == ["vLLM 0.99.1 is untested with tether's CP"]

@@ -85,32 +85,16 @@ def test_sync_default_learns(cluster, tmp_path):
     assert (run_dir / "config.yaml").exists() and (run_dir / "plots" / "reward.png").exists()
 
 
-def test_independent_scaling(cluster, tmp_path, driver_loads):
-    run_dir, steps = run(tmp_path, "scaled", "generator.replicas=2", "reference.replicas=1",
-                         "reward.replicas=2", "learner.replicas=2", "learner.zero_stage=2",
-                         "run.steps=2", "run.eval_every=0")
-    status = json.loads((run_dir / "status.json").read_text())
-    # Names were looked up live in Ray while the pools ran (Pools.actor_names).
-    assert sorted(status["actors"]) == sorted([
-        "generator-0", "generator-1", "reference-0", "reward-0", "reward-1",
-        "learner-0", "learner-1", "buffer-0"])
-    assert [m["policy/version"] for m in steps] == [1, 2]
-    assert all(m["rollouts/used"] >= 60 for m in steps)
-    # Rollouts went generator -> scorers -> buffer -> learner ranks by reference.
-    assert driver_loads["rollouts"] == 0
-    with pytest.raises(ValueError):  # the run's actors are gone once it ends
-        ray.get_actor("generator-0")
-
-
 PTX_TEXTS = ["an old lighthouse keeper counted the gulls every morning",
              "the baker sold warm rye loaves before sunrise",
              "seven red kites circled over the frozen harbour"]
 
 
-def test_two_learner_ranks_with_ptx_and_truncated_sampling(cluster, tmp_path):
-    """PPO-ptx from a user's text file on 2 learner ranks, sampling with top-p and top-k:
-    each rank trains on its own rows of that text, the PTX loss falls, and behaviour,
-    reference and learner score one truncated distribution (KL 0 at step 1, no gap)."""
+def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_loads):
+    """Pools sized independently (2 generators, 1 reference, 2 rewards, 2 learner ranks),
+    PPO-ptx from a user's text file, sampling with top-p and top-k: rollouts travel by
+    reference only, each rank trains on its own rows of that text, the PTX loss falls, and
+    behaviour, reference and learner score one truncated distribution (KL 0 at step 1)."""
     from cluster.config import load_config
     from cluster.driver import Driver
     from cluster.metrics import RunMetrics
@@ -120,6 +104,7 @@ def test_two_learner_ranks_with_ptx_and_truncated_sampling(cluster, tmp_path):
     text.write_text("".join(json.dumps({"text": t}) + "\n" for t in PTX_TEXTS * 30))
     cfg = load_config(train.DEFAULT_CONFIG, [
         "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "run.steps=4", "learner.replicas=2",
+        "generator.replicas=2", "reward.replicas=2",
         "ppo.ptx_coef=0.5", f"ptx.path={text}", "ptx.seq_len=24", "ptx.batch_size=4",
         "generator.sampling.top_p=0.9", "generator.sampling.top_k=50"])
     policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
@@ -131,8 +116,14 @@ def test_two_learner_ranks_with_ptx_and_truncated_sampling(cluster, tmp_path):
                             metrics=metrics, ptx=ptx)
             steps = [driver.step(None) for _ in range(4)]
             ranks = [ray.get(ray.get_actor(f"learner-{r}").ptx_rows.remote()) for r in range(2)]
+            assert sorted(pools.actor_names()) == sorted([  # looked up live in Ray
+                "generator-0", "generator-1", "reference-0", "reward-0", "reward-1",
+                "learner-0", "learner-1", "buffer-0"])
     finally:
         pools.shutdown()
+    assert all(m["rollouts/used"] >= 60 for m in steps)
+    # Rollouts went generator -> scorers -> buffer -> learner ranks by reference.
+    assert driver_loads["rollouts"] == 0
     # Step 4's rows, as each rank received them: 2 epochs x 2 minibatches x 4 rows, split over 2 ranks.
     assert [r.shape for r in ranks] == [(8, 24), (8, 24)]
     assert np.array_equal(np.concatenate(ranks), driver.ptx.rows_for_step(3, 16))
@@ -194,6 +185,10 @@ def test_async_bounded_staleness(cluster, tmp_path, driver_loads):
                    "run.steps=5", "run.eval_every=0")
     assert [m["policy/version"] for m in steps] == list(range(1, 6))
     assert max(m["buffer/staleness_max"] for m in steps) == 0
+    # The staleness above is computed from the generators' version tags; the logprob gap is
+    # computed from the weights themselves. With no staleness allowed every trained rollout was
+    # sampled by the learner's current weights, so a tag that lies about them shows here.
+    assert all(m["ppo/logprob_gap_mean"] < 1e-3 for m in steps)
     # The producer keeps generating while the learner trains: with no staleness allowed,
     # rollouts from superseded versions must have been dropped and counted.
     assert steps[-1]["buffer/dropped_stale"] > 0
