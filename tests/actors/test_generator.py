@@ -133,6 +133,7 @@ def test_bad_model_paths(tmp_path):
         Generator(model=str(tmp_path))
 
 
+@pytest.mark.slow  # the e2e scaled-pools test runs 2 generators as Ray actors in the default suite
 def test_two_generators_as_ray_actors(policy_path, tokenizer):
     import ray
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)

@@ -69,7 +69,8 @@ class KillRank:
             threading.Thread(target=kill, daemon=True).start()
 
 
-@pytest.mark.parametrize("mode, phase", [("sync", "train"), ("async", "push_weights")])
+# CI budget: the sync/train kill is slow; the async kill during the weight push stays in the default suite.
+@pytest.mark.parametrize("mode, phase", [pytest.param("sync", "train", marks=pytest.mark.slow), ("async", "push_weights")])
 def test_learner_rank_killed_mid_step_rolls_back_and_finishes(cluster, tmp_path, mode, phase):
     driver, pools, metrics = make_driver(tmp_path, "learner.replicas=2", "run.steps=5",
                                          "run.checkpoint_every=2", f"run.mode={mode}")

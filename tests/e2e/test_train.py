@@ -225,6 +225,7 @@ def test_unplaceable_pool_fails_fast_naming_the_pool(tmp_path):
     assert not (tmp_path / "big" / "checkpoints" / "final").exists()
 
 
+@pytest.mark.slow  # CI budget: a full subprocess job; the reward-function probe is covered by the CLI cases
 def test_local_reward_function_beside_the_config(tmp_path):
     """A user's `module:function` in the working directory works in the reward actors too."""
     (tmp_path / "my_reward.py").write_text(
