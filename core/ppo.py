@@ -22,6 +22,7 @@ Tensor = torch.Tensor
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+OFF_POLICY_MODES = ("none", "tis", "decoupled")
 
 
 # --------------------------------------------------------------------------- validation
@@ -319,10 +320,46 @@ def aggregate_loss(
 LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| beyond this is clamped before exp (e^20 ~ 4.9e8)
 
 
+def behaviour_weights(
+    proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, mode: str = "tis", cap: float = 2.0,
+) -> Tuple[Tensor, Tensor]:
+    """Per-token importance weights [B, T] that correct for the policy that SAMPLED the tokens.
+
+    behaviour_logprobs: log pi_behaviour, recorded by the generator (possibly an older
+    version, or the same weights scored by another engine); proximal_logprobs: log
+    pi_prox, the learner's weights when the update starts (PPO's "old" log-probs, the
+    anchor of the clipped ratio). With w = pi_prox / pi_behaviour:
+
+      none:       1 on every valid token (the rollouts are treated as on-policy);
+      tis:        min(w, cap): truncated importance sampling (Ionides 2008; as used
+                  against sampler/learner mismatch by Yao et al. 2025). Every token
+                  counts; a token the learner finds much likelier than the sampler
+                  did counts at most ``cap`` times (bias for bounded variance);
+      decoupled:  w where w <= cap, else 0: decoupled PPO (Hilton et al. 2022) with
+                  AReaL's cap, which leaves such tokens out instead of truncating them.
+
+    Returns (weights, capped): weights detached, 0 on padding; capped [B, T] bool, True
+    on valid tokens with w > cap (truncated by tis, dropped by decoupled; False for none).
+    """
+    fn = "behaviour_weights"
+    _require(mode in OFF_POLICY_MODES, f"{fn}: unknown mode {mode!r}; valid: {', '.join(OFF_POLICY_MODES)}")
+    _require(cap >= 1 and math.isfinite(cap), f"{fn}: cap must be a finite number >= 1, got {cap}")
+    _check_masked(fn, mask, nonempty=False, proximal_logprobs=proximal_logprobs,
+                  behaviour_logprobs=behaviour_logprobs)
+    valid = mask != 0
+    log_w = _zero_pad(proximal_logprobs.detach() - behaviour_logprobs.detach(), mask)
+    w = torch.exp(log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    if mode == "none":
+        return valid.to(w.dtype), torch.zeros_like(valid)
+    capped = valid & (w > cap)
+    kept = w.clamp_max(cap) if mode == "tis" else torch.where(capped, 0.0, w)
+    return _zero_pad(kept, mask), capped
+
+
 def policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
     clip_low: float = 0.2, clip_high: Optional[float] = None, dual_clip: Optional[float] = None,
-    agg: str = "token-mean", *,
+    agg: str = "token-mean", *, weights: Optional[Tensor] = None,
     global_tokens: Optional[float] = None, global_seqs: Optional[float] = None, horizon: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Clipped PPO surrogate. All tensors [B, T]; returns (loss, clip_frac, approx_kl).
@@ -334,9 +371,13 @@ def policy_loss(
     clip_frac: masked fraction of tokens where a clip bound (standard or dual) is
     active, i.e. their gradient is zero. approx_kl: masked mean of
     0.5 * (logprobs - old_logprobs)^2 (the k2 estimator). Metrics are detached.
+    ``weights`` [B, T] (``behaviour_weights``) multiply each token's clipped term: the
+    off-policy correction from the sampling policy to ``old_logprobs``' policy.
     """
     fn = "policy_loss"
     _check_masked(fn, mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    if weights is not None:
+        _check_shapes(fn, "mask", mask.shape, weights=weights)
     clip_high = clip_low if clip_high is None else clip_high
     _require(0 < clip_low < 1 and clip_high > 0,
              f"{fn}: need 0 < clip_low < 1 and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
@@ -356,6 +397,8 @@ def policy_loss(
         dual_active = (adv < 0) & (pg > cap)
         pg = torch.where(dual_active, cap, pg)
         is_clipped = is_clipped | dual_active
+    if weights is not None:
+        pg = pg * _zero_pad(weights.detach(), mask)
 
     loss = aggregate_loss(pg, mask, agg, global_tokens, global_seqs, horizon)
     with torch.no_grad():

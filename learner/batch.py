@@ -41,6 +41,7 @@ class Batch:
     old_values: Optional[Tensor] = None
     advantages: Optional[Tensor] = None
     returns: Optional[Tensor] = None
+    is_weights: Optional[Tensor] = None  # behaviour -> old-policy importance weights (ppo.off_policy)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

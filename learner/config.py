@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from core.dtypes import TRAINABLE_DTYPES
-from core.ppo import AGG_MODES
+from core.ppo import AGG_MODES, OFF_POLICY_MODES
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_DECAYS = ("linear", "cosine", "constant")
@@ -111,6 +111,8 @@ class PPOConfig:
     agg: str = "token-mean"              # loss aggregation, see core.ppo.aggregate_loss
     whiten_advantages: bool = True       # normalise advantages over the global batch
     shuffle: bool = True                 # shuffle rollouts into minibatches each epoch (seeded)
+    off_policy: str = "none"             # correction for rollouts sampled by other weights: none | tis | decoupled (core.ppo.behaviour_weights)
+    is_cap: float = 2.0                  # importance-weight cap: tis truncates weights to it, decoupled drops tokens above it
 
     def validate(self, world_size: int = 1) -> None:
         p = "learner.ppo"
@@ -136,6 +138,10 @@ class PPOConfig:
             _fail(f"{p}.gamma={self.gamma} and {p}.lam={self.lam} must be in [0, 1]")
         if self.agg not in AGG_MODES:
             _fail(f"{p}.agg={self.agg!r} is unknown; use one of {AGG_MODES}")
+        if self.off_policy not in OFF_POLICY_MODES:
+            _fail(f"{p}.off_policy={self.off_policy!r} is unknown; use one of {OFF_POLICY_MODES}")
+        if not (self.is_cap >= 1 and math.isfinite(self.is_cap)):
+            _fail(f"{p}.is_cap={self.is_cap} must be a finite number >= 1 (weights above it are capped)")
 
     def micro_batches(self, world_size: int) -> int:
         """Micro-batches per optimizer step on one rank (gradient accumulation steps)."""

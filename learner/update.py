@@ -102,7 +102,9 @@ class PPOUpdate:
         if cfg.whiten_advantages:  # in float64: the statistics are sums over the global batch
             adv = ppo.whiten(adv.double(), mask, reduce=self.comm.sum).to(adv.dtype)
         batch.advantages = adv
-        return self._prepare_metrics(batch)
+        batch.is_weights, _ = ppo.behaviour_weights(batch.old_logprobs, batch.behaviour_logprobs, mask,
+                                                    cfg.off_policy, cfg.is_cap)
+        return {**self._prepare_metrics(batch), **self._off_policy_metrics(batch)}
 
     def _score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs, values) [B, R] float32 under the current weights, micro-batch by micro-batch."""
@@ -123,6 +125,20 @@ class PPOUpdate:
         ev = ppo.explained_variance(val, ret, b.response_mask, reduce=self.comm.sum)
         return {"ppo/explained_variance": float(ev), "ppo/logprob_gap_max": gap_max,
                 "ppo/logprob_gap_mean": s_gap / n, "ppo/returns_mean": s_ret / n, "ppo/values_mean": s_val / n}
+
+    def _off_policy_metrics(self, b: Batch) -> dict:
+        """How far the sampling policy is from the learner's weights at the start of the update,
+        whatever ``off_policy`` is: KL(behaviour || learner) and the raw weights pi_learner / pi_behaviour."""
+        mask = b.response_mask
+        m = mask.double()
+        log_w = (b.old_logprobs.double() - b.behaviour_logprobs.double()) * m
+        w = torch.exp(log_w.clamp(max=ppo.LOG_RATIO_LIMIT)) * m
+        kl = ppo.kl_estimate(b.behaviour_logprobs.double(), b.old_logprobs.double(), "k3") * m
+        capped = (w > self.config.ppo.is_cap).double() * m
+        n, s_kl, s_w, s_capped = self.comm.sum([m.sum(), kl.sum(), w.sum(), capped.sum()])
+        (w_max,) = self.comm.max([w.max()])
+        return {"off_policy/behaviour_kl": s_kl / n, "off_policy/is_weight_mean": s_w / n,
+                "off_policy/is_weight_max": w_max, "off_policy/capped_frac": s_capped / n}
 
     def _minibatches(self, n: int, size: int, epoch: int) -> list[np.ndarray]:
         # Seeded by (seed, step, epoch): identical on resume; rank-local like DistributedSampler.
@@ -169,7 +185,7 @@ class PPOUpdate:
             return (lp.sum() + v.sum()) * 0.0
         kw = dict(agg=cfg.agg, global_tokens=n_tok, global_seqs=n_seq, horizon=horizon)
         pg, clip_frac, approx_kl = ppo.policy_loss(lp, mic.old_logprobs, mic.advantages, m, cfg.clip_low,
-                                                   cfg.clip_high, cfg.dual_clip, **kw)
+                                                   cfg.clip_high, cfg.dual_clip, weights=mic.is_weights, **kw)
         vf, vf_clip = ppo.value_loss(v, mic.old_values, mic.returns, m, cfg.value_clip, **kw)
         loss = pg + cfg.vf_coef * vf
         if cfg.entropy_coef:

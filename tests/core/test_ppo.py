@@ -561,3 +561,67 @@ def test_policy_loss_is_finite_for_a_runaway_log_ratio():
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     loss.backward()
     assert torch.isfinite(logprobs.grad).all()
+
+
+# ------------------------------------------------------------------------ off-policy correction
+
+
+def _weights(prox, behav, mask, mode, cap=2.0):
+    return ppo.behaviour_weights(t(prox), t(behav), t(mask), mode, cap)
+
+
+def test_behaviour_weights_by_hand():
+    # w = pi_prox / pi_behaviour = exp(prox - behav): 0.5, 1, 3, and a padding column.
+    behav = [[math.log(0.4), math.log(0.5), math.log(0.1), 5.0]]
+    prox = [[math.log(0.2), math.log(0.5), math.log(0.3), -5.0]]
+    mask = [[1.0, 1.0, 1.0, 0.0]]
+    w, capped = _weights(prox, behav, mask, "tis", cap=2.0)
+    torch.testing.assert_close(w, t([[0.5, 1.0, 2.0, 0.0]]))  # 3 truncated to the cap
+    assert capped.tolist() == [[False, False, True, False]]
+    w, capped = _weights(prox, behav, mask, "decoupled", cap=2.0)
+    torch.testing.assert_close(w, t([[0.5, 1.0, 0.0, 0.0]]))  # 3 > cap: the token is left out
+    assert capped.tolist() == [[False, False, True, False]]
+    w, capped = _weights(prox, behav, mask, "none")
+    torch.testing.assert_close(w, t([[1.0, 1.0, 1.0, 0.0]]))
+    assert not capped.any()
+    w, _ = _weights(prox, behav, mask, "decoupled", cap=4.0)  # a looser cap keeps it
+    torch.testing.assert_close(w, t([[0.5, 1.0, 3.0, 0.0]]))
+
+
+def test_behaviour_weights_are_detached_finite_and_validated():
+    prox = torch.zeros(1, 2, requires_grad=True)
+    behav = torch.tensor([[-200.0, 0.0]])  # w = e^200 overflows float32 unless clamped
+    for mode in ("tis", "decoupled"):
+        w, capped = ppo.behaviour_weights(prox, behav, torch.ones(1, 2), mode, 2.0)
+        assert torch.isfinite(w).all() and not w.requires_grad and capped.tolist() == [[True, False]]
+    prox, behav = prox.detach().double(), behav.double()
+    with pytest.raises(ValueError, match="unknown mode 'is'"):
+        ppo.behaviour_weights(prox, behav, torch.ones(1, 2, dtype=D), "is")
+    with pytest.raises(ValueError, match="cap must be"):
+        ppo.behaviour_weights(prox, behav, torch.ones(1, 2, dtype=D), "tis", 0.5)
+
+
+def test_policy_loss_weights_each_token_by_hand():
+    # ratios 1.0 and 1.5 (clipped at 1.2), advantages 2 and 1, weights 0.5 and 2:
+    # loss = -(0.5 * 2 * 1.0 + 2 * 1 * 1.2) / 2 tokens; only token 0 has a gradient,
+    # d/dlogprob0 = -0.5 * 2 * 1.0 / 2.
+    old = torch.zeros(1, 2, dtype=D)
+    lp = torch.log(t([[1.0, 1.5]])).requires_grad_(True)
+    loss, clip_frac, _ = ppo.policy_loss(lp, old, t([[2.0, 1.0]]), torch.ones(1, 2, dtype=D),
+                                         weights=t([[0.5, 2.0]]))
+    torch.testing.assert_close(loss, t(-(0.5 * 2 * 1.0 + 2 * 1 * 1.2) / 2))
+    loss.backward()
+    torch.testing.assert_close(lp.grad, t([[-0.5 * 2 * 1.0 / 2, 0.0]]))
+    torch.testing.assert_close(clip_frac, t(0.5))  # the weight does not change what is clipped
+
+
+def test_policy_loss_with_unit_weights_equals_unweighted():
+    g = torch.Generator().manual_seed(3)
+    lp, old, adv = (torch.randn(3, 5, generator=g, dtype=D) * 0.3 for _ in range(3))
+    mask = (torch.rand(3, 5, generator=g) > 0.3).to(D)
+    mask[:, 0] = 1
+    ones, _ = ppo.behaviour_weights(old, old, mask, "tis")
+    a = ppo.policy_loss(lp, old, adv, mask, weights=ones)
+    b = ppo.policy_loss(lp, old, adv, mask)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)

@@ -81,6 +81,7 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id):
     adv, ret = ppo.gae(batch.rewards, old_v, mask, p.gamma, p.lam)
     if p.whiten_advantages:
         adv = ppo.whiten(adv, mask)
+    weights, _ = ppo.behaviour_weights(old_lp, batch.behaviour_logprobs, mask, p.off_policy, p.is_cap)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
     horizon = batch.response_len
     norms = []
@@ -91,7 +92,7 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id):
             lp, v, ent = model.response_logprobs_values(mb, cfg.temperature)
             kw = dict(agg=p.agg, horizon=horizon)
             pg, _, _ = ppo.policy_loss(lp, old_lp[rows], adv[rows], m, p.clip_low, p.clip_high,
-                                       p.dual_clip, **kw)
+                                       p.dual_clip, weights=weights[rows], **kw)
             vf, _ = ppo.value_loss(v, old_v[rows], ret[rows], m, p.value_clip, **kw)
             loss = pg + p.vf_coef * vf - p.entropy_coef * ppo.aggregate_loss(ent, m, p.agg, horizon=horizon)
             opt.zero_grad()

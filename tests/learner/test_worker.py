@@ -5,6 +5,7 @@ gradient accumulation, global token-mean, global advantage whitening) gives the 
 weights as a plain single-process torch implementation of the same update. SGD keeps it
 scale-sensitive (Adam would hide a wrong gradient scale).
 """
+import dataclasses
 import time
 
 import numpy as np
@@ -99,6 +100,37 @@ def test_bf16_and_separate_critic_train_every_part(policy_path, reward_path, rol
     assert all(np.isfinite(m[k]) for m in metrics for k in METRIC_KEYS)
     if "critic" in options:  # the critic starts from the reward model's head: not a zero value function
         assert metrics[0]["ppo/explained_variance"] != 0.0
+
+
+@pytest.fixture(scope="module")
+def stale_rollouts(rollouts):
+    """The same tokens as if an older policy had sampled them: behaviour log-probs moved by
+    N(0, 0.6) per token, so pi_learner / pi_behaviour spreads around 1 and some exceed 2."""
+    rng = np.random.default_rng(7)
+    return [dataclasses.replace(r, behaviour_logprobs=(r.behaviour_logprobs + rng.normal(
+        0, 0.6, r.behaviour_logprobs.shape)).astype(np.float32)) for r in rollouts]
+
+
+@pytest.mark.parametrize("mode, stage", [("tis", 2), ("decoupled", 3)])
+def test_off_policy_correction_matches_plain_torch(policy_path, pad_id, stale_rollouts, initial, mode, stage):
+    cfg = sgd_config(zero_stage=stage, off_policy=mode, is_cap=2.0)
+    w = worker(policy_path, cfg)
+    metrics = w.train(stale_rollouts)
+    check_against_reference(w.full_state_dict(), metrics, initial,
+                            reference_update(policy_path, stale_rollouts, cfg, pad_id), f"off_policy={mode}")
+    # The mismatch metrics, by hand from the learner's own log-probs before the update.
+    learner = model_logprobs(policy_path, [r.prompt_ids for r in stale_rollouts],
+                             [r.response_ids for r in stale_rollouts])
+    log_w = np.concatenate([a - r.behaviour_logprobs for a, r in zip(learner, stale_rollouts)]).astype(np.float64)
+    weight = np.exp(log_w)
+    assert metrics["off_policy/is_weight_max"] == pytest.approx(weight.max(), rel=1e-4)
+    assert metrics["off_policy/is_weight_mean"] == pytest.approx(weight.mean(), rel=1e-4)
+    assert metrics["off_policy/capped_frac"] == pytest.approx(float((weight > 2.0).mean()), abs=1e-9)
+    assert metrics["off_policy/behaviour_kl"] == pytest.approx(float((weight - 1 - log_w).mean()), rel=1e-3)
+    assert 0 < metrics["off_policy/capped_frac"] < 0.5
+    # The correction changes the update: the uncorrected one lands elsewhere.
+    uncorrected, _ = reference_update(policy_path, stale_rollouts, sgd_config(zero_stage=stage), pad_id)
+    assert max_abs_diff(w.full_state_dict(), uncorrected) > 1e-3
 
 
 def test_loss_falls_and_clip_fraction_rises_over_epochs(policy_path, rollouts):
