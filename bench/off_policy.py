@@ -1,7 +1,7 @@
 """Off-policy correction benchmark: reward reached per rollout trained on, async vs sync.
 
     .venv/bin/python -m bench.off_policy                       # 3 seeds x (sync, async x none/tis/decoupled)
-    .venv/bin/python -m bench.off_policy --seeds 0 1 --steps 20 --staleness 2
+    .venv/bin/python -m bench.off_policy --seeds 0 1 --steps 20 --staleness 4 --set learner.optim.lr=6e-4
 
 Each variant is a real `python -m cluster.train` run of the default task (configs/tiny-cpu.yaml)
 with every seed (sampling, data, learner) set to the same number. Every step trains on the same
@@ -35,7 +35,8 @@ def run_one(name: str, seed: int, args, out: Path) -> dict:
     overrides = VARIANTS[name] + [
         f"run.steps={args.steps}", f"run.seed={seed}", f"data.seed={seed}", f"generator.sampling.seed={seed}",
         f"buffer.max_staleness={args.staleness}", f"ppo.is_cap={args.is_cap}", f"run.dir={out}",
-        f"run.name={run}", "run.plot_every=0", "run.checkpoint_every=0", f"run.eval_every={args.steps}"]
+        f"run.name={run}", "run.plot_every=0", "run.checkpoint_every=0", f"run.eval_every={args.steps}",
+        *args.set]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "cluster.train", *overrides], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--staleness", type=int, default=2, help="buffer.max_staleness of the async runs")
     ap.add_argument("--is-cap", type=float, default=2.0)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more cluster.train overrides for every run, e.g. learner.optim.lr=6e-4")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-off-policy"))
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

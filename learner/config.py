@@ -111,7 +111,7 @@ class PPOConfig:
     agg: str = "token-mean"              # loss aggregation, see core.ppo.aggregate_loss
     whiten_advantages: bool = True       # normalise advantages over the global batch
     shuffle: bool = True                 # shuffle rollouts into minibatches each epoch (seeded)
-    off_policy: str = "none"             # correction for rollouts sampled by other weights: none | tis | decoupled (core.ppo.behaviour_weights)
+    off_policy: str = "tis"              # correction for rollouts sampled by other weights: none | tis | decoupled (core.ppo.behaviour_weights)
     is_cap: float = 2.0                  # importance-weight cap: tis truncates weights to it, decoupled drops tokens above it
 
     def validate(self, world_size: int = 1) -> None:

@@ -129,7 +129,8 @@ def test_off_policy_correction_matches_plain_torch(policy_path, pad_id, stale_ro
     assert metrics["off_policy/behaviour_kl"] == pytest.approx(float((weight - 1 - log_w).mean()), rel=1e-3)
     assert 0 < metrics["off_policy/capped_frac"] < 0.5
     # The correction changes the update: the uncorrected one lands elsewhere.
-    uncorrected, _ = reference_update(policy_path, stale_rollouts, sgd_config(zero_stage=stage), pad_id)
+    uncorrected, _ = reference_update(policy_path, stale_rollouts, sgd_config(zero_stage=stage, off_policy="none"),
+                                      pad_id)
     assert max_abs_diff(w.full_state_dict(), uncorrected) > 1e-3
 
 
