@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -182,6 +183,9 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(value, tp, key: str):
     """Check `value` against the annotated type `tp`; ints are accepted where floats are."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -196,6 +200,8 @@ def _coerce(value, tp, key: str):
         return tuple(value)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 6e-4 (no dot) as a string; it means a number here
     if tp in (int, str, bool) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
     raise ConfigError(f"config: {key} must be {_type_name(tp)}, got {value!r} "

@@ -33,10 +33,18 @@ def test_yaml_roundtrip_of_resolved_config(tmp_path):
     assert load_config(saved) == cfg
 
 
+def test_exponent_without_a_dot_is_a_number():
+    # YAML 1.1 reads 6e-4 as a string; in a float field it is the number a user means.
+    cfg = load_config(None, ["learner.optim.lr=6e-4", "ppo.kl.beta=1E-2"])
+    assert cfg.learner.optim.lr == 6e-4 and cfg.ppo.kl.beta == 0.01
+    assert load_config(None, ["learner.optim.lr=2.0e-4"]).learner.optim.lr == 2e-4
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["ppo.kl.bta=1"], "unknown key ppo.kl.bta; did you mean ppo.kl.beta?"),
     (["generatr.replicas=2"], "unknown key generatr; did you mean generator?"),
     (["ppo.kl.beta=abc"], "ppo.kl.beta must be float, got 'abc'"),
+    (["ppo.kl.beta=1e"], "ppo.kl.beta must be float, got '1e'"),
     (["run.steps=2.5"], "run.steps must be int"),
     (["generator.engine.dtype=[1]"], "generator.engine.dtype must be str"),
     (["ppo.temperature=0.5"], "unknown key ppo.temperature"),
