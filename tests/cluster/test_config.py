@@ -6,7 +6,7 @@ import pytest
 from cluster.config import ConfigError, describe, load_config
 
 pytestmark = pytest.mark.unit
-# PPO configs; the SFT and reward-model stages' own (sft-*, rm-*) are checked in test_stages.py.
+# PPO configs; the SFT and reward-model stages' own (sft-*, rm-*) are checked in test_stage_cli_errors.py.
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")
                  if not p.name.startswith(("sft-", "rm-")))
 
