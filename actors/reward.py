@@ -8,6 +8,7 @@ them fails loudly (``annotate`` rejects non-finite scores) instead of training o
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import time
@@ -22,6 +23,27 @@ from actors.reference import (as_token_arrays, length_sorted_chunks, load_tokeni
 from core.dtypes import torch_dtype
 
 log = logging.getLogger(__name__)
+
+# Written by the reward-model stage (cluster/reward_model.py) beside its checkpoint: the mean
+# and std of the model's scores over its training responses, for reward.normalize.
+REWARD_STATS_FILE = "reward_stats.json"
+
+
+def load_reward_stats(model_dir: str) -> tuple[float, float]:
+    """(mean, std) from ``model_dir/reward_stats.json``; a one-line ValueError if absent or unusable."""
+    path = Path(model_dir) / REWARD_STATS_FILE
+    try:
+        stats = json.loads(path.read_text())
+        mean, std = float(stats["mean"]), float(stats["std"])
+    except FileNotFoundError:
+        raise ValueError(f"reward.normalize is true but {path} does not exist; train the reward model with "
+                         "python -m cluster.reward_model (it writes the file), or set reward.normalize=false") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"reward.normalize: {path} is unusable ({_one_line(e)}); it needs numbers "
+                         "'mean' and 'std'") from None
+    if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
+        raise ValueError(f"reward.normalize: {path} has mean={mean}, std={std}; std must be a finite number > 0")
+    return mean, std
 
 
 @dataclass
@@ -109,7 +131,7 @@ class Reward:
 
     def __init__(self, *, model: str | None = None, function: str | None = None,
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
-                 device: str | None = None):
+                 device: str | None = None, normalize: bool = False):
         if (model is None) == (function is None):
             raise ValueError("Reward: give exactly one of model= or function= "
                              f"(got model={model!r}, function={function!r})")
@@ -119,6 +141,7 @@ class Reward:
         self.function_name = function
         self.model_path = None
         self.model = self.fn = self.tokenizer = None
+        self.normalization: tuple[float, float] | None = None  # (mean, std) applied to model scores
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if function is not None:
             if tokenizer is None:
@@ -127,6 +150,8 @@ class Reward:
             self.tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
         else:
             self._load_model(model, torch_dtype(dtype, "Reward"))
+            if normalize:
+                self.normalization = load_reward_stats(self.model_path)
         self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "seconds": 0.0}
         self.last_error: str | None = None
 
@@ -223,6 +248,9 @@ class Reward:
         raw = np.empty(len(seqs), dtype=np.float32)
         for rows in length_sorted_chunks([s.size for s in seqs], self.batch_size):
             raw[rows] = self._forward([seqs[i] for i in rows])
+        if self.normalization is not None:  # the training responses' scores become mean 0, std 1
+            mean, std = self.normalization
+            raw = (raw - mean) / std
         return self._finalise(raw, f"reward model {self.model_path}")
 
     @torch.inference_mode()

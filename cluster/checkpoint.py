@@ -21,7 +21,7 @@ RESUME_DIR = "checkpoints/resume"
 # Settings a checkpoint's meaning depends on: a resume that changes one is refused.
 PINNED_KEYS = ("model.policy", "model.tokenizer", "learner.replicas", "learner.zero_stage",
                "data.path", "data.field", "data.seed", "data.prompts_per_step", "data.eval_prompts",
-               "generator.sampling.n")
+               "generator.sampling.n", "reference.model")
 
 
 class CheckpointError(ValueError):

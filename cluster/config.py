@@ -57,6 +57,7 @@ class GeneratorPoolConfig(PoolConfig):
 @dataclass(frozen=True)
 class ReferencePoolConfig(PoolConfig):
     batch_size: int = 16             # sequences per forward pass
+    model: Optional[str] = None      # the frozen model of the KL penalty; null = the policy the run starts from (the SFT model)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class RewardPoolConfig(PoolConfig):
     model: Optional[str] = None      # sequence-classification reward model directory, or ...
     function: Optional[str] = BUILTIN_REWARD  # ... a `module:function(prompts, responses) -> floats`
     batch_size: int = 16
+    normalize: bool = False          # standardise reward-model scores with the reward_stats.json beside reward.model
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,9 @@ def _coerce(value, tp, key: str):
                       f"({type(value).__name__})")
 
 
-def _build(cls, data, prefix: str):
+def _build(cls, data, prefix: str, root=None):
+    """``cls`` from the nested dict ``data``; ``root``: the top-level class (for key hints)."""
+    root = root or TetherConfig
     if not isinstance(data, dict):
         raise ConfigError(f"config: {prefix or 'the file'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -217,10 +221,10 @@ def _build(cls, data, prefix: str):
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            raise ConfigError(f"config: unknown key {full}{_unknown_key_hint(str(key), prefix, names)}")
+            raise ConfigError(f"config: unknown key {full}{_unknown_key_hint(str(key), prefix, names, root)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, full)
+            kwargs[key] = _build(tp, value or {}, full, root)
         else:
             kwargs[key] = _coerce(value, tp, full)
     try:
@@ -241,10 +245,10 @@ def _all_paths(cls=None, prefix: str = "") -> list[str]:
     return out
 
 
-def _unknown_key_hint(key: str, prefix: str, names: list[str]) -> str:
+def _unknown_key_hint(key: str, prefix: str, names: list[str], root=None) -> str:
     """Where the key probably belongs: the same name in another section (a key put in the
     wrong section is the commonest mistake), else a near spelling here, else anywhere."""
-    paths = _all_paths()
+    paths = _all_paths(root)
     named = lambda name: [p for p in paths if p.rsplit(".", 1)[-1] == name]
     where = f" ({key} is not a {prefix} key)" if prefix else f" ({key} is not a section)"
     if named(key):
@@ -281,6 +285,13 @@ def apply_override(data: dict, override: str) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TetherConfig:
+    cfg = _build(TetherConfig, read_config(path, overrides), "")
+    validate(cfg)
+    return cfg
+
+
+def read_config(path: str | Path | None = None, overrides: list[str] = ()) -> dict:
+    """The YAML file (if any) with the dotted overrides applied, as a nested dict."""
     data = {}
     if path is not None:
         p = Path(path)
@@ -298,9 +309,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Te
             raise ConfigError(f"config: {p} is not UTF-8 text; save it as UTF-8") from None
     for o in overrides:
         apply_override(data, o)
-    cfg = _build(TetherConfig, data, "")
-    validate(cfg)
-    return cfg
+    return data
 
 
 def validate(cfg: TetherConfig) -> None:
@@ -317,6 +326,9 @@ def validate(cfg: TetherConfig) -> None:
     if (cfg.reward.model is None) == (cfg.reward.function is None):
         raise ConfigError("config: set exactly one of reward.model and reward.function "
                           "(the other to null)")
+    if cfg.reward.normalize and cfg.reward.model is None:
+        raise ConfigError("config: reward.normalize standardises reward-model scores; set reward.model "
+                          "(a reward-model checkpoint with reward_stats.json) or reward.normalize=false")
     if cfg.run.mode not in ("sync", "async"):
         raise ConfigError(f"config: run.mode={cfg.run.mode!r} must be sync or async")
     if min(cfg.run.plot_every, cfg.run.eval_every, cfg.run.save_every, cfg.run.samples_every) < 0:
@@ -394,7 +406,7 @@ def _check_lengths(gen: GeneratorPoolConfig, max_prompt_tokens: Optional[int]) -
                           f"{new} exceed generator.engine.max_model_len={room}; raise max_model_len or lower one of them")
 
 
-def describe() -> str:
+def describe(root=None) -> str:
     """Every field with its default and comment, for --help-config."""
     import inspect
 
@@ -414,5 +426,5 @@ def describe() -> str:
                     comment = line.split("#", 1)[1].strip()
             lines.append(f"{prefix}{f.name} = {default!r}" + (f"    # {comment}" if comment else ""))
 
-    walk(TetherConfig, "")
+    walk(root or TetherConfig, "")
     return "\n".join(lines)

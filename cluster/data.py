@@ -112,11 +112,7 @@ class PromptDataset:
 
         tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
         if chat_template:
-            if not getattr(tok, "chat_template", None):
-                raise ValueError(f"data.chat_template is true but the tokenizer at {tokenizer_path} has no "
-                                 f"chat_template; set data.chat_template: false or use a chat model's tokenizer")
-            texts = [(w, tok.apply_chat_template([{"role": "user", "content": p}],
-                                                 add_generation_prompt=True, tokenize=False)) for w, p in texts]
+            texts = list(zip([w for w, _ in texts], chat_prompts(tok, [p for _, p in texts], tokenizer_path)))
         encoded = tok([p for _, p in texts], add_special_tokens=not chat_template)["input_ids"]
         kept_texts, kept_ids = [], []
         for (where, text), ids in zip(texts, encoded):
@@ -179,33 +175,60 @@ class PromptDataset:
                              source=self.source, skipped=self.skipped, skip_counts=self.skip_counts)
 
 
+def chat_prompts(tok, prompts: list[str], tokenizer_path) -> list[str]:
+    """Each prompt as the user turn of the tokenizer's chat template, ready for the reply."""
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"data.chat_template is true but the tokenizer at {tokenizer_path} has no "
+                         f"chat_template; set data.chat_template: false or use a chat model's tokenizer")
+    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in prompts]
+
+
 def read_texts(path: str | Path, field: str, section: str) -> tuple[list[tuple[str, str]], "_Skips"]:
     """`([(where, text)], skips)`: the non-blank strings in column `field` of a .jsonl, .parquet
     or saved-dataset `path`. Unusable rows are skipped and counted; none usable is a
     ValueError naming `section` (the config section: "data", "ptx")."""
+    rows, skips = read_records(path, {f"{section}.field": field}, section)
+    return [(where, row[field]) for where, row in rows], skips
+
+
+def read_records(path: str | Path, fields: dict[str, str], section: str) -> tuple[list[tuple[str, dict]], "_Skips"]:
+    """`([(where, {column: text})], skips)`: rows of `path` whose every column in `fields`
+    (config key -> column name, e.g. {"data.prompt_field": "prompt"}) holds a non-blank
+    string. Other rows are skipped and counted; none usable is a ValueError naming the key."""
     skips = _Skips()
-    texts = []
-    for where, row in _read_rows(Path(path), field, skips, section):
+    out = []
+    columns = list(fields.values())
+    for where, row in _read_rows(Path(path), columns, skips, section):
         if not isinstance(row, dict):
             skips.add("not_an_object", f"{where}: not a JSON object ({type(row).__name__})")
-        elif field not in row:
-            skips.add("missing_field", f"{where}: missing field '{field}'")
-            skips.fields_seen.update(map(str, row))
-        elif not isinstance(row[field], str):
-            skips.add("not_a_string", f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
-        elif not row[field].strip():
-            skips.add("empty", f"{where}: field '{field}' is empty")
+            continue
+        problem = None
+        for key, column in fields.items():
+            if column not in row:
+                problem = ("missing_field", f"{where}: missing field '{column}'")
+                skips.fields_seen.update(map(str, row))
+                skips.missing[key] += 1
+            elif not isinstance(row[column], str):
+                problem = ("not_a_string", f"{where}: field '{column}' is {type(row[column]).__name__}, not a string")
+            elif not row[column].strip():
+                problem = ("empty", f"{where}: field '{column}' is empty")
+            if problem:
+                break
+        if problem:
+            skips.add(*problem)
         else:
-            texts.append((where, row[field]))
-    if not texts:
-        raise ValueError(_empty_message(str(path), field, skips, section))
-    return texts, skips
+            out.append((where, {c: row[c] for c in columns}))
+    if not out:
+        raise ValueError(_empty_message(str(path), fields, skips, section))
+    return out, skips
 
 
 class _Skips:
     def __init__(self):
         self.counts, self.reasons = Counter(), []
         self.fields_seen = Counter()  # the fields of rows that lack data.field: the likely fix
+        self.missing = Counter()  # config key -> rows that lack its column
 
     def add(self, kind: str, reason: str) -> None:
         self.counts[kind] += 1
@@ -213,32 +236,40 @@ class _Skips:
             self.reasons.append(reason)
 
 
-def _empty_message(source: str, field: str, skips: _Skips, section: str = "data") -> str:
-    noun = "prompts" if section == "data" else "texts"
+def _empty_message(source: str, fields: str | dict[str, str], skips: _Skips, section: str = "data") -> str:
+    """Why nothing usable was read. ``fields``: the column (key ``{section}.field``), or
+    config key -> column when a row needs several."""
+    if isinstance(fields, str):
+        fields = {f"{section}.field": fields}
+    noun = "rows" if len(fields) > 1 else "prompts" if section == "data" else "texts"
+    first_key, first = next(iter(fields.items()))
     if not skips.counts:
-        return f"{section}.path: {source} holds no {noun}; add rows with a '{field}' field ({section}.field)"
+        return f"{section}.path: {source} holds no {noun}; add rows with a '{first}' field ({first_key})"
     if set(skips.counts) == {"missing_field"}:
         n = skips.counts["missing_field"]
+        key = skips.missing.most_common(1)[0][0] if skips.missing else first_key
         seen = ", ".join(f"'{k}'" for k, _ in skips.fields_seen.most_common(5)) or "none"
-        return (f"{section}.field='{field}' is in none of the {n} rows of {source} (missing_field={n}; "
-                f"their fields: {seen}); set {section}.field to the {noun[:-1]} column")
+        fix = f"the {noun[:-1]} column" if len(fields) == 1 else "the column that holds it"
+        return (f"{key}='{fields[key]}' is in none of the {n} rows of {source} (missing_field={n}; "
+                f"their fields: {seen}); set {key} to {fix}")
     kinds = ", ".join(f"{k}={v}" for k, v in skips.counts.most_common())
+    now = ", ".join(f"{k}='{c}'" for k, c in fields.items())
     return (f"{section}.path: no usable {noun} in {source}: all {sum(skips.counts.values())} rows skipped "
-            f"({kinds}; first: {skips.reasons[0]}); check {section}.field (now '{field}')")
+            f"({kinds}; first: {skips.reasons[0]}); check {now}")
 
 
-def _read_rows(path: Path, field: str, skips: _Skips, section: str) -> list[tuple[str, object]]:
+def _read_rows(path: Path, fields: list[str], skips: _Skips, section: str) -> list[tuple[str, object]]:
     """`(where, row)` pairs; malformed JSON lines are recorded in `skips` and left out."""
     if not path.exists():
         raise FileNotFoundError(f"{section}.path: {path} does not exist; point it at a file ({SUPPORTED})"
                                 + (", or set data.path=null for the built-in prompts" if section == "data" else ""))
     if path.is_dir():
-        return _read_saved_dataset(path, field, skips, section)
+        return _read_saved_dataset(path, fields, skips, section)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _read_jsonl(path, skips, section)
     if suffix == ".parquet":
-        return _read_parquet(path, field, skips, section)
+        return _read_parquet(path, fields, skips, section)
     raise ValueError(f"{section}.path: unsupported file type '{path.suffix}' for {path}; supported: {SUPPORTED}")
 
 
@@ -268,21 +299,24 @@ def _utf8_text(path: Path, section: str) -> str:
                          "re-save it as UTF-8") from None
 
 
-def _read_parquet(path: Path, field: str, skips: _Skips, section: str) -> list[tuple[str, object]]:
+def _read_parquet(path: Path, fields: list[str], skips: _Skips, section: str) -> list[tuple[str, object]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(f"{section}.path: reading {path} needs pyarrow; pip install pyarrow (or use .jsonl)") from None
     pf = pq.ParquetFile(path)
-    n = pf.metadata.num_rows
-    if field not in pf.schema_arrow.names:  # every row lacks it: let the row check count them
+    present = [f for f in fields if f in pf.schema_arrow.names]  # absent ones: the row check counts them
+    if len(present) < len(fields):
         skips.fields_seen.update(pf.schema_arrow.names)
-        return [(f"row {i}", {}) for i in range(n)]
-    values = pf.read(columns=[field]).column(field).to_pylist()
-    return [(f"row {i}", {field: v}) for i, v in enumerate(values)]
+    table = pf.read(columns=present) if present else None
+    return _columns_to_rows(pf.metadata.num_rows, {f: table.column(f).to_pylist() for f in present})
 
 
-def _read_saved_dataset(path: Path, field: str, skips: _Skips, section: str) -> list[tuple[str, object]]:
+def _columns_to_rows(n: int, columns: dict[str, list]) -> list[tuple[str, dict]]:
+    return [(f"row {i}", {f: values[i] for f, values in columns.items()}) for i in range(n)]
+
+
+def _read_saved_dataset(path: Path, fields: list[str], skips: _Skips, section: str) -> list[tuple[str, object]]:
     try:
         import datasets
     except ImportError:
@@ -298,7 +332,7 @@ def _read_saved_dataset(path: Path, field: str, skips: _Skips, section: str) -> 
             raise ValueError(f"{section}.path: {path} holds splits {sorted(ds)} but no 'train' split; "
                              f"point {section}.path at one split's folder")
         ds = ds["train"]
-    if field not in ds.column_names:  # every row lacks it: let the row check count them
+    present = [f for f in fields if f in ds.column_names]  # absent ones: the row check counts them
+    if len(present) < len(fields):
         skips.fields_seen.update(ds.column_names)
-        return [(f"row {i}", {}) for i in range(len(ds))]
-    return [(f"row {i}", {field: v}) for i, v in enumerate(ds[field])]
+    return _columns_to_rows(len(ds), {f: ds[f] for f in present})

@@ -341,13 +341,14 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) -> 
     def reference(rid, index, options):
         return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
                                              runtime_env=env, **options).remote(
-            model=policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
+            model=r.model or policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
             top_p=g.sampling.top_p, batch_size=r.batch_size)
 
     def reward(rid, index, options):
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
                                           runtime_env=env, **options).remote(
-            model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size)
+            model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
+            normalize=w.normalize)
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t)
                  for role, start, p in (("generator", generator, g), ("reference", reference, r),

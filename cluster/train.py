@@ -48,16 +48,15 @@ class UserError(Exception):
     """Bad config, data or cluster request: reported as one line, exit code 2."""
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m cluster.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default=None,
-                    help=f"YAML config (default: the embedded {DEFAULT_CONFIG.name})")
+def parse_args(argv, prog: str = "python -m cluster.train", description: str = __doc__.split("\n")[0]):
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--config", default=None, help="YAML config (default: the embedded one)")
     ap.add_argument("--help-config", action="store_true", help="print every config key and exit")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl.beta=0.02")
     return ap.parse_args(argv)
 
 
-def resolve_model(name: str) -> str:
+def resolve_model(name: str, key: str = "model.policy") -> str:
     """builtin:* names build the offline tiny models (cached); anything else is a path."""
     from cluster.config import BUILTIN_POLICY, BUILTIN_POLICY_30M
 
@@ -68,10 +67,10 @@ def resolve_model(name: str) -> str:
         from cluster.tiny_models import SPEC_30M, build_policy
         return str(build_policy(SPEC_30M))
     if name.startswith("builtin:"):
-        raise UserError(f"model.policy={name!r} is not a built-in model; use {BUILTIN_POLICY} "
+        raise UserError(f"{key}={name!r} is not a built-in model; use {BUILTIN_POLICY} "
                         f"or {BUILTIN_POLICY_30M} or a model directory")
     if not Path(name).exists():
-        raise UserError(f"model.policy={name!r} does not exist; point it at a Hugging Face model directory")
+        raise UserError(f"{key}={name!r} does not exist; point it at a Hugging Face model directory")
     return name
 
 
@@ -85,7 +84,7 @@ def connect_ray(cfg) -> None:
         ray.init(address=address, logging_level=logging.WARNING)
         return
     # A local cluster: logical CPUs cover every pool even on a 2-core machine.
-    pools = (cfg.generator, cfg.reference, cfg.reward, cfg.learner)
+    pools = [getattr(cfg, name) for name in ("generator", "reference", "reward", "learner") if hasattr(cfg, name)]
     need = sum(p.replicas * p.num_cpus for p in pools)
     # address="local": a new cluster of our own, never an unrelated `ray start` head that
     # happens to run on this machine (ray.init() with no address would join that one).
@@ -186,6 +185,12 @@ def prepare(cfg):
     check_vocabulary(tokenizer, tokenizer_path, policy, "model.policy")
     if cfg.reward.model:
         check_reward_model(cfg.reward.model, tokenizer, tokenizer_path)
+        if cfg.reward.normalize:  # the actors would fail on it one by one: refuse here, in one line
+            from actors.reward import load_reward_stats
+            load_reward_stats(cfg.reward.model)
+    if cfg.reference.model:
+        from cluster.lineage import check_reference
+        check_reference(cfg.reference.model, tokenizer, tokenizer_path, policy)
     d = cfg.data
     dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
                                  chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,

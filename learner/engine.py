@@ -7,17 +7,27 @@ from learner.config import LearnerConfig
 from learner.policy import PolicyWithValueHead
 
 
-def build_engine(model: str, config: LearnerConfig, world_size: int):
-    """Load the policy and wrap it with its optimizer and lr schedule in a DeepSpeed engine.
+MODEL_KINDS = ("policy", "reward")  # what a rank trains: the policy (PPO, SFT) or a reward model
+
+
+def build_engine(model: str, config: LearnerConfig, world_size: int, kind: str = "policy"):
+    """Load the policy (``kind="policy"``) or a reward model (``"reward"``, learner/preference.py)
+    and wrap it with its optimizer and lr schedule in a DeepSpeed engine.
 
     The process group must exist already (DeepSpeed is told not to create one).
     """
     import deepspeed
 
-    torch.manual_seed(config.seed)  # identical value-head init on every rank
-    policy = PolicyWithValueHead.from_pretrained(model, critic=config.critic, critic_model=config.critic_model)
+    torch.manual_seed(config.seed)  # identical value-head / score-head init on every rank
+    if kind == "reward":
+        from learner.preference import RewardModule
+        policy = RewardModule.from_pretrained(model)
+        body = policy.model
+    else:
+        policy = PolicyWithValueHead.from_pretrained(model, critic=config.critic, critic_model=config.critic_model)
+        body = policy.lm
     if config.gradient_checkpointing:
-        policy.lm.gradient_checkpointing_enable()
+        body.gradient_checkpointing_enable()
     policy.train()  # HF loads in eval mode; checkpointing needs train mode (dropout is off anyway)
     optim = config.optim
     optimizer = optim.build(policy.parameters())

@@ -50,10 +50,11 @@ class LearnerGroup:
                  num_cpus_per_rank: float = 1, num_gpus_per_rank: float = 0, placement_group=None,
                  name_prefix: str = "learner", start_timeout_s: float = 600.0,
                  rendezvous_timeout_s: float = 120.0, call_timeout_s: float = 1800.0,
-                 env: Optional[Mapping[str, str]] = None) -> None:
+                 env: Optional[Mapping[str, str]] = None, kind: str = "policy") -> None:
         if not isinstance(config, LearnerConfig):
             config = LearnerConfig.from_dict({**config, "world_size": world_size})
         self.config, self.model, self.world_size = config, str(model), world_size
+        self.kind = kind  # "policy" | "reward": what the ranks train (LearnerWorker)
         self.call_timeout_s, self.start_timeout_s = call_timeout_s, start_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s  # joining takes seconds; past this, retry
         self._actor_options = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
@@ -96,7 +97,8 @@ class LearnerGroup:
         return [actor.options(name=f"{opts['name_prefix']}-{r}", num_cpus=opts["num_cpus"],
                               num_gpus=opts["num_gpus"], runtime_env={"env_vars": env} if env else None,
                               **_placement(opts["placement_group"], r)).remote(
-                    rank=r, world_size=self.world_size, model=self.model, config=self.config, start=False)
+                    rank=r, world_size=self.world_size, model=self.model, config=self.config, start=False,
+                    kind=self.kind)
                 for r in range(self.world_size)]
 
     def _rendezvous(self) -> Optional[Exception]:
@@ -129,6 +131,31 @@ class LearnerGroup:
         metrics = _merge_metrics(self._gather(refs, "train"))
         metrics["perf/learner_group_seconds"] = time.perf_counter() - t0
         return metrics
+
+    # SFT and reward-model steps: ``shards`` holds one list per rank (equal lengths for the
+    # train calls); metrics are reduced over the ranks inside, so rank 0's stand for all.
+
+    def sft_train(self, shards: list) -> dict:
+        return self._gather([w.sft_train.remote(s) for w, s in self._per_rank(shards)], "sft_train")[0]
+
+    def sft_evaluate(self, shards: list) -> dict:
+        return self._gather([w.sft_evaluate.remote(s) for w, s in self._per_rank(shards)], "sft_evaluate")[0]
+
+    def rm_train(self, shards: list, margin: float = 0.0) -> dict:
+        return self._gather([w.rm_train.remote(s, margin) for w, s in self._per_rank(shards)], "rm_train")[0]
+
+    def rm_evaluate(self, shards: list, margin: float = 0.0) -> dict:
+        return self._gather([w.rm_evaluate.remote(s, margin) for w, s in self._per_rank(shards)],
+                            "rm_evaluate")[0]
+
+    def rm_scores(self, shards: list) -> list[np.ndarray]:
+        """Per rank, the scores of its shard's (prompt_ids, response_ids) items."""
+        return self._gather([w.rm_scores.remote(s) for w, s in self._per_rank(shards)], "rm_scores")
+
+    def _per_rank(self, shards: list) -> list:
+        if len(shards) != self.world_size:
+            raise ValueError(f"learner: got {len(shards)} shards for {self.world_size} ranks; pass one per rank")
+        return list(zip(self.workers, shards))
 
     def push_weights(self, generators: Mapping, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
         """Send the policy to ``generators`` (replica id -> Generator actor handle); rank 0's report."""

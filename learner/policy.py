@@ -47,6 +47,16 @@ def disable_dropout(model: nn.Module) -> None:
                 setattr(module, attr, 0.0)
 
 
+def copy_tokenizer(source: Optional[str], out: Path) -> None:
+    """vLLM and the reference load a checkpoint directory as a model: keep the tokenizer with it."""
+    if not source:
+        return
+    for name in TOKENIZER_FILES:
+        src = Path(source) / name
+        if src.is_file() and not (out / name).exists():
+            shutil.copy2(src, out / name)
+
+
 class PolicyWithValueHead(nn.Module):
     """HF causal LM + ``value_head`` (Linear(hidden, 1)) on the shared or a separate body."""
 
@@ -140,13 +150,7 @@ class PolicyWithValueHead(nn.Module):
         return out
 
     def _copy_tokenizer(self, out: Path) -> None:
-        # vLLM and the reference load the directory as a model: keep the tokenizer with it.
-        if not self.source_path:
-            return
-        for name in TOKENIZER_FILES:
-            src = Path(self.source_path) / name
-            if src.is_file() and not (out / name).exists():
-                shutil.copy2(src, out / name)
+        copy_tokenizer(self.source_path, out)
 
     @classmethod
     def from_pretrained(cls, path, *, critic: str = "shared", critic_model: Optional[str] = None,

@@ -25,8 +25,10 @@ from learner import rendezvous
 from learner.checkpoint import Checkpointer
 from learner.collectives import Collectives
 from learner.config import LearnerConfig
-from learner.engine import build_engine, pad_token_id
+from learner.engine import MODEL_KINDS, build_engine, pad_token_id
 from learner.export import WeightExporter
+from learner.preference import PreferenceStep
+from learner.sft import SFTStep
 from learner.update import PPOUpdate
 from learner.weight_sync import DEFAULT_BUCKET_BYTES
 
@@ -38,12 +40,17 @@ class LearnerWorker:
 
     ``config``: a LearnerConfig is taken as validated (the driver did it once); a dict
     goes through ``LearnerConfig.from_dict`` for this world size.
+    ``kind``: "policy" (PPO and SFT train the policy with its value head) or "reward" (a
+    reward model: a sequence classifier fitted to preference pairs).
     """
 
     def __init__(self, *, rank: int, world_size: int, model: str, config: LearnerConfig | dict,
-                 start: bool = True) -> None:
+                 start: bool = True, kind: str = "policy") -> None:
         if not isinstance(config, LearnerConfig):
             config = LearnerConfig.from_dict({**config, "world_size": world_size})
+        if kind not in MODEL_KINDS:
+            raise ValueError(f"learner: kind={kind!r} is unknown; use one of {MODEL_KINDS}")
+        self.kind = kind
         config.check_device(torch.cuda.is_available())
         self.config, self.rank, self.world_size, self.model_path = config, rank, world_size, str(model)
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -52,6 +59,8 @@ class LearnerWorker:
         self.update: Optional[PPOUpdate] = None
         self.exporter: Optional[WeightExporter] = None
         self.checkpoints: Optional[Checkpointer] = None
+        self.sft: Optional[SFTStep] = None  # the supervised step of this kind (learner/sft.py, preference.py)
+        self.preference: Optional[PreferenceStep] = None
         if start:
             if world_size != 1:
                 raise ValueError(f"learner: {world_size} ranks start through LearnerGroup (start=False, "
@@ -77,11 +86,16 @@ class LearnerWorker:
         """Load the policy into its DeepSpeed engine and wire the parts; returns health()."""
         if self.backend is None:
             raise RuntimeError(f"learner rank {self.rank}: build() before join()")
-        engine = build_engine(self.model_path, self.config, self.world_size)
+        engine = build_engine(self.model_path, self.config, self.world_size, kind=self.kind)
         comm = Collectives(world_size=self.world_size,
                            device=self.device if self.backend == "nccl" else torch.device("cpu"))
-        self.update = PPOUpdate(engine=engine, config=self.config, rank=self.rank, world_size=self.world_size,
-                                collectives=comm, device=self.device, pad_id=pad_token_id(engine.module.config))
+        parts = dict(engine=engine, config=self.config, rank=self.rank, world_size=self.world_size,
+                     collectives=comm, device=self.device, pad_id=pad_token_id(engine.module.config))
+        self.update = PPOUpdate(**parts)  # also keeps the step count that checkpoints save
+        if self.kind == "reward":
+            self.preference = PreferenceStep(**parts)
+        else:
+            self.sft = SFTStep(**parts)
         self.exporter = WeightExporter(engine=engine, config=self.config, rank=self.rank)
         self.checkpoints = Checkpointer(engine=engine, exporter=self.exporter, collectives=comm, rank=self.rank)
         return self.health()
@@ -105,6 +119,33 @@ class LearnerWorker:
     def epoch_history(self) -> list[dict]:
         """This rank's per-epoch policy/value loss, clip fraction and approx KL of the last train()."""
         return self.update.epoch_history
+
+    # ------------------------------------------------------------------ SFT and reward model
+
+    def sft_train(self, examples: list) -> dict:
+        """SFT optimizer steps on this rank's equal share of (prompt_ids, response_ids) examples."""
+        return self._step("sft", "sft_train").train(examples)
+
+    def sft_evaluate(self, examples: list) -> dict:
+        return self._step("sft", "sft_evaluate").evaluate(examples)
+
+    def rm_train(self, pairs: list, margin: float = 0.0) -> dict:
+        """Bradley-Terry optimizer steps on this rank's equal share of (prompt, chosen, rejected) ids."""
+        return self._step("preference", "rm_train").train(pairs, margin)
+
+    def rm_evaluate(self, pairs: list, margin: float = 0.0) -> dict:
+        return self._step("preference", "rm_evaluate").evaluate(pairs, margin)
+
+    def rm_scores(self, sequences: list) -> np.ndarray:
+        """[N] reward-model scores of (prompt_ids, response_ids) items."""
+        return self._step("preference", "rm_scores").scores(sequences)
+
+    def _step(self, attr: str, what: str):
+        step = getattr(self, attr)
+        if step is None:
+            raise ValueError(f"learner.{what}: this rank was built with kind={self.kind!r}, which has no "
+                             f"{what.split('_')[0].upper()} step; start the group with the other kind")
+        return step
 
     # ------------------------------------------------------------------ weights out
 
@@ -146,4 +187,4 @@ class LearnerWorker:
                 "step": self.update.step if built else 0,
                 "optimizer_steps": int(self.update.engine.global_steps) if built else 0,
                 "zero_stage": self.config.zero_stage, "backend": self.backend, "device": str(self.device),
-                "model": self.model_path}
+                "model": self.model_path, "kind": self.kind}

@@ -1,0 +1,180 @@
+"""What the SFT and reward-model entrypoints share: the command line, the run folder, the
+learner group on Ray, the epoch loop's bookkeeping and the final checkpoint.
+
+The conventions are cluster.train's, through its own helpers: a run folder with
+config.yaml, metrics.jsonl and status.json; exit 0 on success, 2 with one line
+``tether: error: ...`` for a user mistake, 1 for a failed run (traceback in error.log);
+Ray joined the way cluster.train joins it (so ``ray job submit`` works).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from cluster.train import (UserError, connect_ray, dependency_error, make_run_dir, missing_dependencies,
+                           one_line, parse_args, resolve_model, write_status)
+
+log = logging.getLogger("tether")
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def stage_main(argv, *, prog: str, config_cls, default_config: Path, run: Callable) -> int:
+    """Parse, load ``config_cls``, ``run(cfg) -> summary line``; map errors to exit codes."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog=prog, description=config_cls.__doc__)
+    missing = missing_dependencies()
+    if missing:
+        print(dependency_error(missing), file=sys.stderr)
+        return 2
+    from cluster.config import ConfigError, describe
+    from cluster.stage_config import load_stage_config
+
+    if args.help_config:
+        print(describe(config_cls))
+        return 0
+    try:
+        summary = run(load_stage_config(config_cls, args.config or default_config, args.overrides))
+    except (ConfigError, UserError, FileNotFoundError) as e:
+        print(f"tether: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tether: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a failed run ends in one line, details in the log
+        print(f"tether: run failed: {one_line(e)} (traceback in the run folder's error.log)", file=sys.stderr)
+        return 1
+    print(f"tether: done; {summary}")
+    return 0
+
+
+def resolve_base(name: str) -> str:
+    """model.base: builtin:* (built offline), a run folder of an earlier stage (its final
+    checkpoint, if that run succeeded), or a model directory."""
+    path = Path(name)
+    if (path / "status.json").is_file():
+        status = json.loads((path / "status.json").read_text()).get("state")
+        final = path / "checkpoints" / "final"
+        if status != "succeeded" or not (final / "config.json").is_file():
+            raise UserError(f"model.base={name!r} is a run folder whose run did not succeed (status {status!r}); "
+                            "point it at a succeeded run or a model directory")
+        return str(final)
+    resolved = resolve_model(name, "model.base")
+    if not (Path(resolved) / "config.json").is_file():
+        raise UserError(f"model.base={name!r} is not a Hugging Face model directory (no config.json)")
+    return resolved
+
+
+def prepare_model(cfg):
+    """(base model path, tokenizer path, tokenizer), checked before anything starts."""
+    from transformers import AutoTokenizer
+
+    from cluster.train import check_vocabulary
+
+    base = resolve_base(cfg.model.base)
+    tokenizer_path = cfg.model.tokenizer or base
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    check_vocabulary(tokenizer, tokenizer_path, base, "model.base")
+    return base, tokenizer_path, tokenizer
+
+
+def prepare_rows(cfg, *, fields: dict, builtin: str, noun: str) -> dict:
+    """The base model, tokenizer and tokenized rows (training, held out) of a stage;
+    ``fields``: config key -> column, the prompt's first; ``noun``: what a row is, for messages."""
+    from cluster.stage_data import load_rows
+
+    base, tokenizer_path, tokenizer = prepare_model(cfg)
+    d = cfg.data
+    data = load_rows(path=d.path, fields=fields, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
+                     chat_template=d.chat_template, append_eos=d.append_eos, max_seq_len=d.max_seq_len,
+                     builtin=builtin)
+    if data.skip_counts:
+        log.warning("data: skipped %d rows %s, e.g. %s", sum(data.skip_counts.values()), data.skip_counts,
+                    data.skipped[0])
+    train_rows, eval_rows = data.split(d.eval_examples, d.seed)
+    if len(train_rows) < cfg.train.batch_size:
+        raise ValueError(f"data: {len(train_rows)} training {noun} in {data.source} (after holding out "
+                         f"data.eval_examples={d.eval_examples}) are fewer than train.batch_size={cfg.train.batch_size}")
+    log.info("%s: %d training %s, %d held out, from %s; base %s", builtin, len(train_rows), noun, len(eval_rows),
+             data.source, base)
+    return {"base": base, "tokenizer": tokenizer, "train": train_rows, "eval": eval_rows, "cfg": cfg}
+
+
+class StageMetrics:
+    """metrics.jsonl of a stage: one JSON object per line, ``step`` = optimizer steps so far."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from cluster.metrics import _dumps
+        self._dumps = _dumps
+        self._f = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict) -> None:
+        self._f.write(self._dumps({"step": int(step), "time": time.time(), **metrics}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
+    """``prepare(cfg)`` (user input; its ValueErrors are the user's), a run folder, a
+    learner group of ``kind``, then ``train(group, prepared, metrics, run_dir) -> final``."""
+    from cluster.pools import PlacementError, actor_env, quiet_libraries, reserve
+    from learner.group import LearnerGroup
+
+    if not cfg.run.library_logs:
+        quiet_libraries()
+    try:
+        prepared = prepare(cfg)
+    except (ValueError, OSError, ImportError) as e:
+        raise UserError(one_line(e)) from None
+    run_dir = make_run_dir(cfg)
+    log.info("run folder: %s (resolved config in config.yaml)", run_dir)
+    write_status(run_dir, "running")
+    connect_ray(cfg)
+    lp, group, pg, metrics = cfg.learner, None, None, StageMetrics(run_dir)
+    try:
+        try:
+            pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus, cfg.resources.placement_timeout_s)
+        except PlacementError as e:
+            raise UserError(str(e)) from None
+        group = LearnerGroup(model=prepared["base"], config=cfg.learner_config(), world_size=lp.replicas,
+                             num_cpus_per_rank=lp.num_cpus, num_gpus_per_rank=lp.num_gpus, placement_group=pg,
+                             env=actor_env(cfg), kind=kind)
+        final = train(group, prepared, metrics, run_dir)
+        metrics.close()
+        write_status(run_dir, "succeeded", checkpoint=final["checkpoint"],
+                     final={k: v for k, v in final.items() if isinstance(v, (int, float))})
+        return final
+    except BaseException as e:
+        import traceback
+        (run_dir / "error.log").write_text("".join(traceback.format_exception(e)))
+        write_status(run_dir, "failed", reason=one_line(e))
+        raise
+    finally:
+        if group is not None:
+            group.shutdown()
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(pg)
+
+
+def save_final(group, run_dir: Path, tokenizer, *, stage: str, base: str, base_name: str) -> Path:
+    """The final HF checkpoint: the model, the run's tokenizer, and tether_stage.json."""
+    from cluster.lineage import write_stage
+    from learner.policy import VALUE_HEAD_FILE
+
+    out = run_dir / "checkpoints" / "final"
+    group.save_pretrained_policy(out)
+    (out / VALUE_HEAD_FILE).unlink(missing_ok=True)  # SFT: PPO starts its value head afresh anyway
+    tokenizer.save_pretrained(out)
+    write_stage(out, stage, base, base_name=base_name)
+    return out
+
+
+def log_epoch(prefix: str, epoch: int, epochs: int, seconds: float, **values: float) -> None:
+    shown = " | ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in values.items())
+    log.info("%s epoch %d/%d | %s | %.1fs", prefix, epoch, epochs, shown, seconds)

@@ -1,0 +1,131 @@
+"""The reward model as one rank trains it: a sequence classifier on a causal-LM body,
+fitted to (prompt, chosen, rejected) pairs with the Bradley-Terry loss (core/preference.py).
+
+Scores are read where the Reward actor (actors/reward.py) reads them at PPO time: the
+body's last hidden state at each sequence's last real token, through the ``score`` head.
+HF's own pooling (last token whose id is not the pad id) would differ when pad == eos and
+a response ends in eos, so the model trained here and the actor scoring with it agree by
+construction rather than by luck.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from core.dtypes import torch_dtype
+from core.preference import bradley_terry_loss
+from learner.policy import copy_tokenizer, disable_dropout
+from learner.sft import SupervisedStep, collate_sequences
+
+log = logging.getLogger(__name__)
+
+Pair = tuple  # (prompt_ids [P], chosen_ids [C], rejected_ids [R]) int64 arrays
+
+
+class RewardModule(nn.Module):
+    """An HF ``...ForSequenceClassification`` (num_labels=1) with last-real-token pooling."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        if getattr(model.config, "num_labels", 1) != 1 or not isinstance(getattr(model, "score", None), nn.Module):
+            raise ValueError(f"RewardModule: {type(model).__name__} must be a decoder sequence classifier with "
+                             "a `score` head and num_labels=1")
+        self.model = model
+        self.source_path: Optional[str] = None
+        disable_dropout(self)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, input_ids, attention_mask) -> torch.Tensor:
+        """[B, T] right-padded ids and mask -> [B] float32 scores."""
+        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                       use_cache=False).last_hidden_state
+        last = attention_mask.sum(-1) - 1
+        pooled = hidden[torch.arange(len(input_ids), device=hidden.device), last]
+        return self.model.score(pooled).squeeze(-1).float()
+
+    def save_pretrained(self, out_dir, state_dict: Optional[dict] = None) -> Path:
+        """An HF checkpoint AutoModelForSequenceClassification loads; tokenizer copied beside it.
+        ``state_dict``: full tensors named as in ``state_dict()`` (gathered under ZeRO-3)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        sd = state_dict if state_dict is not None else self.state_dict()
+        own = {k[len("model."):]: v.detach().cpu().contiguous() for k, v in sd.items() if k.startswith("model.")}
+        self.model.save_pretrained(out, state_dict=own, safe_serialization=True)
+        copy_tokenizer(self.source_path, out)
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype: str = "float32", pad_token_id: Optional[int] = None) -> "RewardModule":
+        """A causal-LM checkpoint (the SFT model: its body is kept, a fresh ``score`` head is
+        drawn from the current torch seed) or a reward-model checkpoint (kept whole)."""
+        from transformers import AutoModelForSequenceClassification
+
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1,
+                                                                   dtype=torch_dtype(dtype, "learner"))
+        if model.config.pad_token_id is None and pad_token_id is not None:
+            model.config.pad_token_id = pad_token_id  # HF's own forward needs it for batches > 1
+        module = cls(model)
+        module.source_path = str(path)
+        return module
+
+
+class PreferenceStep(SupervisedStep):
+    """Bradley-Terry on pairs: chosen and rejected of a micro-batch go through one forward."""
+
+    def train(self, pairs: list[Pair], margin: float = 0.0) -> dict:
+        """One optimizer step per ``minibatch_size`` pairs (over all ranks); every rank calls it
+        with its equal share. -> per-step global loss, accuracy, chosen-rejected gap, grad norm, lr."""
+        out = {"loss": [], "accuracy": [], "gap": [], "grad_norm": [], "lr": []}
+        for batch in self._batches(list(pairs), "rm_train"):
+            n_global = len(batch) * self.world_size
+            sums = np.zeros(3)  # loss, correct, gap
+
+            def micro_loss(items):
+                chosen, rejected = self._scores(items)
+                loss = bradley_terry_loss(chosen, rejected, margin, normalizer=n_global)
+                sums[:] += [float(loss.detach()), float((chosen > rejected).sum()), float((chosen - rejected).detach().sum())]
+                return loss
+
+            step = self._optimizer_step(self._micro_batches(batch), micro_loss)
+            loss, correct, gap = self.comm.sum(sums.tolist())
+            out["loss"].append(loss)
+            out["accuracy"].append(correct / n_global)
+            out["gap"].append(gap / n_global)
+            out["grad_norm"].append(step["grad_norm"])
+            out["lr"].append(step["lr"])
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, pairs: list[Pair], margin: float = 0.0) -> dict:
+        """Loss and pair accuracy over every rank's pairs (ranks may hold unequal shares)."""
+        sums = np.zeros(3)  # loss sum, correct, pairs
+        for items, weight in self._micro_batches(list(pairs), pad_to_ranks=True):
+            chosen, rejected = self._scores(items)
+            loss = bradley_terry_loss(chosen, rejected, margin, normalizer=1.0)
+            sums += weight * np.array([float(loss), float((chosen > rejected).sum()), len(items)])
+        loss, correct, n = self.comm.sum(sums.tolist())
+        return {"loss": loss / n, "accuracy": correct / n, "pairs": int(n)}
+
+    @torch.no_grad()
+    def scores(self, sequences: list[tuple]) -> np.ndarray:
+        """[N] float32 scores of (prompt_ids, response_ids) items; every rank calls it."""
+        out = []
+        for items, weight in self._micro_batches(list(sequences), pad_to_ranks=True):
+            s = self.engine(*collate_sequences(items, self.pad_id, self.device)[:2])
+            if weight:
+                out.append(s.cpu().numpy())
+        return np.concatenate(out).astype(np.float32)
+
+    def _scores(self, items: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
+        seqs = [(p, c) for p, c, _ in items] + [(p, r) for p, _, r in items]
+        ids, attn, _ = collate_sequences(seqs, self.pad_id, self.device)
+        s = self.engine(ids, attn)
+        return s[:len(items)], s[len(items):]

@@ -1,0 +1,133 @@
+"""Supervised fine-tuning of one data-parallel rank on the learner's DeepSpeed engine.
+
+The engine is the PPO one (learner/engine.py: the policy with its value head); SFT reads
+the LM logits and keeps the value head in the graph at zero weight, so ZeRO's gradient
+reductions line up and the saved checkpoint is one cluster.train loads as it is.
+
+Every rank gets an equal number of examples per optimizer step (the driver shards them).
+Losses are normalised by GLOBAL counts, so the ranks' losses SUM to the batch loss;
+DeepSpeed AVERAGES gradients over ranks, hence the loss is scaled by world_size before
+backward (as in learner/update.py).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from core.preference import response_nll
+from learner.collectives import Collectives
+from learner.config import LearnerConfig
+
+Example = tuple  # (prompt_ids [P] int64, response_ids [R] int64): one SFT example
+
+
+def collate_sequences(parts: Sequence[Sequence[np.ndarray]], pad_id: int, device) -> tuple:
+    """Right-padded concatenations: each item's arrays joined end to end.
+
+    -> (input_ids [B, T] long, attention_mask [B, T] long, loss_mask [B, T] float), where
+    loss_mask is 1 on the tokens of each item's LAST array (the response).
+    """
+    lengths = [sum(len(a) for a in p) for p in parts]
+    T = max(lengths)
+    ids = torch.full((len(parts), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(parts), T), dtype=torch.long)
+    loss_mask = torch.zeros((len(parts), T), dtype=torch.float32)
+    for row, (p, n) in enumerate(zip(parts, lengths)):
+        ids[row, :n] = torch.from_numpy(np.concatenate(p).astype(np.int64))
+        attn[row, :n] = 1
+        loss_mask[row, n - len(p[-1]):n] = 1.0
+    return ids.to(device), attn.to(device), loss_mask.to(device)
+
+
+class SupervisedStep:
+    """What the SFT and reward-model steps share: equal shards, micro-batches, one
+    DeepSpeed optimizer step per batch, metrics reduced over the ranks."""
+
+    def __init__(self, *, engine, config: LearnerConfig, rank: int, world_size: int,
+                 collectives: Collectives, device: torch.device, pad_id: int) -> None:
+        self.engine, self.config = engine, config
+        self.rank, self.world_size = rank, world_size
+        self.comm, self.device, self.pad_id = collectives, device, pad_id
+        self.local_batch = config.ppo.minibatch_size // world_size  # items per rank per optimizer step
+        self.micro = config.ppo.micro_batch_size
+
+    def _batches(self, items: list, what: str) -> list[list]:
+        """This rank's items cut into optimizer steps; every rank must hold as many."""
+        n = len(items)
+        n_max, neg_n_min = self.comm.max([n, -n])
+        if n_max != -neg_n_min or n == 0 or n % self.local_batch:
+            raise ValueError(f"learner.{what}: ranks got unequal shards or a size that is not a multiple of "
+                             f"the per-rank batch {self.local_batch} (rank {self.rank}: {n}, max {int(n_max)})")
+        return [items[i:i + self.local_batch] for i in range(0, n, self.local_batch)]
+
+    def _micro_batches(self, items: list, pad_to_ranks: bool = False) -> list[tuple[list, float]]:
+        """(items, weight) per forward. ``pad_to_ranks``: ranks with fewer forwards repeat
+        their first at weight 0, since under ZeRO-3 every forward is a collective."""
+        micros = [(items[i:i + self.micro], 1.0) for i in range(0, len(items), self.micro)]
+        if pad_to_ranks:
+            (most,) = self.comm.max([len(micros)])
+            if not micros:
+                raise ValueError(f"learner rank {self.rank}: no items to evaluate; give every rank at least one")
+            micros += [(micros[0][0], 0.0)] * (int(most) - len(micros))
+        return micros
+
+    def _optimizer_step(self, micros: list, micro_loss) -> dict:
+        """Backward of ``micro_loss(items)`` (already globally normalised) for each micro-batch,
+        then one optimizer step; -> lr and the gradient norm before clipping."""
+        for i, (items, _) in enumerate(micros):
+            self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
+            self.engine.backward(micro_loss(items) * self.world_size, scale_wrt_gas=False)
+            if i < len(micros) - 1:
+                self.engine.step()
+        lr = self.engine.get_lr()[0]
+        norm = None
+        if self.config.zero_stage == 0:  # DeepSpeed records no norm without ZeRO; grads are reduced by now
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters()
+                                                  if p.grad is not None])
+        self.engine.step()
+        norm = norm if norm is not None else self.engine.get_global_grad_norm()
+        return {"lr": lr, "grad_norm": float(norm.item() if isinstance(norm, torch.Tensor) else
+                                             (norm if norm is not None else float("nan")))}
+
+
+class SFTStep(SupervisedStep):
+    """Next-token loss on the response tokens of (prompt, response) examples."""
+
+    def train(self, examples: list[Example]) -> dict:
+        """One optimizer step per ``minibatch_size`` examples (over all ranks); every rank
+        calls it with its equal share. -> per-step global losses, gradient norms, lr."""
+        out = {"loss": [], "grad_norm": [], "lr": [], "tokens": 0}
+        for batch in self._batches(list(examples), "sft_train"):
+            (tokens,) = self.comm.sum([sum(len(r) for _, r in batch)])
+            parts: list[float] = []
+
+            def micro_loss(items):
+                loss = self._loss(items, tokens)
+                parts.append(float(loss.detach()))
+                return loss
+
+            step = self._optimizer_step(self._micro_batches(batch), micro_loss)
+            (loss,) = self.comm.sum([sum(parts)])
+            out["loss"].append(loss)
+            out["grad_norm"].append(step["grad_norm"])
+            out["lr"].append(step["lr"])
+            out["tokens"] += int(tokens)
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[Example]) -> dict:
+        """Token-mean response loss over every rank's examples (ranks may hold unequal shares)."""
+        total, tokens = 0.0, 0.0
+        for items, weight in self._micro_batches(list(examples), pad_to_ranks=True):
+            total += weight * float(self._loss(items, normalizer=1.0))
+            tokens += weight * sum(len(r) for _, r in items)
+        total, tokens = self.comm.sum([total, tokens])
+        return {"loss": total / tokens, "tokens": int(tokens)}
+
+    def _loss(self, items: list[Example], normalizer: Optional[float]) -> torch.Tensor:
+        ids, attn, loss_mask = collate_sequences(items, self.pad_id, self.device)
+        logits, values = self.engine(ids, attn, (attn.cumsum(-1) - 1).clamp_min(0))
+        # The value head joins the graph at zero weight so ZeRO's gradient reductions line up.
+        return response_nll(logits.float(), ids, loss_mask, normalizer) + values.sum() * 0.0
