@@ -124,24 +124,24 @@ class LearnerWorker:
 
     def sft_train(self, examples: list) -> dict:
         """SFT optimizer steps on this rank's equal share of (prompt_ids, response_ids) examples."""
-        return self._step("sft", "sft_train").train(examples)
+        return self._built(self.sft, "sft_train").train(examples)
 
     def sft_evaluate(self, examples: list) -> dict:
-        return self._step("sft", "sft_evaluate").evaluate(examples)
+        return self._built(self.sft, "sft_evaluate").evaluate(examples)
 
     def rm_train(self, pairs: list, margin: float = 0.0) -> dict:
         """Bradley-Terry optimizer steps on this rank's equal share of (prompt, chosen, rejected) ids."""
-        return self._step("preference", "rm_train").train(pairs, margin)
+        return self._built(self.preference, "rm_train").train(pairs, margin)
 
     def rm_evaluate(self, pairs: list, margin: float = 0.0) -> dict:
-        return self._step("preference", "rm_evaluate").evaluate(pairs, margin)
+        return self._built(self.preference, "rm_evaluate").evaluate(pairs, margin)
 
     def rm_scores(self, sequences: list) -> np.ndarray:
         """[N] reward-model scores of (prompt_ids, response_ids) items."""
-        return self._step("preference", "rm_scores").scores(sequences)
+        return self._built(self.preference, "rm_scores").scores(sequences)
 
-    def _step(self, attr: str, what: str):
-        step = getattr(self, attr)
+    def _built(self, step, what: str):
+        """``step`` (this rank's SFT or preference step), or a one-line error if this kind has none."""
         if step is None:
             raise ValueError(f"learner.{what}: this rank was built with kind={self.kind!r}, which has no "
                              f"{what.split('_')[0].upper()} step; start the group with the other kind")
