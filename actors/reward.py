@@ -62,11 +62,12 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def load_function(spec: str):
-    """Import ``"package.module:function"``; any failure is a one-line ValueError naming the fix."""
+def load_function(spec: str, key: str = "reward.function"):
+    """Import ``"package.module:function"``; any failure is a one-line ValueError naming the
+    config ``key`` and the fix."""
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward.function {spec!r} must look like 'module:function' "
+        raise ValueError(f"{key} {spec!r} must look like 'module:function' "
                          "(e.g. actors.reward_functions:sentiment)")
     try:
         module = importlib.import_module(module_name)
@@ -75,36 +76,36 @@ def load_function(spec: str):
             (module_name == e.name or module_name.startswith(e.name + "."))
         fix = ("run from the directory that holds it or add that directory to PYTHONPATH" if not_found
                else "fix the error in that module")
-        raise ValueError(f"reward.function {spec!r}: cannot import module {module_name!r} ({_one_line(e)}); "
+        raise ValueError(f"{key} {spec!r}: cannot import module {module_name!r} ({_one_line(e)}); "
                          f"{fix}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward.function {spec!r}: module {module_name!r} has no callable {attr!r}; "
+        raise ValueError(f"{key} {spec!r}: module {module_name!r} has no callable {attr!r}; "
                          "name a function defined there")
     return fn
 
 
-def probe_function(spec: str, prompts: list[str], responses: list[str]) -> None:
+def probe_function(spec: str, prompts: list[str], responses: list[str], key: str = "reward.function") -> None:
     """Call the function once on example pairs, as the actors will; a ValueError naming
-    reward.function if it raises or does not return one number per pair.
+    ``key`` (reward.function, reward.gold) if it raises or does not return one number per pair.
 
     At run time such a function only invalidates every batch (the actor must keep
     serving), so a run would train on nothing; the driver asks first.
     """
-    fn = load_function(spec)
+    fn = load_function(spec, key)
     n = len(prompts)
     try:
         out = fn(list(prompts), list(responses))
     except Exception as e:  # noqa: BLE001 - user code fails in every flavour
-        raise ValueError(f"reward.function {spec!r} raised on a probe with {n} example (prompt, response) "
+        raise ValueError(f"{key} {spec!r} raised on a probe with {n} example (prompt, response) "
                          f"pairs: {_one_line(e)}; fix the function") from None
     try:
         scores = [float(x) for x in out]
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"reward.function {spec!r} returned {type(out).__name__} on a probe, not a list of "
+        raise ValueError(f"{key} {spec!r} returned {type(out).__name__} on a probe, not a list of "
                          f"numbers ({_one_line(e)}); return one float per (prompt, response) pair") from None
     if len(scores) != n:
-        raise ValueError(f"reward.function {spec!r} returned {len(scores)} scores for {n} (prompt, response) "
+        raise ValueError(f"{key} {spec!r} returned {len(scores)} scores for {n} (prompt, response) "
                          "pairs on a probe; return one float per pair, in order")
 
 
@@ -126,12 +127,13 @@ class Reward:
     The function path needs ``tokenizer`` (a path) to decode tokens to text; the model
     path ignores it and feeds prompt+response token ids straight to the model, so the
     reward model must share the policy's vocabulary. ``batch_size`` bounds a model forward; a
-    function is called once per ``score`` call.
+    function is called once per ``score`` call. ``gold`` (a function spec, needs ``tokenizer``)
+    is the evaluation-only score of ``gold_scores``: what the proxy reward stands in for.
     """
 
     def __init__(self, *, model: str | None = None, function: str | None = None,
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
-                 device: str | None = None, normalize: bool = False):
+                 device: str | None = None, normalize: bool = False, gold: str | None = None):
         if (model is None) == (function is None):
             raise ValueError("Reward: give exactly one of model= or function= "
                              f"(got model={model!r}, function={function!r})")
@@ -140,15 +142,18 @@ class Reward:
         self.batch_size = int(batch_size)
         self.function_name = function
         self.model_path = None
-        self.model = self.fn = self.tokenizer = None
+        self.model = self.fn = self.text_tokenizer = None
         self.normalization: tuple[float, float] | None = None  # (mean, std) applied to model scores
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.gold_name = gold
+        self.gold_fn = load_function(gold, "reward.gold") if gold is not None else None
         if function is not None:
-            if tokenizer is None:
-                raise ValueError(f"Reward: function {function!r} needs tokenizer= (a path) to decode tokens")
             self.fn = load_function(function)
-            self.tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
-        else:
+        if function is not None or gold is not None:  # text functions see decoded tokens
+            if tokenizer is None:
+                raise ValueError(f"Reward: function {function or gold!r} needs tokenizer= (a path) to decode tokens")
+            self.text_tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
+        if function is None:
             self._load_model(model, torch_dtype(dtype, "Reward"))
             if normalize:
                 self.normalization = load_reward_stats(self.model_path)
@@ -177,10 +182,10 @@ class Reward:
         self.model.requires_grad_(False)
         self._head = head
         try:
-            self.tokenizer = load_tokenizer(self.model_path, "Reward")
+            tokenizer = load_tokenizer(self.model_path, "Reward")
         except ValueError:
-            self.tokenizer = None
-        self.pad_id = pad_token_id(self.tokenizer, m.config, "Reward")
+            tokenizer = None
+        self.pad_id = pad_token_id(tokenizer, m.config, "Reward")
 
     def score(self, prompt_ids_batch: list[np.ndarray], response_ids_batch: list[np.ndarray]) -> ScoreResult:
         prompts, responses = as_token_arrays(prompt_ids_batch, response_ids_batch, "Reward.score")
@@ -206,6 +211,14 @@ class Reward:
         """score() of Rollouts, for a caller that passes the generator's output by reference."""
         return self.score([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts])
 
+    def gold_scores(self, rollouts: list) -> ScoreResult:
+        """The ``gold`` function's scores of Rollouts (evaluation only; not counted in stats())."""
+        if self.gold_fn is None:
+            raise ValueError("Reward.gold_scores: this replica has no gold function; set reward.gold")
+        prompts, responses = as_token_arrays([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
+                                             "Reward.gold_scores")
+        return self._score_text(self.gold_fn, f"reward.gold {self.gold_name}", prompts, responses)
+
     def _finalise(self, raw: np.ndarray, source: str) -> ScoreResult:
         valid = np.isfinite(raw)
         errors = []
@@ -222,11 +235,14 @@ class Reward:
         return ScoreResult(np.full(n, np.nan, np.float32), np.zeros(n, bool), [message])
 
     def _score_function(self, prompts, responses) -> ScoreResult:
-        name = f"reward function {self.function_name}"
-        decode = lambda seqs: self.tokenizer.batch_decode([s.tolist() for s in seqs], skip_special_tokens=True)
+        return self._score_text(self.fn, f"reward function {self.function_name}", prompts, responses)
+
+    def _score_text(self, fn, name: str, prompts, responses) -> ScoreResult:
+        """A text function's scores of token arrays (decoded here); its failures are per-batch results."""
+        decode = lambda seqs: self.text_tokenizer.batch_decode([s.tolist() for s in seqs], skip_special_tokens=True)
         n = len(prompts)
         try:
-            out = self.fn(decode(prompts), decode(responses))
+            out = fn(decode(prompts), decode(responses))
         except Exception as e:  # noqa: BLE001 - user code must not crash the actor
             return self._invalid_batch(n, f"{name} raised {_one_line(e)}; all {n} items invalid")
         try:

@@ -66,6 +66,8 @@ class RewardPoolConfig(PoolConfig):
     function: Optional[str] = BUILTIN_REWARD  # ... a `module:function(prompts, responses) -> floats`
     batch_size: int = 16
     normalize: bool = False          # standardise reward-model scores with the reward_stats.json beside reward.model
+    gold: Optional[str] = None       # eval only: a `module:function(prompts, responses) -> floats` scored on the
+                                     # held-out prompts as eval/gold_score, never trained on (the true goal behind a proxy)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class RunConfig:
     plot_every: int = 1              # steps between redraws of plots/*.png (0 = no plots)
     tensorboard: bool = False        # also write TensorBoard event files (pip install tensorboard)
     library_logs: bool = False       # show vLLM / Hugging Face / DeepSpeed console logs (off: tether's own lines only)
+    alarm_window: int = 10           # steps the over-optimisation alarms look back over (cluster/alarms.py); 0 = off
     seed: int = 0
 
 
@@ -331,8 +334,9 @@ def validate(cfg: TetherConfig) -> None:
                           "(a reward-model checkpoint with reward_stats.json) or reward.normalize=false")
     if cfg.run.mode not in ("sync", "async"):
         raise ConfigError(f"config: run.mode={cfg.run.mode!r} must be sync or async")
-    if min(cfg.run.plot_every, cfg.run.eval_every, cfg.run.save_every, cfg.run.samples_every) < 0:
-        raise ConfigError("config: run.plot_every/eval_every/save_every/samples_every must be >= 0")
+    if min(cfg.run.plot_every, cfg.run.eval_every, cfg.run.save_every, cfg.run.samples_every,
+           cfg.run.alarm_window) < 0:
+        raise ConfigError("config: run.plot_every/eval_every/save_every/samples_every/alarm_window must be >= 0")
     if cfg.run.checkpoint_every < 0 or cfg.run.keep_checkpoints < 1:
         raise ConfigError("config: run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
     if cfg.run.steps < 1:

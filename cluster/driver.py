@@ -30,6 +30,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster import checkpoint
+from cluster.alarms import OveroptimizationAlarm
 from cluster.checkpoint import RunState
 from cluster.config import TetherConfig
 from cluster.metrics import RayMetrics, RunMetrics, progress_line
@@ -68,6 +69,7 @@ class Driver:
         self.kl_ctl = (AdaptiveKLController(kl.beta, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.beta))
         self.ray_metrics = RayMetrics()
+        self.alarm = OveroptimizationAlarm(cfg.run.alarm_window)
         self.step_count = self.version = 0
         # Learner calls are collectives: two threads (async mode's producer replacing a dead
         # generator, the main loop training) must not interleave them differently per rank.
@@ -118,6 +120,7 @@ class Driver:
                     step = self.step_count
                     if cfg.run.eval_every and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
                         metrics.update(self.evaluate())
+                    metrics.update(self.alarm.update(step, metrics))
                     if cfg.run.save_every and step % cfg.run.save_every == 0:
                         self.save_checkpoint(f"step-{step}")
                     self.metrics.log(step, metrics)  # also records the Ray gauges
@@ -370,10 +373,20 @@ class Driver:
             summary = ray.get(summary_ref)
             if not summary.rollouts:
                 return {}
-            scores = ray.get(reward.score_rollouts.remote(rollouts_ref))
+            scores_ref = reward.score_rollouts.remote(rollouts_ref)
+            gold_ref = reward.gold_scores.remote(rollouts_ref) if self.cfg.reward.gold else None
+            scores = ray.get(scores_ref)
+            gold = ray.get(gold_ref) if gold_ref is not None else None
         except RayActorError as e:  # the producer replaces the replica; this eval is skipped
             log.warning("eval skipped: a replica died (%s)", type(e).__name__)
             return {}
-        valid = scores.scores[scores.valid]
-        return {"eval/score_mean": float(valid.mean()) if len(valid) else float("nan"),
-                "eval/response_len": summary.generated_tokens / summary.rollouts}
+        out = {"eval/score_mean": _valid_mean(scores), "eval/response_len": summary.generated_tokens / summary.rollouts}
+        if gold is not None:
+            out["eval/gold_score"] = _valid_mean(gold)
+        return out
+
+
+def _valid_mean(result) -> float:
+    """Mean of a ScoreResult's valid scores (NaN when none is valid)."""
+    valid = result.scores[result.valid]
+    return float(valid.mean()) if len(valid) else float("nan")

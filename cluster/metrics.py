@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from cluster.alarms import alarm_words
+
 log = logging.getLogger(__name__)
 
 PREFIX = "tether_"
@@ -46,6 +48,10 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "ppo/logprob_gap_max": ((), "largest |vLLM behaviour logprob - learner logprob| in the batch"),
     "ppo/returns_mean": ((), "token-mean GAE return"),
     "ppo/values_mean": ((), "token-mean value prediction"),
+    "eval/gold_score": ((), "mean reward.gold score on the held-out prompts (evaluation only, never trained on)"),
+    "alarm/proxy_up_gold_down": ((), "1 when eval/score_mean rose and eval/gold_score fell over the last 3 evaluations"),
+    "alarm/kl_up_entropy_down": ((), "1 when KL to the reference climbed while entropy collapsed over run.alarm_window steps"),
+    "alarm/length_drift": ((), "1 when the response length moved > 50% from its first window's mean"),
     "off_policy/behaviour_kl": ((), "token-mean KL(behaviour || learner at the update's start), k3 estimate"),
     "off_policy/is_weight_mean": ((), "token-mean importance weight pi_learner / pi_behaviour, before the cap"),
     "off_policy/is_weight_max": ((), "largest importance weight pi_learner / pi_behaviour in the batch"),
@@ -435,4 +441,6 @@ def progress_line(step: int, total_steps: int, metrics: dict, elapsed_s: float) 
         parts.append(phases)
     if total_steps and 0 < step < total_steps and elapsed_s > 0:
         parts.append(f"eta {_duration(elapsed_s / step * (total_steps - step))}")
+    if alarm := alarm_words(m):
+        parts.append(alarm)
     return " | ".join(parts)

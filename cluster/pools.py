@@ -348,7 +348,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) -> 
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
                                           runtime_env=env, **options).remote(
             model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
-            normalize=w.normalize)
+            normalize=w.normalize, gold=w.gold)
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t)
                  for role, start, p in (("generator", generator, g), ("reference", reference, r),

@@ -176,9 +176,10 @@ def prepare(cfg):
                             "pip install tensorboard (or set run.tensorboard=false)") from None
     policy = resolve_model(cfg.model.policy)
     # Reward problems surface here, in the driver, not as a dead actor a minute later.
-    if cfg.reward.function:
-        from actors.reward import load_function
-        load_function(cfg.reward.function)
+    from actors.reward import load_function, probe_function
+    for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
+        if spec:
+            load_function(spec, key)
     tokenizer_path = cfg.model.tokenizer or policy
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     check_same_vocabulary(tokenizer, tokenizer_path, policy)
@@ -203,10 +204,10 @@ def prepare(cfg):
         raise UserError(f"data: {len(train_set)} training prompts in {dataset.source} (after holding out "
                         f"data.eval_prompts={d.eval_prompts}) are fewer than data.prompts_per_step="
                         f"{d.prompts_per_step}; lower prompts_per_step or eval_prompts, or add prompts")
-    if cfg.reward.function:  # with real prompts: a function that cannot score them would void every batch
-        from actors.reward import probe_function
-        prompts = train_set.texts[:len(PROBE_RESPONSES)]
-        probe_function(cfg.reward.function, prompts, list(PROBE_RESPONSES[:len(prompts)]))
+    prompts = train_set.texts[:len(PROBE_RESPONSES)]
+    for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
+        if spec:  # with real prompts: a function that cannot score them would void every batch (or eval)
+            probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key)
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 

@@ -169,3 +169,31 @@ def test_runs_unchanged_as_ray_actor(reward_path, policy_path, tokenizer, ray_cl
     res = ray.get(fn_actor.score.remote(_encode(tokenizer, ["Then"] * 2), _encode(tokenizer, texts)))
     np.testing.assert_allclose(res.scores, sentiment(["Then"] * 2, texts), atol=1e-6)
     assert ray.get(fn_actor.health.remote())["items"] == 2
+
+
+# --------------------------------------------------------------------------- gold (evaluation only)
+
+
+@pytest.mark.integration
+def test_gold_scores_the_decoded_text_beside_a_reward_model(reward_path, policy_path, tokenizer):
+    from core.rollout import Rollout
+
+    texts = ["The cat was happy and glad.", "It was a sad, grim day.", "Fine."]
+    prompts, responses = _encode(tokenizer, ["My friend felt"] * 3), _encode(tokenizer, texts)
+    rollouts = [Rollout(prompt_ids=p, response_ids=r, behaviour_logprobs=np.zeros(r.size, np.float32),
+                        finish_reason="stop", policy_version=0, prompt_index=i, sample_index=0)
+                for i, (p, r) in enumerate(zip(prompts, responses))]
+    reward = Reward(model=reward_path, tokenizer=policy_path, gold=SENTIMENT)
+    gold = reward.gold_scores(rollouts)
+    decoded = tokenizer.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)
+    assert gold.valid.all() and np.allclose(gold.scores, sentiment([""] * 3, decoded))
+    assert gold.scores[0] > 0 > gold.scores[1]  # the function's scores, not the model's
+    assert reward.stats()["items"] == 0  # evaluation does not count as scoring
+    assert not np.allclose(reward.score_rollouts(rollouts).scores, gold.scores)
+    with pytest.raises(ValueError, match="no gold function; set reward.gold"):
+        Reward(model=reward_path).gold_scores(rollouts)
+    with pytest.raises(ValueError, match=r"^reward.gold 'nope' must look like 'module:function'"):
+        Reward(model=reward_path, tokenizer=policy_path, gold="nope")
+    broken = Reward(model=reward_path, tokenizer=policy_path, gold="bad_rewards:raising")
+    result = broken.gold_scores(rollouts)  # a failing gold function invalidates the batch, no crash
+    assert not result.valid.any() and "reward.gold bad_rewards:raising raised" in result.errors[0]

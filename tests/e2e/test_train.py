@@ -67,8 +67,15 @@ def run(tmp_path, name, *overrides):
 
 
 def test_sync_default_learns(cluster, tmp_path):
-    run_dir, steps = run(tmp_path, "sync", "run.steps=12", "run.eval_every=0")
+    run_dir, steps = run(tmp_path, "sync", "run.steps=12", "run.eval_every=6",
+                         "reward.gold=actors.reward_functions:sentiment")
     assert [m["policy/version"] for m in steps] == list(range(1, 13))
+    # The gold function is scored at evaluation only, on the same held-out rollouts as the
+    # reward (here the same function, so the same numbers), and the alarms report every step.
+    evals = [m for m in read_metrics(run_dir) if "eval/gold_score" in m]
+    assert [m["step"] for m in evals] == [0, 6, 12]
+    assert all(m["eval/gold_score"] == pytest.approx(m["eval/score_mean"], abs=1e-6) for m in evals)
+    assert all("alarm/kl_up_entropy_down" in m and "alarm/length_drift" in m for m in steps)
     for m in steps:  # every prompt of the step accounted for, on-policy
         assert m["rollouts/prompts"] == 16
         assert m["rollouts/used"] + 4 * (m["rollouts/skipped_prompts"]) \
