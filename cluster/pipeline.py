@@ -61,10 +61,6 @@ class PipelineConfig:
 
     to_dict, to_yaml = TetherConfig.to_dict, TetherConfig.to_yaml
 
-    @property
-    def resources(self):  # cluster.train.connect_ray reads it: rl's pools are the largest
-        return self.rl.resources
-
     def validate(self) -> None:
         p = self.pairs
         if p.prompts < 1 or p.samples_per_prompt < 2 or p.pairs_per_prompt < 1:
@@ -154,7 +150,7 @@ def run(cfg: PipelineConfig) -> str:
     (root / "checkpoints").rmdir()  # make_run_dir's; the stages keep their checkpoints in their own folders
     dirs, seconds, summary = stage_dirs(root), {}, {}
     write_status(root, "running", stage="sft")
-    connect_ray(cfg)
+    connect_ray(cfg.rl)  # a local cluster sized for the largest stage, PPO
     try:
         t0 = time.perf_counter()
         sft_final = run_stage(replace(cfg.sft, run=replace(cfg.sft.run, dir=str(root), name="sft")),

@@ -66,7 +66,7 @@ def sweep(cfg: PipelineConfig, betas: list[float]) -> str:
     sft_final, rm_final = resolve_base(str(dirs["sft"])), resolve_base(str(dirs["rm"]))
     out = root / "sweep"
     out.mkdir(exist_ok=True)
-    train.connect_ray(cfg)
+    train.connect_ray(cfg.rl)
     for beta in betas:
         run_dir = out / run_dirname(beta)
         if _state(run_dir) == "succeeded":
