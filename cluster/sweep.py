@@ -25,6 +25,7 @@ DEFAULT_BETAS = (0.0, 0.05, 0.5)
 PANELS = (("reward/mean", "proxy reward (reward/mean)"), ("eval/gold_score", "gold score, held-out prompts"),
           ("kl/mean", "KL to the SFT model (kl/mean)"))
 SAMPLES_SHOWN = 6
+SMOOTH = 5  # steps in the running mean drawn over the per-step proxy reward and KL
 
 
 def split_betas(argv: list[str]) -> tuple[list[float], list[str]]:
@@ -112,19 +113,31 @@ def plot(histories: dict, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 3.8), dpi=90)
+    fig = Figure(figsize=(13, 3.8), dpi=75)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(PANELS), sharex=True)
     for ax, (key, title) in zip(axes, PANELS):
-        for beta, rows in histories.items():
+        for i, (beta, rows) in enumerate(histories.items()):
             steps, values = series(rows, key)
-            ax.plot(steps, values, marker="." if len(steps) < 40 else None, label=f"beta={beta:g}")
-        ax.set_title(title, fontsize=10)
+            color = f"C{i}"
+            if key == "eval/gold_score":  # evaluated every few steps: the points themselves
+                ax.plot(steps, values, marker=".", color=color, label=f"beta={beta:g}")
+                continue
+            # per-step values are noisy (64 rollouts): faint, with a SMOOTH-step running mean on top
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, running_mean(values, SMOOTH), color=color, label=f"beta={beta:g}")
+        ax.set_title(title + ("" if key == "eval/gold_score" else f", {SMOOTH}-step mean"), fontsize=10)
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the up to ``window - 1`` before it."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
 
 
 def last_values(rows: list[dict]) -> dict:

@@ -87,3 +87,8 @@ def test_series_and_samples_table():
                                  {"step": 10, "prompt": "B", "response": " happy happy", "score": 2.5}]})
     assert "| 0 | 10 | B | happy happy | 2.50 |" in table
     assert "x\\|y" not in table  # only the last step's samples
+
+
+def test_running_mean():
+    from cluster.sweep import running_mean
+    assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
