@@ -69,9 +69,13 @@ class PipelineConfig:
         if p.labels not in ("hard", "bradley_terry"):
             raise ConfigError(f"config: pairs.labels={p.labels!r} must be hard or bradley_terry")
         _check_run_name(self.run.name)
-        self.sft.validate()
-        self.rm.validate()
-        validate(linked_rl(self.rl, policy="sft", reward_model="rm", gold=p.gold))
+        checks = (("sft", self.sft.validate), ("rm", self.rm.validate),
+                  ("rl", lambda: validate(linked_rl(self.rl, policy="sft", reward_model="rm", gold=p.gold))))
+        for section, check in checks:
+            try:
+                check()
+            except ConfigError as e:  # the stages' messages name their own keys: say which stage
+                raise ConfigError(str(e).replace("config: ", f"config: [{section}] ", 1)) from None
 
 
 def has_gold_key() -> bool:
@@ -146,6 +150,11 @@ def run(cfg: PipelineConfig) -> str:
 
     if not has_gold_key():
         log.warning("warning: this checkout's PPO config has no reward.gold; eval/gold_score will be missing")
+    from actors.reward import load_function
+    try:
+        load_function(cfg.pairs.gold)  # a bad gold spec fails now, not after SFT
+    except ValueError as e:
+        raise UserError(f"pairs.gold: {e}") from None
     root = make_run_dir(cfg)
     (root / "checkpoints").rmdir()  # make_run_dir's; the stages keep their checkpoints in their own folders
     dirs, seconds, summary = stage_dirs(root), {}, {}

@@ -115,3 +115,10 @@ def test_pipeline_default_over_optimises(tmp_path):
     rows = read_jsonl(tmp_path / "full" / "ppo" / "metrics.jsonl")
     reward = [r["reward/mean"] for r in rows if "reward/mean" in r]
     assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5
+
+
+def test_pipeline_stage_config_mistake_names_the_stage(tmp_path):
+    p = cli("cluster.pipeline", f"run.dir={tmp_path}", "sft.train.batch_size=12", timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().startswith("tether: error: config: [sft] train.batch_size=12")
+    p = cli("cluster.pipeline", f"run.dir={tmp_path}", "pairs.gold=nope:nothing", timeout=120)
+    assert p.returncode == 2 and "pairs.gold" in p.stderr and not list(tmp_path.iterdir())
