@@ -6,9 +6,10 @@ import pytest
 from cluster.config import ConfigError, describe, load_config
 
 pytestmark = pytest.mark.unit
-# PPO configs; the SFT and reward-model stages' own (sft-*, rm-*) are checked in test_stage_cli_errors.py.
+# PPO configs; the SFT and reward-model stages' own (sft-*, rm-*) are checked in test_stage_cli_errors.py,
+# the pipeline's (pipeline-*) below.
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")
-                 if not p.name.startswith(("sft-", "rm-")))
+                 if not p.name.startswith(("sft-", "rm-", "pipeline-")))
 
 
 def test_defaults_and_overrides():
@@ -26,6 +27,15 @@ def test_defaults_and_overrides():
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
     assert cfg.run.steps >= 1
+
+
+def test_shipped_pipeline_config_validates():
+    from cluster.pipeline import PipelineConfig
+    from cluster.stage_config import load_stage_config
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "pipeline-cpu.yaml"
+    cfg = load_stage_config(PipelineConfig, path)
+    assert cfg.rl.run.steps >= 1 and cfg.pairs.gold == "cluster.pipeline_data:gold"
 
 
 def test_yaml_roundtrip_of_resolved_config(tmp_path):

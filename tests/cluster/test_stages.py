@@ -75,11 +75,12 @@ def test_sft_one_rank(sft_run):
     assert policy == f"{sft_run}/checkpoints/final"
 
 
+@pytest.mark.slow  # CI budget: the 2-rank group itself is covered by tests/learner; this is the stage on it
 def test_sft_two_ranks(tmp_path):
     check_sft(run_sft(tmp_path, "sft-2", 2))
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_reward_model(sft_run, tmp_path, replicas):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
