@@ -117,3 +117,14 @@ class PeakMemory:
             entry["peak_rss_bytes"] = (entry["peak_rss_bytes"] + peak if role == "ray system"
                                        else max(entry["peak_rss_bytes"], peak))
         return out
+
+
+def tree_peak_rss_bytes(pid: int) -> int:
+    """VmHWM of a live process plus its live descendants' (vLLM's engine core): each one's own
+    peak, summed, so an upper bound on what they held together."""
+    tree, stack, total = _children(), [pid], 0
+    while stack:
+        p = stack.pop()
+        total += peak_rss_bytes(p)
+        stack.extend(tree.get(p, ()))
+    return total
