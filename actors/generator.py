@@ -27,6 +27,7 @@ class SamplingConfig:
     max_new_tokens: int = 64
     n: int = 1                     # samples per prompt
     seed: int = 0                  # sampling seed; each prompt's is drawn from (seed, version, prompt index)
+    ignore_eos: bool = False       # run every response to max_new_tokens (fixed-length benchmarks); EOS is not masked, unlike min_tokens
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -138,7 +139,7 @@ class Generator:
 
         s = self.sampling
         return [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                               max_tokens=s.max_new_tokens, n=s.n, logprobs=0,
+                               max_tokens=s.max_new_tokens, n=s.n, logprobs=0, ignore_eos=s.ignore_eos,
                                seed=request_seed(s.seed, self._version, idx)) for idx in prompt_indices]
 
     def generate(self, prompt_ids: list, prompt_indices: list[int] | None = None) -> GenerationResult:

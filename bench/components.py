@@ -17,6 +17,7 @@ import ray
 import torch
 
 from actors.generator import Generator
+from bench.procmem import tree_peak_rss_bytes
 from actors.reference import Reference
 from cluster.pretrain import build_pretrained_policy
 from cluster.tiny_models import SPEC_30M, build_policy
@@ -42,6 +43,8 @@ def bench_generator(path: str, prompts: list, new_tokens: int):
     hf = ref.logprobs([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts])
     gap = max(float(np.abs(h - r.behaviour_logprobs).max()) for h, r in zip(hf, rollouts))
     print(f"generator: vLLM vs HF logprob max abs diff {gap:.2e} (32 rollouts, fp32)")
+    pid = ray.get(gen.health.remote())["pid"]
+    print(f"generator: peak RSS {tree_peak_rss_bytes(pid) / 2**20:.0f} MiB (actor + vLLM engine processes)")
     return gen, result.rollouts
 
 
@@ -63,8 +66,10 @@ def bench_learner(path: str, rollouts, ranks: int, gen, zero: int):
     cfg = LearnerConfig.from_dict({"zero_stage": zero, "optim": {"lr": 1e-5},
                                    "ppo": {"ppo_epochs": 1, "minibatch_size": n,
                                            "micro_batch_size": 8}})
+    t0 = time.perf_counter()
     group = LearnerGroup(model=path, config=cfg, world_size=ranks,
                          name_prefix=f"bench-learner-{ranks}")
+    print(f"learner: {ranks} rank(s) started in {time.perf_counter() - t0:.1f}s")
     try:
         shards, _ = shard_rollouts(rollouts[:n], ranks)
         group.train(shards)  # warm-up (first step builds optimizer state)
@@ -79,6 +84,8 @@ def bench_learner(path: str, rollouts, ranks: int, gen, zero: int):
         sync = group.push_weights({"bench-generator": gen}, version=1 + ranks)
         print(f"weight sync: {sync['bytes'] / 1e6:.1f} MB in {sync['buckets']} bucket(s), "
               f"{sync['seconds']:.2f}s")
+        peaks = ", ".join(f"{tree_peak_rss_bytes(pid) / 2**20:.0f}" for pid in group.pids())
+        print(f"learner: peak RSS per rank {peaks} MiB")
     finally:
         group.shutdown()
 

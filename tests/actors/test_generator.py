@@ -171,3 +171,20 @@ def test_lm_head_repack_is_gated_on_the_vllm_release(monkeypatch, caplog):
         vllm_extension._refresh_cpu_lm_head(model)
         vllm_extension._refresh_cpu_lm_head(model)
     assert ours() == ["vLLM 0.99.1 is untested with tether's CP"]
+
+
+def test_ignore_eos_gives_every_response_max_new_tokens(tokenizer):
+    """The pre-trained tiny policy ends most sentences with EOS within 24 tokens; with
+    sampling.ignore_eos every response runs to max_new_tokens (fixed-length benchmarks)."""
+    from cluster.pretrain import build_pretrained_policy
+
+    gen = Generator(model=str(build_pretrained_policy()), sampling={"max_new_tokens": 24, "n": 4},
+                    engine={"max_model_len": 64, "kv_cache_bytes": 16 << 20})
+    prompts = encode(tokenizer, PROMPTS)
+    stopped = gen.generate(prompts).rollouts
+    assert any(r.finish_reason == "stop" and len(r.response_ids) < 24 for r in stopped)  # EOS does stop by default
+    gen.sampling = type(gen.sampling)(max_new_tokens=24, n=4, ignore_eos=True)
+    rollouts = gen.generate(prompts).rollouts
+    assert len(rollouts) == 4 * len(PROMPTS)
+    assert all(len(r.response_ids) == 24 and r.finish_reason == "length" for r in rollouts)
+    assert any(tokenizer.eos_token_id in r.response_ids.tolist() for r in rollouts)  # sampled, not masked

@@ -1,0 +1,269 @@
+"""tether against Hugging Face TRL's PPO trainer on one workload (issue 14).
+
+    .venv/bin/python -m bench.vs_trl                                   # the full workload
+    .venv/bin/python -m bench.vs_trl --prompts 4 --new-tokens 8 --steps 1   # smoke: minutes
+    .venv/bin/python -m bench.vs_trl --print-command                   # tether's side by hand
+
+Builds the workload (bench/workload.py), makes TRL's virtualenv on first use
+(.bench-venv-trl, pinned by constraints/bench-trl.txt), then runs in rounds, interleaved:
+TRL, tether learner.critic=separate (TRL's models: value = a copy of the reward model),
+tether with the default shared-body value head; each run is one warm-up step plus
+--steps timed steps. Prints the medians (step seconds, where the time goes, rollout
+tokens/s, start-up, peak RSS per actor), the ratios, and writes runs/bench/vs_trl.json.
+Figures mean something only on a quiet machine: the record keeps the load average.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.procmem import PeakMemory
+
+ROOT = Path(__file__).resolve().parent.parent
+TRL_VENV = ROOT / ".bench-venv-trl"
+TRL_PINS = ROOT / "constraints" / "bench-trl.txt"
+PHASES = ("generate", "score", "learn", "sync", "other")
+
+
+class BenchError(Exception):
+    """A user-facing failure: one line, exit 2 (bad flags) or 1 (a run failed)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m bench.vs_trl", description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=2, help="timed PPO steps per run, after one warm-up step")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (TRL, tether, TRL, tether, ...)")
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per PPO step (one response each)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="response tokens per prompt (no EOS stop)")
+    ap.add_argument("--sides", default="trl,separate,shared", help="which runs: trl, separate, shared")
+    ap.add_argument("--pool-cpus", default=None,
+                    help="tether pool CPUs, e.g. generator=8,reference=2,reward=2,learner=4 (default: split the machine)")
+    ap.add_argument("--out", default="runs/bench/vs_trl.json")
+    ap.add_argument("--print-command", action="store_true", help="print tether's cluster.train command and exit")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1 or args.new_tokens < 1 or args.prompts < 4 or args.prompts % 4:
+        raise BenchError("--steps, --rounds and --new-tokens must be >= 1 and --prompts a multiple of 4 "
+                         "(4 minibatches per epoch)", 2)
+    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not args.sides or set(args.sides) - {"trl", "separate", "shared"}:
+        raise BenchError(f"--sides={','.join(args.sides)}: use a comma list of trl, separate, shared", 2)
+    return args
+
+
+def split_cores(n: int) -> dict[str, int]:
+    """Pool CPUs as one would deploy on n cores: the scorers a little each, the rest shared
+    by the generator and the learner (in sync mode they take turns, so the split caps each
+    phase's threads; Ray gives an actor OMP_NUM_THREADS = its num_cpus)."""
+    scorer = max(1, n // 8)
+    rest = max(2, n - 2 * scorer)
+    learner = max(1, rest // 2)
+    return {"generator": max(1, rest - learner), "reference": scorer, "reward": scorer, "learner": learner}
+
+
+def parse_pool_cpus(text: str | None) -> dict[str, int]:
+    cpus = split_cores(os.cpu_count() or 1)
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, _, value = item.partition("=")
+        if key.strip() not in cpus or not value.strip().isdigit() or int(value) < 1:
+            raise BenchError(f"--pool-cpus: {item!r} is not POOL=N with POOL in {sorted(cpus)} and N >= 1", 2)
+        cpus[key.strip()] = int(value)
+    return cpus
+
+
+# ---------------------------------------------------------------------------- TRL side
+def trl_python() -> Path:
+    """TRL's own virtualenv, made (pinned) on first use and when the pins change."""
+    python, stamp = TRL_VENV / "bin" / "python", TRL_VENV / ".bench-pins"
+    want = hashlib.sha256(TRL_PINS.read_bytes()).hexdigest()[:16]
+    if python.exists() and stamp.exists() and stamp.read_text() == want:
+        return python
+    print(f"bench: creating {TRL_VENV.name} (trl 1.12, torch 2.13.0 CPU; a few minutes, once)", file=sys.stderr)
+    steps = [[sys.executable, "-m", "venv", str(TRL_VENV)],
+             [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(TRL_PINS),
+              "torch==2.13.0", "trl==1.12.*"]]
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            tail = (done.stderr or done.stdout).strip().splitlines()
+            raise BenchError(f"bench: {' '.join(cmd[:4])} failed: {tail[-1] if tail else done.returncode}")
+    stamp.write_text(want)
+    return python
+
+
+def run_trl(workload: Path, args, n_steps: int) -> dict:
+    cmd = [str(trl_python()), str(ROOT / "bench" / "trl_ppo_step.py"), "--workload", str(workload),
+           "--steps", str(n_steps), "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens)]
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out, mem, wall = _run(cmd, env, "TRL")
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{\"")]
+    steps = [r for r in records if "step" in r]
+    done = next((r for r in records if r.get("done")), {})
+    startup = next((r["startup_seconds"] for r in records if "startup_seconds" in r), None)
+    return {"steps": steps, "startup_seconds": startup, "wall_seconds": wall, "memory": mem,
+            "torch_threads": done.get("torch_threads")}
+
+
+# ---------------------------------------------------------------------------- tether side
+def tether_command(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: Path) -> list[str]:
+    o = [f"model.policy={wl['policy']}", "reward.function=null", f"reward.model={wl['reward']}",
+         f"data.path={wl['prompts_path']}", f"data.prompts_per_step={args.prompts}",
+         f"generator.sampling.max_new_tokens={args.new_tokens}",
+         f"generator.engine.max_model_len={_pow2(wl['prompt_tokens'] + args.new_tokens)}",
+         f"generator.engine.max_num_seqs={max(args.prompts, 1)}",
+         f"ppo.minibatch_size={args.prompts // 4}", f"ppo.micro_batch_size={args.prompts // 4}",
+         f"learner.critic={critic}", f"run.steps={n_steps}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}",
+         f"resources.num_cpus={sum(cpus.values())}",
+         *(f"{pool}.num_cpus={n}" for pool, n in cpus.items())]
+    if critic == "separate":
+        o.append(f"learner.critic_model={wl['value']}")
+    return [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs" / "bench-30m.yaml"), *o]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
+def run_tether(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: Path) -> dict:
+    cmd = tether_command(wl, args, critic, cpus, n_steps, run_dir)
+    t_launch = time.time()
+    _, mem, wall = _run(cmd, {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")},
+                        f"tether critic={critic}")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    first = next(m for m in lines if m["step"] == 0)
+    steps = []
+    for m in (m for m in lines if m["step"] >= 1):
+        phase = {p: m[f"perf/{p}_seconds"] for p in ("generate", "score", "learn", "sync")}
+        phase["buffer_wait"] = m.get("perf/buffer_wait_seconds", 0.0)
+        steps.append({"step": m["step"], "step_seconds": m["perf/step_seconds"],
+                      **{f"{p}_seconds": v for p, v in phase.items()},
+                      "tokens": round(m["perf/tokens_per_s"] * m["perf/generate_seconds"]),
+                      "response_length_mean": m.get("response/length_mean")})
+    return {"steps": steps, "startup_seconds": first["time"] - t_launch, "wall_seconds": wall,
+            "memory": mem, "run_dir": str(run_dir)}
+
+
+# ---------------------------------------------------------------------------- shared
+def _run(cmd: list[str], env: dict, what: str) -> tuple[str, dict, float]:
+    """Run a side to completion, sampling its process tree's peak RSS; its log goes to stderr."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    with PeakMemory(proc.pid) as mem:
+        for line in proc.stdout:
+            out.append(line)
+            if not line.startswith("{\""):
+                print(f"  [{what}] {line.rstrip()}", file=sys.stderr)
+        code = proc.wait()
+    if code:
+        last = next((ln.strip() for ln in reversed(out) if ln.strip()), f"exit code {code}")
+        raise BenchError(f"bench: {what} failed (exit {code}): {last}")
+    return "".join(out), mem.by_role(), time.perf_counter() - t0
+
+
+def summarise(runs: list[dict], new_tokens: int, prompts: int) -> dict:
+    """Medians over every timed step (the first step of each run is the warm-up)."""
+    timed = [s for r in runs for s in r["steps"][1:]]
+    med = lambda key: statistics.median(s.get(key, 0.0) for s in timed) if timed else float("nan")
+    out = {"timed_steps": len(timed), "step_seconds": med("step_seconds")}
+    for p in ("generate", "score", "learn", "sync", "buffer_wait"):
+        out[f"{p}_seconds"] = med(f"{p}_seconds")
+    # driver and queue overhead: the step less its four phases (buffer_wait included here)
+    out["other_seconds"] = statistics.median(
+        s["step_seconds"] - sum(s.get(f"{p}_seconds", 0.0) for p in ("generate", "score", "learn", "sync"))
+        for s in timed) if timed else float("nan")
+    out["rollout_tokens_per_s"] = statistics.median(s["tokens"] / s["generate_seconds"] for s in timed) if timed else 0
+    out["tokens_per_step"] = statistics.median(s["tokens"] for s in timed) if timed else 0
+    out["expected_tokens_per_step"] = prompts * new_tokens
+    out["startup_seconds"] = statistics.median(r["startup_seconds"] for r in runs if r["startup_seconds"] is not None)
+    memory = {}
+    for r in runs:
+        for role, m in r["memory"].items():
+            memory[role] = max(memory.get(role, 0), m["peak_rss_bytes"])
+    out["peak_rss_bytes"] = memory
+    return out
+
+
+LABELS = {"trl": "TRL 1.12 PPOTrainer", "separate": "tether critic=separate", "shared": "tether critic=shared"}
+
+
+def report(summary: dict) -> str:
+    head = f"{'':24}{'step s':>8}{'gen':>7}{'score':>7}{'learn':>7}{'sync':>7}{'other':>7}{'tok/s':>8}{'start s':>9}"
+    rows = [head]
+    for side, s in summary.items():
+        rows.append(f"{LABELS[side]:24}{s['step_seconds']:8.2f}" + "".join(f"{s[f'{p}_seconds']:7.2f}" for p in PHASES)
+                    + f"{s['rollout_tokens_per_s']:8.0f}{s['startup_seconds']:9.1f}")
+    if "trl" in summary:
+        for side in ("separate", "shared"):
+            if side in summary:
+                t, s = summary["trl"], summary[side]
+                rows.append(f"ratio TRL/{LABELS[side]}: step time {t['step_seconds'] / s['step_seconds']:.2f}x, "
+                            f"rollout tokens/s {s['rollout_tokens_per_s'] / t['rollout_tokens_per_s']:.2f}x")
+    rows.append("peak RSS per actor (MiB):")
+    for side, s in summary.items():
+        mem = ", ".join(f"{role} {b / 2**20:.0f}" for role, b in sorted(s["peak_rss_bytes"].items()))
+        rows.append(f"  {LABELS[side]}: {mem}")
+    for side, s in summary.items():
+        if s["tokens_per_step"] != s["expected_tokens_per_step"]:
+            rows.append(f"warning: {LABELS[side]} generated {s['tokens_per_step']} tokens a step, not "
+                        f"{s['expected_tokens_per_step']} (responses stopped early?)")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        cpus = parse_pool_cpus(args.pool_cpus)
+        from bench.workload import build_workload
+        wl_path = build_workload(prompts=max(256, 4 * args.prompts))
+        wl = json.loads(wl_path.read_text())
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        n_steps = 1 + args.steps
+        if args.print_command:
+            print(shlex.join(tether_command(wl, args, "shared", cpus, n_steps, ROOT / "runs" / "bench" / "by-hand")))
+            return 0
+        load_before = os.getloadavg()
+        if load_before[0] > 0.5:
+            print(f"bench: load average {load_before[0]:.2f} (> 0.5): the figures are not meaningful", file=sys.stderr)
+        runs: dict[str, list] = {side: [] for side in args.sides}
+        for rnd in range(args.rounds):
+            for side in args.sides:
+                print(f"bench: round {rnd + 1}/{args.rounds}: {LABELS[side]}", file=sys.stderr)
+                if side == "trl":
+                    runs[side].append(run_trl(wl_path, args, n_steps))
+                else:
+                    run_dir = ROOT / "runs" / "bench" / f"vs_trl-{stamp}-{side}-{rnd}"
+                    runs[side].append(run_tether(wl, args, side, cpus, n_steps, run_dir))
+        summary = {side: summarise(r, args.new_tokens, args.prompts) for side, r in runs.items()}
+        text = report(summary)
+        print(text)
+        record = {"time": stamp, "host": platform.node(), "cpus": os.cpu_count(), "load_before": load_before,
+                  "load_after": os.getloadavg(), "args": {k: v for k, v in vars(args).items() if k != "print_command"},
+                  "pool_cpus": cpus, "workload": {k: v for k, v in wl.items() if k != "prompt_ids"},
+                  "summary": summary, "runs": runs, "report": text}
+        out = ROOT / args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1, default=float))
+        print(f"record: {out}")
+        return 0
+    except BenchError as e:
+        print(str(e), file=sys.stderr)
+        return e.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The benchmark harness's cheap parts: workload prompts, pool split, peak-memory sampler.
+Nothing here is timed."""
+import subprocess
+import sys
+
+import pytest
+
+from bench.procmem import PeakMemory
+from bench.vs_trl import BenchError, parse_pool_cpus, split_cores
+from bench.workload import _prompts
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def bench_tokenizer():
+    from transformers import AutoTokenizer
+
+    from cluster.tiny_models import SPEC_BENCH_32M, build_tokenizer
+    return AutoTokenizer.from_pretrained(build_tokenizer(SPEC_BENCH_32M.vocab_size))
+
+
+def test_workload_prompts_are_seeded_fixed_length_and_round_trip(bench_tokenizer):
+    a = _prompts(bench_tokenizer, 64, 16, seed=0)
+    assert a == _prompts(bench_tokenizer, 64, 16, seed=0)
+    assert a != _prompts(bench_tokenizer, 64, 16, seed=1)
+    assert len({tuple(p) for p in a}) == 64 and all(len(p) == 16 for p in a)
+    # tether tokenizes the text, TRL takes the ids: both must be the same prompt
+    assert all(bench_tokenizer(bench_tokenizer.decode(p))["input_ids"] == p for p in a)
+
+
+def test_bench_model_has_the_issue_shape():
+    from cluster.tiny_models import SPEC_BENCH_32M as s
+    assert (s.vocab_size, s.hidden_size, s.intermediate_size, s.num_hidden_layers, s.num_attention_heads,
+            s.num_key_value_heads, s.tie_word_embeddings) == (512, 512, 2048, 8, 8, 4, True)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 4, 16, 64])
+def test_pool_split_gives_every_pool_a_core(cores):
+    split = split_cores(cores)
+    assert set(split) == {"generator", "reference", "reward", "learner"} and min(split.values()) >= 1
+    if cores >= 4:
+        assert sum(split.values()) == cores
+
+
+@pytest.mark.parametrize("bad", ["generator", "gpu=2", "learner=0", "reward=x"])
+def test_bad_pool_cpus_is_a_user_error(bad):
+    with pytest.raises(BenchError) as e:
+        parse_pool_cpus(bad)
+    assert e.value.code == 2
+
+
+def test_peak_memory_sees_a_child_allocation():
+    code = "import time; b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    with PeakMemory(proc.pid, interval=0.1) as mem:
+        proc.wait()
+    assert mem.by_role()["driver"]["peak_rss_bytes"] >= 300 << 20
