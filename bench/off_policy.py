@@ -40,8 +40,8 @@ def run_one(name: str, seed: int, args, out: Path) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "cluster.train", *overrides], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"bench.off_policy: {run} failed (exit {proc.returncode}): "
-                         f"{proc.stderr.strip().splitlines()[-1:]}")
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"bench.off_policy: {run} failed (exit {proc.returncode}): {last}")
     rows = [json.loads(line) for line in (out / run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     get = lambda key: np.array([r.get(key) if r.get(key) is not None else np.nan for r in steps], dtype=float)
