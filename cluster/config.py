@@ -144,6 +144,7 @@ class ResourcesConfig:
     address: Optional[str] = None    # Ray cluster to join; null = RAY_ADDRESS / the job's cluster / local
     num_cpus: Optional[int] = None   # CPUs of a local cluster started by the entrypoint
     placement_timeout_s: float = 60.0  # how long a pool waits for resources before failing
+    cpu_threads: str = "phase"       # phase: in sync mode the running phase's actors share the node's cores; reserved: num_cpus each (cluster/threads.py)
 
 
 @dataclass(frozen=True)
@@ -334,6 +335,8 @@ def validate(cfg: TetherConfig) -> None:
                           "(a reward-model checkpoint with reward_stats.json) or reward.normalize=false")
     if cfg.run.mode not in ("sync", "async"):
         raise ConfigError(f"config: run.mode={cfg.run.mode!r} must be sync or async")
+    if cfg.resources.cpu_threads not in ("phase", "reserved"):
+        raise ConfigError(f"config: resources.cpu_threads={cfg.resources.cpu_threads!r} must be phase or reserved")
     if min(cfg.run.plot_every, cfg.run.eval_every, cfg.run.save_every, cfg.run.samples_every,
            cfg.run.alarm_window) < 0:
         raise ConfigError("config: run.plot_every/eval_every/save_every/samples_every/alarm_window must be >= 0")

@@ -82,6 +82,7 @@ class Driver:
                                         on_new_generator=self._give_current_weights)
         self.stop_requested = threading.Event()  # set by SIGTERM/SIGINT: stop at the next step boundary
         self.rollbacks: list[dict] = []          # one record per learner recovery
+        self.startup_metrics: dict = {}          # perf/startup_* of the process that built the pools (step 0)
 
     def shaping(self) -> RewardShaping:
         """How this step's rollouts get their per-token rewards (beta as the controller has it now)."""
@@ -108,7 +109,7 @@ class Driver:
         cfg, final = self.cfg, {}
         if self.step_count == 0:
             eval_metrics = self.evaluate() if cfg.run.eval_every else {}
-            self.metrics.log(0, eval_metrics)
+            self.metrics.log(0, {**self.startup_metrics, **eval_metrics})
             log.info("step 0: eval %s", " ".join(f"{k}={v:.3f}" for k, v in eval_metrics.items()))
         producer = self._start_producer()
         t_start = time.perf_counter()

@@ -67,6 +67,11 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "perf/learner_seconds": ((), "time of one learner rank's train() call"),
     "perf/learner_group_seconds": ((), "time of the learner group's train(), sharding included"),
     "perf/learner_tokens_per_s": ((), "response tokens per second through the learner"),
+    "perf/startup_seconds": ((), "process start to a run ready to step (step 0 only)"),
+    **{f"perf/startup_{phase}_seconds": ((), f"start-up phase: {meaning} (step 0 only)") for phase, meaning in (
+        ("imports", "interpreter and imports"), ("prepare", "models, tokenizer and data checked"),
+        ("ray", "Ray connected or started"), ("pools", "engines and learner ranks loaded"),
+        ("other", "run folder and control actor"))},
     "generator/tokens_per_s": (REPLICA_TAGS, "generated tokens per second of one generator replica"),
     "score/seconds": (REPLICA_TAGS, "latency of one scoring call, per pool (reference | reward) and replica"),
     "buffer/depth": ((), "scored rollouts waiting in the RolloutBuffer"),

@@ -227,6 +227,33 @@ def prepare_ptx(cfg, tokenizer_path: str):
     return ptx
 
 
+class StartupClock:
+    """Seconds from this process's start to a run ready to step, by phase: interpreter and
+    imports, prepare (models, tokenizer, data), ray (connect or start a local cluster),
+    pools (every engine and the learner ranks loaded), then the rest (run folder, control)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._last = psutil.Process().create_time()
+        self.seconds = {"imports": round(time.time() - self._last, 2)}
+        self._last = time.time()
+
+    def lap(self, phase: str) -> None:
+        now = time.time()
+        self.seconds[phase] = round(now - self._last, 2)
+        self._last = now
+
+    def metrics(self) -> dict:
+        self.lap("other")
+        total = sum(self.seconds.values())
+        return {"perf/startup_seconds": total, **{f"perf/startup_{k}_seconds": v for k, v in self.seconds.items()}}
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
+        return f"start-up: {sum(self.seconds.values()):.1f}s ({parts})"
+
+
 class Stopped(Exception):
     """The run stopped on SIGTERM/SIGINT (status.json says whether it can be resumed)."""
 
@@ -244,12 +271,14 @@ def run(cfg) -> dict:
 
     if not cfg.run.library_logs:
         quiet_libraries()
+    startup = StartupClock()
     try:
         reused_dir, resume_from = resume_source(cfg)  # before loading anything it may refuse
         policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
         ptx = prepare_ptx(cfg, tokenizer_path)
     except (ValueError, OSError, ImportError) as e:  # bad data / model paths / checkpoint: the user's to fix
         raise UserError(one_line(e)) from None
+    startup.lap("prepare")
     if reused_dir is None:
         run_dir = make_run_dir(cfg)
     else:
@@ -259,12 +288,14 @@ def run(cfg) -> dict:
     log.info(startup_summary(cfg))
     write_status(run_dir, "running")
     connect_ray(cfg)
+    startup.lap("ray")
     pools = None
     try:
         try:
             pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
         except PlacementError as e:
             raise UserError(str(e)) from None
+        startup.lap("pools")
         actors = pools.actor_names()
         log.info("actors: %s", ", ".join(actors))
         control, control_info = start_control(run_dir, pools)
@@ -280,7 +311,9 @@ def run(cfg) -> dict:
             log.info("resumed from step %d (%s)", step, resume_from)
         elif reused_dir is not None:  # run.resume=auto before the run's first checkpoint: start over
             metrics.rewind(-1)
-        write_status(run_dir, "running", actors=actors, control=control_info, **resumed)
+        driver.startup_metrics = startup.metrics()
+        log.info(startup.line())
+        write_status(run_dir, "running", actors=actors, control=control_info, startup=startup.seconds, **resumed)
         with StopSignals(driver.stop_requested.set) as signals:
             final = driver.run()
         if signals.received:

@@ -70,6 +70,10 @@ def test_sync_default_learns(cluster, tmp_path):
     run_dir, steps = run(tmp_path, "sync", "run.steps=12", "run.eval_every=6",
                          "reward.gold=actors.reward_functions:sentiment")
     assert [m["policy/version"] for m in steps] == list(range(1, 13))
+    step0 = read_metrics(run_dir)[0]  # start-up is timed by phase, and the phases add up
+    phases = [step0[f"perf/startup_{p}_seconds"] for p in ("imports", "prepare", "ray", "pools", "other")]
+    assert step0["step"] == 0 and step0["perf/startup_pools_seconds"] > 1
+    assert step0["perf/startup_seconds"] == pytest.approx(sum(phases), abs=0.05)
     # The gold function is scored at evaluation only, on the same held-out rollouts as the
     # reward (here the same function, so the same numbers), and the alarms report every step.
     evals = [m for m in read_metrics(run_dir) if "eval/gold_score" in m]

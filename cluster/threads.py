@@ -1,0 +1,63 @@
+"""How many CPU threads each actor's torch / OpenMP (and vLLM's CPU worker) runs.
+
+Ray gives an actor OMP_NUM_THREADS = its ``num_cpus``. That is right when the pools
+work at the same time (async mode). In sync mode they take turns: generate, then score
+(the reference and a reward model together), then learn, then push the weights. With
+Ray's rule the learner would train on one of a 2-core machine's cores while the other
+idles, which was the whole gap to TRL in issue 14. So with ``resources.cpu_threads:
+phase`` (the default) a sync run gives the actors of the phase that runs the node's
+cores, split evenly among them. ``num_cpus`` still decides placement.
+
+GPU pools keep Ray's rule: their work runs on the device, and their host threads only
+feed it.
+"""
+from __future__ import annotations
+
+import os
+
+CPU_THREADS = ("phase", "reserved")
+
+
+def node_cores() -> int:
+    """CPU cores of the largest alive node. On the driver's own node, at most the cores the
+    OS gives this process: a local cluster may advertise more CPUs than there are."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    cores = []
+    for node in ray.nodes():
+        if node.get("Alive"):
+            n = int(node.get("Resources", {}).get("CPU", 0))
+            if node.get("NodeID") == here:
+                n = min(n, len(os.sched_getaffinity(0)))
+            cores.append(n)
+    return max(cores, default=1) or 1
+
+
+def plan_threads(cfg, cores: int) -> dict[str, int]:
+    """Threads per actor of each pool: {"generator", "reference", "reward", "learner"}."""
+    pools = {"generator": cfg.generator, "reference": cfg.reference, "reward": cfg.reward,
+             "learner": cfg.learner}
+    plan = {name: max(1, int(p.num_cpus)) for name, p in pools.items()}  # Ray's rule
+    if cfg.run.mode != "sync" or cfg.resources.cpu_threads != "phase":
+        return plan
+    scorers = cfg.reference.replicas + (cfg.reward.replicas if cfg.reward.model else 0)
+    share = {"generator": cfg.generator.replicas, "reference": scorers, "learner": cfg.learner.replicas,
+             "reward": scorers if cfg.reward.model else 0}  # a reward function barely computes
+    for name, n in share.items():
+        if n and not pools[name].num_gpus:
+            plan[name] = max(plan[name], cores // n)
+    return plan
+
+
+def thread_env(threads: int, *, vllm: bool = False) -> dict[str, str]:
+    """Environment variables that give an actor ``threads`` threads.
+
+    vLLM's CPU worker binds its OpenMP threads itself and, by default, keeps one core of
+    the node for its scheduler process; ours idles while the worker computes (one
+    engine, one worker), so the worker gets the threads we plan, unbound.
+    """
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if vllm:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env

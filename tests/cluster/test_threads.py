@@ -1,0 +1,63 @@
+"""The thread plan: in sync mode the phase that runs gets the node's cores (cluster/threads.py)."""
+import pytest
+
+from cluster.config import ConfigError, load_config
+from cluster.threads import plan_threads, thread_env
+
+
+def plan(cores, *overrides):
+    return plan_threads(load_config(None, list(overrides)), cores)
+
+
+def test_sync_phases_share_the_node_cores():
+    # default: one replica per pool, a reward function (no model): generator, reference and
+    # learner each run alone in their phase, so each gets every core
+    assert plan(2) == {"generator": 2, "reference": 2, "reward": 1, "learner": 2}
+    assert plan(16, "generator.replicas=4", "learner.replicas=2") == \
+        {"generator": 4, "reference": 16, "reward": 1, "learner": 8}
+
+
+def test_reference_and_reward_model_score_together(tmp_path):
+    cfg = plan(8, "reward.function=null", f"reward.model={tmp_path}", "reference.replicas=3")
+    assert cfg["reference"] == cfg["reward"] == 2  # 8 cores over 3 + 1 scorers
+
+
+def test_async_and_reserved_keep_rays_rule():
+    want = {"generator": 1, "reference": 1, "reward": 1, "learner": 3}
+    assert plan(16, "run.mode=async", "learner.num_cpus=3") == want
+    assert plan(16, "resources.cpu_threads=reserved", "learner.num_cpus=3") == want
+
+
+def test_never_below_the_reserved_cpus_nor_on_gpu_pools():
+    assert plan(2, "learner.num_cpus=4")["learner"] == 4
+    assert plan(64, "learner.num_gpus=1", "learner.num_cpus=2")["learner"] == 2
+
+
+def test_vllm_worker_threads_are_unbound():
+    assert thread_env(3) == {"OMP_NUM_THREADS": "3"}
+    assert thread_env(2, vllm=True) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def test_bad_setting_is_one_line():
+    with pytest.raises(ConfigError, match="resources.cpu_threads='all' must be phase or reserved"):
+        load_config(None, ["resources.cpu_threads=all"])
+
+
+def test_ray_actor_runs_the_planned_threads():
+    """Ray sets OMP_NUM_THREADS = num_cpus only where it is unset: the plan's value must win."""
+    import ray
+
+    def threads():
+        import torch
+        return torch.get_num_threads()
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        probe = ray.remote(num_cpus=1)(threads)
+        assert ray.get(probe.options(runtime_env={"env_vars": thread_env(2)}).remote()) == 2
+        assert ray.get(probe.remote()) == 1  # Ray's rule without a plan
+    finally:
+        if started:
+            ray.shutdown()
