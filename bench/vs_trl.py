@@ -50,7 +50,7 @@ def parse_args(argv):
     ap.add_argument("--new-tokens", type=int, default=128, help="response tokens per prompt (no EOS stop)")
     ap.add_argument("--sides", default="trl,separate,shared", help="which runs: trl, separate, shared")
     ap.add_argument("--pool-cpus", default=None,
-                    help="tether pool CPUs, e.g. generator=8,reference=2,reward=2,learner=4 (default: split the machine)")
+                    help="tether pool CPUs, e.g. generator=8,learner=4 (default: as shipped, no hand-tuning)")
     ap.add_argument("--out", default="runs/bench/vs_trl.json")
     ap.add_argument("--print-command", action="store_true", help="print tether's cluster.train command and exit")
     args = ap.parse_args(argv)
@@ -63,24 +63,16 @@ def parse_args(argv):
     return args
 
 
-def split_cores(n: int) -> dict[str, int]:
-    """Pool CPUs as one would deploy on n cores: the scorers a little each, the rest shared
-    by the generator and the learner (in sync mode they take turns, so the split caps each
-    phase's threads; Ray gives an actor OMP_NUM_THREADS = its num_cpus)."""
-    scorer = max(1, n // 8)
-    rest = max(2, n - 2 * scorer)
-    learner = max(1, rest // 2)
-    return {"generator": max(1, rest - learner), "reference": scorer, "reward": scorer, "learner": learner}
-
-
 def parse_pool_cpus(text: str | None) -> dict[str, int]:
-    cpus = split_cores(os.cpu_count() or 1)
+    """Pool CPU overrides; none by default: tether runs as shipped (bench-30m.yaml, and in sync
+    mode the running phase gets the machine's cores: cluster/threads.py)."""
+    cpus, pools = {}, ("generator", "reference", "reward", "learner")
     for item in (text or "").split(","):
         if not item.strip():
             continue
         key, _, value = item.partition("=")
-        if key.strip() not in cpus or not value.strip().isdigit() or int(value) < 1:
-            raise BenchError(f"--pool-cpus: {item!r} is not POOL=N with POOL in {sorted(cpus)} and N >= 1", 2)
+        if key.strip() not in pools or not value.strip().isdigit() or int(value) < 1:
+            raise BenchError(f"--pool-cpus: {item!r} is not POOL=N with POOL in {list(pools)} and N >= 1", 2)
         cpus[key.strip()] = int(value)
     return cpus
 
@@ -127,7 +119,6 @@ def tether_command(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_di
          f"generator.engine.max_num_seqs={max(args.prompts, 1)}",
          f"ppo.minibatch_size={args.prompts // 4}", f"ppo.micro_batch_size={args.prompts // 4}",
          f"learner.critic={critic}", f"run.steps={n_steps}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}",
-         f"resources.num_cpus={sum(cpus.values())}",
          *(f"{pool}.num_cpus={n}" for pool, n in cpus.items())]
     if critic == "separate":
         o.append(f"learner.critic_model={wl['value']}")
@@ -153,8 +144,10 @@ def run_tether(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: P
                       **{f"{p}_seconds": v for p, v in phase.items()},
                       "tokens": round(m["perf/tokens_per_s"] * m["perf/generate_seconds"]),
                       "response_length_mean": m.get("response/length_mean")})
-    return {"steps": steps, "startup_seconds": first["time"] - t_launch, "wall_seconds": wall,
-            "memory": mem, "run_dir": str(run_dir)}
+    startup = {k[len("perf/startup_"):-len("_seconds")]: v for k, v in first.items()
+               if k.startswith("perf/startup_") and k != "perf/startup_seconds"}
+    return {"steps": steps, "startup_seconds": first["time"] - t_launch, "startup_phases": startup,
+            "wall_seconds": wall, "memory": mem, "run_dir": str(run_dir)}
 
 
 # ---------------------------------------------------------------------------- shared
@@ -190,6 +183,9 @@ def summarise(runs: list[dict], new_tokens: int, prompts: int) -> dict:
     out["tokens_per_step"] = statistics.median(s["tokens"] for s in timed) if timed else 0
     out["expected_tokens_per_step"] = prompts * new_tokens
     out["startup_seconds"] = statistics.median(r["startup_seconds"] for r in runs if r["startup_seconds"] is not None)
+    phases = [r["startup_phases"] for r in runs if r.get("startup_phases")]
+    if phases:  # tether's own account of its start-up, by phase
+        out["startup_phases"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
     memory = {}
     for r in runs:
         for role, m in r["memory"].items():
@@ -202,10 +198,12 @@ LABELS = {"trl": "TRL 1.12 PPOTrainer", "separate": "tether critic=separate", "s
 
 
 def report(summary: dict) -> str:
-    head = f"{'':24}{'step s':>8}{'gen':>7}{'score':>7}{'learn':>7}{'sync':>7}{'other':>7}{'tok/s':>8}{'start s':>9}"
+    head = (f"{'':24}{'step s':>8}{'gen':>7}{'score':>7}{'learn':>7}{'sync':>7}{'other':>7}{'sync %':>7}"
+            f"{'tok/s':>8}{'start s':>9}")
     rows = [head]
     for side, s in summary.items():
         rows.append(f"{LABELS[side]:24}{s['step_seconds']:8.2f}" + "".join(f"{s[f'{p}_seconds']:7.2f}" for p in PHASES)
+                    + f"{100 * s['sync_seconds'] / s['step_seconds']:7.1f}"
                     + f"{s['rollout_tokens_per_s']:8.0f}{s['startup_seconds']:9.1f}")
     if "trl" in summary:
         for side in ("separate", "shared"):

@@ -15,11 +15,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from cluster.threads import node_cores, thread_env
 from cluster.train import (UserError, connect_ray, dependency_error, make_run_dir, missing_dependencies,
                            one_line, parse_args, resolve_model, write_status)
 
 log = logging.getLogger("tether")
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def stage_threads(lp) -> dict:
+    """The learner ranks are all that computes in a stage: on CPU they share the node's cores."""
+    return {} if lp.num_gpus else thread_env(max(int(lp.num_cpus), node_cores() // lp.replicas))
 
 
 def stage_main(argv, *, prog: str, config_cls, default_config: Path, run: Callable) -> int:
@@ -143,7 +149,7 @@ def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
             raise UserError(str(e)) from None
         group = LearnerGroup(model=prepared["base"], config=cfg.learner_config(), world_size=lp.replicas,
                              num_cpus_per_rank=lp.num_cpus, num_gpus_per_rank=lp.num_gpus, placement_group=pg,
-                             env=actor_env(cfg), kind=kind)
+                             env={**actor_env(cfg), **stage_threads(lp)}, kind=kind)
         final = train(group, prepared, metrics, run_dir)
         metrics.close()
         write_status(run_dir, "succeeded", checkpoint=final["checkpoint"],

@@ -1,4 +1,4 @@
-"""The benchmark harness's cheap parts: workload prompts, pool split, peak-memory sampler.
+"""The benchmark harness's cheap parts: workload prompts, pool CPU overrides, peak-memory sampler.
 Nothing here is timed."""
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from bench.procmem import PeakMemory
-from bench.vs_trl import BenchError, parse_pool_cpus, split_cores
+from bench.vs_trl import BenchError, parse_pool_cpus
 from bench.workload import _prompts
 
 pytestmark = pytest.mark.unit
@@ -35,12 +35,9 @@ def test_bench_model_has_the_issue_shape():
             s.num_key_value_heads, s.tie_word_embeddings) == (512, 512, 2048, 8, 8, 4, True)
 
 
-@pytest.mark.parametrize("cores", [1, 2, 4, 16, 64])
-def test_pool_split_gives_every_pool_a_core(cores):
-    split = split_cores(cores)
-    assert set(split) == {"generator", "reference", "reward", "learner"} and min(split.values()) >= 1
-    if cores >= 4:
-        assert sum(split.values()) == cores
+def test_tether_runs_as_shipped_unless_pool_cpus_are_given():
+    assert parse_pool_cpus(None) == {}  # no hand-tuned CPUs: the thread plan decides
+    assert parse_pool_cpus("generator=8, learner=4") == {"generator": 8, "learner": 4}
 
 
 @pytest.mark.parametrize("bad", ["generator", "gpu=2", "learner=0", "reward=x"])
@@ -56,3 +53,11 @@ def test_peak_memory_sees_a_child_allocation():
     with PeakMemory(proc.pid, interval=0.1) as mem:
         proc.wait()
     assert mem.by_role()["driver"]["peak_rss_bytes"] >= 300 << 20
+
+
+@pytest.mark.parametrize("argv", [["--rollouts", "6", "--minibatches", "4"], ["--sides", "torch,trl"],
+                                  ["--epochs", "0"]])
+def test_learner_bench_bad_flags_exit_2_in_one_line(argv):
+    done = subprocess.run([sys.executable, "-m", "bench.learner", *argv], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("python -m bench.learner: error:")
