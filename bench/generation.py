@@ -8,7 +8,9 @@ seeds, logprobs of the sampled token, no EOS stop) and prompts on every side:
   - bare: vllm.LLM(...).generate in a child process, no Ray, no tether code around it;
   - tether: actors.generator.Generator as a Ray actor (as cluster/pools.py starts it), timed
     from this process around `sample` with num_returns=2, as the driver calls it;
-  - HF: transformers' generate on the same batch, for reference (no KV-cache paging).
+  - HF: transformers' generate on the same batch, for reference (no KV-cache paging);
+  - bare with vLLM's own CPU thread binding (it keeps a core for its scheduler), for reference.
+Each vLLM side's worker gets --cpus unbound threads, as a tether generator does in sync mode.
 Each side: start-up, a warm-up call, then --repeats timed calls. Prints tokens/s, the
 tether/bare ratio, start-up and peak RSS (process plus its helpers, bench/procmem.py),
 and writes runs/bench/generation.json. Figures mean something only on a quiet machine.
@@ -37,6 +39,8 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per side, after one warm-up call")
     ap.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="threads / Ray CPUs each side gets")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate reference")
+    ap.add_argument("--no-default-binding", action="store_true",
+                    help="skip the bare vLLM run with vLLM's own CPU thread binding")
     ap.add_argument("--out", default="runs/bench/generation.json")
     ap.add_argument("--child", choices=("vllm", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
@@ -117,12 +121,17 @@ def child_hf(wl: dict, prompts: list, args) -> dict:
     return {"startup_seconds": startup, "calls": timed_calls(call, args.repeats)}
 
 
-def run_child(kind: str, wl_path: Path, args) -> dict:
+def run_child(kind: str, wl_path: Path, args, vllm_binding: bool = False) -> dict:
+    """``vllm_binding``: leave vLLM's CPU thread binding as vLLM sets it (on 2 cores it keeps
+    one core for its scheduler); otherwise the worker gets --cpus unbound threads, as a
+    tether generator does (cluster/threads.py)."""
+    from cluster.threads import thread_env
+
     cmd = [sys.executable, "-m", "bench.generation", "--child", kind, "--workload", str(wl_path),
            "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
            "--repeats", str(args.repeats), "--cpus", str(args.cpus)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.cpus), "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
+    threads = {"OMP_NUM_THREADS": str(args.cpus)} if vllm_binding else thread_env(args.cpus, vllm=kind == "vllm")
+    env = {**os.environ, **threads, "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     with PeakMemory(proc.pid, root_label=kind) as mem:
         out = proc.stdout.read()
@@ -140,13 +149,15 @@ def run_tether(wl: dict, prompts: list, args) -> dict:
 
     from actors.generator import Generator
     from cluster.pools import QUIET_ENV
+    from cluster.threads import thread_env
 
     sampling, engine = settings(wl, args)
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="WARNING")
     try:
         t0 = time.perf_counter()
+        env = {**QUIET_ENV, **thread_env(args.cpus, vllm=True)}  # as cluster/pools.py starts it in sync mode
         gen = ray.remote(Generator).options(name="bench-generator", num_cpus=args.cpus,
-                                            runtime_env={"env_vars": QUIET_ENV}).remote(
+                                            runtime_env={"env_vars": env}).remote(
             model=wl["policy"], sampling=sampling, engine=engine, name="bench-generator")
         pid = ray.get(gen.health.remote())["pid"]
         startup = time.perf_counter() - t0
@@ -188,12 +199,14 @@ def main(argv=None) -> int:
     if load_before[0] > 0.5:
         print(f"bench: load average {load_before[0]:.2f} (> 0.5): the figures are not meaningful", file=sys.stderr)
     sides = {"bare vllm.LLM": run_child("vllm", wl_path, args), "tether Generator": run_tether(wl, prompts, args)}
+    if not args.no_default_binding:
+        sides["bare, vLLM binding"] = run_child("vllm", wl_path, args, vllm_binding=True)
     if not args.no_hf:
         sides["HF generate"] = run_child("hf", wl_path, args)
     table = {name: summary(side) for name, side in sides.items()}
-    rows = [f"{'':18}{'tokens/s':>10}{'s/call':>9}{'tokens':>8}{'start s':>9}{'peak RSS MiB':>14}"]
+    rows = [f"{'':20}{'tokens/s':>10}{'s/call':>9}{'tokens':>8}{'start s':>9}{'peak RSS MiB':>14}"]
     for name, s in table.items():
-        rows.append(f"{name:18}{s['tokens_per_s']:10.0f}{s['seconds_per_call']:9.2f}{s['tokens_per_call']:8d}"
+        rows.append(f"{name:20}{s['tokens_per_s']:10.0f}{s['seconds_per_call']:9.2f}{s['tokens_per_call']:8d}"
                     f"{s['startup_seconds']:9.1f}{s['peak_rss_bytes'] / 2**20:14.0f}")
     ratio = table["tether Generator"]["tokens_per_s"] / table["bare vllm.LLM"]["tokens_per_s"]
     rows.append(f"ratio tether/bare tokens/s: {ratio:.3f} ({args.prompts} prompts x {args.new_tokens} tokens, "
