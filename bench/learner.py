@@ -146,7 +146,7 @@ def main(argv=None) -> int:
             updates["torch"] = torch_side(args, wl, batch)
         for stage in (args.zero if side == "tether" else []):
             updates[f"tether-z{stage}"] = tether_side(args, wl, batch, stage)
-    seconds = {side: [] for side in args.sides}
+    seconds = {side: [] for side in updates}
     for round_ in range(args.repeats + 1):  # interleaved, so load on the machine hits both sides alike
         for side, update in updates.items():
             s = update()
