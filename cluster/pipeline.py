@@ -104,7 +104,7 @@ def sample_pairs(cfg: PipelineConfig, sft_model: str, out: Path) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from actors.generator import Generator
+    from actors.generator import Generator, engine_process_env
     from actors.reward import load_function
     from cluster.data import PromptDataset
     from cluster.pipeline_data import label_pairs
@@ -120,7 +120,8 @@ def sample_pairs(cfg: PipelineConfig, sft_model: str, out: Path) -> dict:
     n = min(p.prompts, len(train_set))
     sampling = replace(rl.generator.sampling, n=p.samples_per_prompt, seed=p.seed)
     generator = ray.remote(Generator).options(num_cpus=rl.generator.num_cpus, num_gpus=rl.generator.num_gpus,
-                                              runtime_env={"env_vars": actor_env(rl)}).remote(
+                                              runtime_env={"env_vars": {**actor_env(rl), **engine_process_env(
+                                                  num_gpus=rl.generator.num_gpus, tensor_parallel=1)}}).remote(
         model=sft_model, name="pairs-generator", sampling=sampling, engine=rl.generator.engine)
     try:
         result = ray.get(generator.generate.remote(train_set.prompt_ids[:n], list(range(n))))

@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.buffer import RolloutBuffer
-from actors.generator import Generator
+from actors.generator import Generator, engine_process_env
 from actors.reference import Reference
 from actors.reward import Reward
 from cluster.config import TetherConfig
@@ -364,7 +364,9 @@ class _Background:
 def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
                 threads: dict[str, int]) -> tuple[Pool, Pool, Pool]:
     g, r, w, t = cfg.generator, cfg.reference, cfg.reward, cfg.resources.placement_timeout_s
-    env = lambda pool: {"env_vars": {**actor_env(cfg), **thread_env(threads[pool], vllm=pool == "generator")}}  # noqa: E731
+    engine = engine_process_env(num_gpus=g.num_gpus, tensor_parallel=g.tensor_parallel)
+    env = lambda pool: {"env_vars": {**actor_env(cfg), **thread_env(threads[pool], vllm=pool == "generator"),  # noqa: E731
+                                     **(engine if pool == "generator" else {})}}
 
     def generator(rid, index, options):
         return ray.remote(Generator).options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,
