@@ -9,8 +9,8 @@ seeds, logprobs of the sampled token, no EOS stop) and prompts on every side:
   - tether: actors.generator.Generator as a Ray actor (as cluster/pools.py starts it), timed
     from this process around `sample` with num_returns=2, as the driver calls it;
   - HF: transformers' generate on the same batch, for reference (no KV-cache paging);
-  - bare with vLLM's defaults (its own CPU thread binding, which keeps a core for its
-    scheduler, and the engine core and worker in two more processes), for reference.
+  - bare with vLLM's own process layout (engine core and worker in two more processes,
+    the same unbound threads), for reference.
 The bare and tether sides run vLLM as a tether generator actor does on CPU: --cpus unbound
 threads, the engine in the calling process (actors.generator.engine_process_env).
 Each side: start-up, a warm-up call, then --repeats timed calls. Prints tokens/s, the
@@ -41,8 +41,8 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per side, after one warm-up call")
     ap.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="threads / Ray CPUs each side gets")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate reference")
-    ap.add_argument("--no-vllm-defaults", action="store_true",
-                    help="skip the bare vLLM run with vLLM's own thread binding and process layout")
+    ap.add_argument("--no-vllm-processes", action="store_true",
+                    help="skip the bare vLLM run with vLLM's own process layout")
     ap.add_argument("--out", default="runs/bench/generation.json")
     ap.add_argument("--child", choices=("vllm", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
@@ -123,18 +123,19 @@ def child_hf(wl: dict, prompts: list, args) -> dict:
     return {"startup_seconds": startup, "calls": timed_calls(call, args.repeats)}
 
 
-def run_child(kind: str, wl_path: Path, args, vllm_defaults: bool = False) -> dict:
-    """``vllm_defaults``: run vLLM as it runs out of the box (its CPU thread binding, which on
-    2 cores keeps one core for its scheduler, and its engine in separate processes);
-    otherwise as a tether generator actor runs it (cluster/threads.py, engine_process_env)."""
+def run_child(kind: str, wl_path: Path, args, vllm_processes: bool = False) -> dict:
+    """``vllm_processes``: vLLM's own process layout (engine core and worker in processes of
+    their own); otherwise as a tether generator actor runs it on CPU (engine_process_env).
+    Either way the worker gets --cpus unbound threads (cluster/threads.py)."""
     from actors.generator import engine_process_env
     from cluster.threads import thread_env
 
     cmd = [sys.executable, "-m", "bench.generation", "--child", kind, "--workload", str(wl_path),
            "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
            "--repeats", str(args.repeats), "--cpus", str(args.cpus)]
-    threads = ({"OMP_NUM_THREADS": str(args.cpus)} if vllm_defaults or kind != "vllm"
-               else {**thread_env(args.cpus, vllm=True), **engine_process_env(num_gpus=0, tensor_parallel=1)})
+    threads = thread_env(args.cpus, vllm=kind == "vllm")
+    if kind == "vllm" and not vllm_processes:
+        threads.update(engine_process_env(num_gpus=0, tensor_parallel=1))
     env = {**os.environ, **threads, "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     with PeakMemory(proc.pid, root_label=kind) as mem:
@@ -204,8 +205,8 @@ def main(argv=None) -> int:
     if load_before[0] > 0.5:
         print(f"bench: load average {load_before[0]:.2f} (> 0.5): the figures are not meaningful", file=sys.stderr)
     sides = {"bare vllm.LLM": run_child("vllm", wl_path, args), "tether Generator": run_tether(wl, prompts, args)}
-    if not args.no_vllm_defaults:
-        sides["bare, vLLM defaults"] = run_child("vllm", wl_path, args, vllm_defaults=True)
+    if not args.no_vllm_processes:
+        sides["bare, vLLM processes"] = run_child("vllm", wl_path, args, vllm_processes=True)
     if not args.no_hf:
         sides["HF generate"] = run_child("hf", wl_path, args)
     table = {name: summary(side) for name, side in sides.items()}

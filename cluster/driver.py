@@ -36,6 +36,7 @@ from cluster.config import TetherConfig
 from cluster.metrics import RayMetrics, RunMetrics, progress_line
 from cluster.pools import PlacementError, Pools, alive
 from cluster.rollouts import BackgroundProducer, Produced, RolloutProducer
+from cluster.threads import chunks_per_generator
 from core.annotate import RewardShaping
 from core.ppo import AdaptiveKLController, FixedKLController
 from learner.group import LearnerRankDied
@@ -79,6 +80,7 @@ class Driver:
         self._issue_lock = threading.Lock()
         self._seek(0)
         self.rollouts = RolloutProducer(pools, put_timeout_s=cfg.buffer.timeout_s,
+                                        chunks_per_generator=chunks_per_generator(cfg),
                                         on_new_generator=self._give_current_weights)
         self.stop_requested = threading.Event()  # set by SIGTERM/SIGINT: stop at the next step boundary
         self.rollbacks: list[dict] = []          # one record per learner recovery

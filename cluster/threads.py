@@ -34,12 +34,26 @@ def node_cores() -> int:
     return max(cores, default=1) or 1
 
 
+def phases_take_turns(cfg) -> bool:
+    """Whether the CPU pools run one phase at a time, each with the node's cores."""
+    return cfg.run.mode == "sync" and cfg.resources.cpu_threads == "phase"
+
+
+def chunks_per_generator(cfg) -> int:
+    """Prompt chunks per generator and step. Two let the scorers start on the first chunk
+    while the second is sampled; on CPU pools that take turns that overlap would run the
+    generator's and the scorers' threads on the same cores at once (measured on 2 cores,
+    31.7M policy: the generate phase took 12.2 s instead of ~6 s), so each generator gets
+    its whole share in one call, which also keeps vLLM's batch whole."""
+    return 1 if phases_take_turns(cfg) and not cfg.generator.num_gpus else 2
+
+
 def plan_threads(cfg, cores: int) -> dict[str, int]:
     """Threads per actor of each pool: {"generator", "reference", "reward", "learner"}."""
     pools = {"generator": cfg.generator, "reference": cfg.reference, "reward": cfg.reward,
              "learner": cfg.learner}
     plan = {name: max(1, int(p.num_cpus)) for name, p in pools.items()}  # Ray's rule
-    if cfg.run.mode != "sync" or cfg.resources.cpu_threads != "phase":
+    if not phases_take_turns(cfg):
         return plan
     scorers = cfg.reference.replicas + (cfg.reward.replicas if cfg.reward.model else 0)
     share = {"generator": cfg.generator.replicas, "reference": scorers, "learner": cfg.learner.replicas,

@@ -151,6 +151,44 @@ def test_two_generators_as_ray_actors(policy_path, tokenizer):
         ray.shutdown()
 
 
+def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer):
+    """As cluster/pools.py starts it on CPU: vLLM's engine core and worker run inside the
+    actor's process (no helper processes to start, or to outlive a kill of the actor), and
+    a weight push still reaches the model through collective_rpc."""
+    import psutil
+    import ray
+
+    from actors.generator import engine_process_env
+    from cluster.threads import thread_env
+
+    assert engine_process_env(num_gpus=1, tensor_parallel=1) == {}  # GPU engines keep vLLM's layout
+    assert engine_process_env(num_gpus=0, tensor_parallel=2) == {}
+    env = {**thread_env(1, vllm=True), **engine_process_env(num_gpus=0, tensor_parallel=1)}
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        gen = ray.remote(num_cpus=1)(Generator).options(runtime_env={"env_vars": env}).remote(
+            model=policy_path, sampling={"max_new_tokens": 8, "seed": 3},
+            engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
+        pid = ray.get(gen.health.remote())["pid"]
+        helpers = [p.name() for p in psutil.Process(pid).children(recursive=True)]
+        assert helpers == [], f"the engine runs in helper processes: {helpers}"
+        before = ray.get(gen.generate.remote(encode(tokenizer, PROMPTS))).rollouts
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
+        with torch.no_grad():  # a different policy: every weight scaled
+            for param in model.parameters():
+                param.mul_(0.5)
+        named = policy_weights(model.state_dict().items(), tied_embeddings=model.config.tie_word_embeddings)
+        assert ray.get(gen.load_weights.remote(1, to_buckets(named, 256 << 10)))["version"] == 1
+        after = ray.get(gen.generate.remote(encode(tokenizer, PROMPTS))).rollouts
+        assert max_gap(model.eval(), after, 1.0) < 1e-3 < max_gap(model, before, 1.0)
+    finally:
+        if started:
+            ray.shutdown()
+
+
 def test_lm_head_repack_is_gated_on_the_vllm_release(monkeypatch, caplog):
     """The re-pack reaches into vLLM internals: a tested release is silent, another warns
     once (and still re-packs), so an upgrade cannot silently serve a stale tied head."""

@@ -2,7 +2,7 @@
 import pytest
 
 from cluster.config import ConfigError, load_config
-from cluster.threads import plan_threads, thread_env
+from cluster.threads import chunks_per_generator, plan_threads, thread_env
 
 
 def plan(cores, *overrides):
@@ -31,6 +31,12 @@ def test_async_and_reserved_keep_rays_rule():
 def test_never_below_the_reserved_cpus_nor_on_gpu_pools():
     assert plan(2, "learner.num_cpus=4")["learner"] == 4
     assert plan(64, "learner.num_gpus=1", "learner.num_cpus=2")["learner"] == 2
+
+
+def test_scoring_overlaps_generation_only_where_pools_run_at_once():
+    one = lambda *o: chunks_per_generator(load_config(None, list(o)))  # noqa: E731
+    assert one() == 1  # sync CPU pools take turns: one whole chunk per generator
+    assert one("run.mode=async") == one("resources.cpu_threads=reserved") == one("generator.num_gpus=1") == 2
 
 
 def test_vllm_worker_threads_are_unbound():
