@@ -55,6 +55,15 @@ def actor_env(cfg: TetherConfig) -> dict:
     return {} if cfg.run.library_logs else dict(QUIET_ENV)
 
 
+def pool_env(cfg: TetherConfig, pool: str, threads: int) -> dict:
+    """Environment variables of one actor of a rollout-side pool: every actor's, its planned
+    threads (cluster/threads.py) and, for a generator, where vLLM runs its engine."""
+    env = {**actor_env(cfg), **thread_env(threads, vllm=pool == "generator")}
+    if pool == "generator":
+        env.update(engine_process_env(num_gpus=cfg.generator.num_gpus, tensor_parallel=cfg.generator.tensor_parallel))
+    return env
+
+
 def reserve(pool: str, bundles: int, num_cpus: float, num_gpus: float, timeout_s: float,
             name: str | None = None):
     """A placement group of ``bundles`` equal bundles, or PlacementError naming the pool.
@@ -364,9 +373,7 @@ class _Background:
 def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
                 threads: dict[str, int]) -> tuple[Pool, Pool, Pool]:
     g, r, w, t = cfg.generator, cfg.reference, cfg.reward, cfg.resources.placement_timeout_s
-    engine = engine_process_env(num_gpus=g.num_gpus, tensor_parallel=g.tensor_parallel)
-    env = lambda pool: {"env_vars": {**actor_env(cfg), **thread_env(threads[pool], vllm=pool == "generator"),  # noqa: E731
-                                     **(engine if pool == "generator" else {})}}
+    env = lambda pool: {"env_vars": pool_env(cfg, pool, threads[pool])}  # noqa: E731
 
     def generator(rid, index, options):
         return ray.remote(Generator).options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,

@@ -159,11 +159,12 @@ def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer)
     import ray
 
     from actors.generator import engine_process_env
-    from cluster.threads import thread_env
+    from cluster.config import load_config
+    from cluster.pools import pool_env
 
     assert engine_process_env(num_gpus=1, tensor_parallel=1) == {}  # GPU engines keep vLLM's layout
     assert engine_process_env(num_gpus=0, tensor_parallel=2) == {}
-    env = {**thread_env(1, vllm=True), **engine_process_env(num_gpus=0, tensor_parallel=1)}
+    env = pool_env(load_config(None, []), "generator", 1)  # what the pools give a CPU generator
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
