@@ -1,6 +1,21 @@
-"""Generator: one vLLM engine sampling responses under the current policy version."""
+"""Generator: one vLLM engine sampling responses under the current policy version.
+
+Weight updates run in their own Ray concurrency group (``actor_class``), so a push reaches
+the actor while a generate call runs; ``EngineTurns`` keeps the two off the engine at the
+same time. With ``partial_rollouts`` (async mode) a generate call steps the engine itself
+and a push goes in between two engine steps instead of after the call:
+
+* the requests in flight are preempted and recomputed from their tokens so far under the
+  new weights (vLLM's ``reset_prefix_cache(reset_running_requests=True)``), so no token is
+  sampled from KV that the old weights computed;
+* vLLM labels each output token with the weight version that sampled it (its
+  ``weight_versions`` spans); a rollout carries them as ``token_versions``, and its
+  behaviour logprobs are, token by token, those of the version that sampled the token,
+  which is what the learner's off-policy correction needs.
+"""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -8,8 +23,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from actors.engine_turns import EngineTurns
 from actors.reference import resolve_model_path
-from core.rollout import Rollout
+from core.rollout import WEIGHT_UPDATE_GROUP, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +48,13 @@ def engine_process_env(*, num_gpus: float, tensor_parallel: int) -> dict[str, st
     if num_gpus or tensor_parallel != 1:
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def actor_class():
+    """Generator as a Ray actor class: weight updates get their own concurrency group
+    (every generator actor must be made here: Ray kills an actor called in a group it lacks)."""
+    import ray
+    return ray.remote(concurrency_groups={WEIGHT_UPDATE_GROUP: 1})(Generator)
 
 
 @dataclass(frozen=True)
@@ -105,10 +128,11 @@ class Generator:
 
     def __init__(self, *, model: str, sampling: SamplingConfig | dict | None = None,
                  engine: EngineConfig | dict | None = None, name: str = "generator",
-                 tensor_parallel: int = 1, weight_sync: str = "cpu") -> None:
+                 tensor_parallel: int = 1, weight_sync: str = "cpu", partial_rollouts: bool = False) -> None:
         """tensor_parallel: GPUs the engine spans (a pool resource). weight_sync: the learner's
         transport, "cpu" (load_weights of safetensors buckets) or "nccl" (vLLM's NCCL weight
-        transfer on GPU, on top of "cpu")."""
+        transfer on GPU, on top of "cpu"). partial_rollouts: a weight push lands between two
+        engine steps of a generate call rather than after it (module docstring)."""
         model = resolve_model_path(model, name)
         if weight_sync not in ("cpu", "nccl"):
             raise ValueError(f"{name}: weight_sync={weight_sync!r} is unknown; use 'cpu' or 'nccl'")
@@ -116,6 +140,9 @@ class Generator:
         self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**(sampling or {}))
         self.engine = engine if isinstance(engine, EngineConfig) else EngineConfig(**(engine or {}))
         self._version = 0
+        self.partial_rollouts = bool(partial_rollouts)
+        self._turns = EngineTurns()
+        self._request_ids = itertools.count()
         self._skipped_total = 0
         self._generated_total = 0
         if weight_sync == "nccl" and not _has_cuda():
@@ -123,6 +150,7 @@ class Generator:
                              "vLLM's GPU workers); this generator has no GPU: use 'cpu' or give it num_gpus")
         t0 = time.perf_counter()
         self._llm = self._start_engine(model)
+        self._llm.llm_engine.set_weight_version(str(self._version))  # vLLM labels each token with it
         self.start_seconds = time.perf_counter() - t0
         log.info("%s: vLLM engine up in %.1fs", name, self.start_seconds)
 
@@ -152,10 +180,13 @@ class Generator:
         history, so a resumed or redispatched run samples what the original would have."""
         from vllm import SamplingParams
 
+        from vllm.sampling_params import RequestOutputKind
+
         s = self.sampling
         return [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                max_tokens=s.max_new_tokens, n=s.n, logprobs=0, ignore_eos=s.ignore_eos,
-                               seed=request_seed(s.seed, self._version, idx)) for idx in prompt_indices]
+                               seed=request_seed(s.seed, self._version, idx),
+                               output_kind=RequestOutputKind.FINAL_ONLY) for idx in prompt_indices]
 
     def generate(self, prompt_ids: list, prompt_indices: list[int] | None = None) -> GenerationResult:
         """Sample `sampling.n` responses per prompt. prompt_ids: list of [P] int token arrays.
@@ -187,8 +218,12 @@ class Generator:
             return GenerationResult(rollouts=[], skipped_prompts=skipped, version=self._version)
 
         t0 = time.perf_counter()
-        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in keep],
-                                     self._params([idx for _, idx in keep]), use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in keep]
+        if self.partial_rollouts:
+            outputs = self._step_engine(prompts, [idx for _, idx in keep])
+        else:
+            with self._turns.sampling():  # a push waits for the whole call
+                outputs = self._llm.generate(prompts, self._params([idx for _, idx in keep]), use_tqdm=False)
         seconds = time.perf_counter() - t0
         rollouts = [self._to_rollout(ids, idx, completion)
                     for (ids, idx), out in zip(keep, outputs) for completion in out.outputs]
@@ -196,6 +231,27 @@ class Generator:
         self._generated_total += tokens
         return GenerationResult(rollouts=rollouts, skipped_prompts=skipped,
                                 generated_tokens=tokens, seconds=seconds, version=self._version)
+
+    def _step_engine(self, prompts: list, prompt_indices: list[int]) -> list:
+        """LLM.generate, stepping the engine here so that a weight push can take its turn
+        between two steps. Returns the finished RequestOutputs in prompt order."""
+        engine = self._llm.llm_engine
+        ids = [f"{self.name}-{next(self._request_ids)}" for _ in prompts]
+        done: dict = {}
+        with self._turns.stepping_call():
+            try:
+                with self._turns.step():  # seeds are drawn from the version the request starts on
+                    for rid, prompt, params in zip(ids, prompts, self._params(prompt_indices)):
+                        engine.add_request(rid, prompt, params)
+                while len(done) < len(ids):
+                    with self._turns.step():
+                        for out in engine.step():
+                            if out.finished:
+                                done[out.request_id] = out
+            finally:
+                if len(done) < len(ids):  # an error mid-call: leave nothing running in the engine
+                    engine.abort_request([r for r in ids if r not in done])
+        return [done[r] for r in ids]
 
     def sample(self, prompt_ids: list, prompt_indices: list[int]) -> tuple[list[Rollout], GenerationSummary]:
         """generate(), split in two for Ray's ``num_returns=2``: the rollouts stay in the object
@@ -208,30 +264,53 @@ class Generator:
         token_ids = list(completion.token_ids)
         # logprobs=0 returns exactly the sampled token's entry at each step.
         logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
+        versions = token_versions(completion.weight_versions, len(token_ids), self._version)
         return Rollout(prompt_ids=np.asarray(prompt, dtype=np.int64),
                        response_ids=np.asarray(token_ids, dtype=np.int64),
                        behaviour_logprobs=np.asarray(logprobs, dtype=np.float32),
                        finish_reason="stop" if completion.finish_reason == "stop" else "length",
-                       policy_version=self._version, prompt_index=prompt_index,
-                       sample_index=completion.index)
+                       policy_version=int(versions[0]) if len(versions) else self._version,
+                       prompt_index=prompt_index, sample_index=completion.index, token_versions=versions)
 
     def rewind(self, version: int) -> None:
         """A rollback to a checkpoint: the next weights pushed are that (older) version's."""
-        self._version = int(version)
+        with self._turns.updating():
+            self._set_version(int(version))
 
     def load_weights(self, version: int, buckets: list[bytes]) -> dict:
-        """Reload the policy in place from safetensors-serialised buckets; record `version`."""
+        """Reload the policy in place from safetensors-serialised buckets; record `version`.
+        Waits for the engine's turn: the end of a generate call, or with partial rollouts
+        the end of the current engine step."""
         if version < self._version:
             raise ValueError(f"{self.name}.load_weights: version {version} is older than the "
                              f"loaded version {self._version}")
-        t0 = time.perf_counter()
-        counts = self._llm.collective_rpc("tether_reload_buckets", args=(buckets,))
-        # Cached prompt KV blocks were computed by the old weights; reusing them would
-        # make the new policy's logprobs silently wrong.
-        self._llm.reset_prefix_cache()
-        self._version = version
-        return {"seconds": time.perf_counter() - t0, "tensors": counts[0],
+        waited = time.perf_counter()
+        with self._turns.updating():
+            t0 = time.perf_counter()
+            self._pause()
+            counts = self._llm.collective_rpc("tether_reload_buckets", args=(buckets,))
+            self._after_update(version)
+        return {"seconds": time.perf_counter() - t0, "wait_seconds": t0 - waited, "tensors": counts[0],
                 "bytes": sum(len(b) for b in buckets), "version": version}
+
+    def _pause(self) -> None:
+        """Stop the engine stepping with requests kept. An in-process engine steps only when
+        called, and the turn already holds it; vLLM's own engine process steps on its own."""
+        if self.partial_rollouts:
+            self._llm.sleep(level=0, mode="keep")
+
+    def _after_update(self, version: int) -> None:
+        """New weights are in: drop every KV block the old weights computed, label the next tokens."""
+        # Cached prompt blocks would make the new policy's logprobs silently wrong; requests in
+        # flight (partial rollouts) are preempted and recomputed from their tokens so far.
+        self._llm.reset_prefix_cache(reset_running_requests=self.partial_rollouts)
+        self._set_version(version)
+        if self.partial_rollouts:
+            self._llm.wake_up(tags=["scheduling"])
+
+    def _set_version(self, version: int) -> None:
+        self._version = version
+        self._llm.llm_engine.set_weight_version(str(version))
 
     # ---- NCCL transport (learner/nccl_sync.py drives these; engine.weight_sync="nccl" only).
     # vLLM's weight-transfer engine lives in each vLLM worker; these forward to the
@@ -258,24 +337,37 @@ class Generator:
         self._llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self, version: int) -> None:
-        """Open an update round (vLLM: layerwise reload set up); refuses an older version."""
+        """Open an update round (vLLM: layerwise reload set up); refuses an older version.
+        Holds the engine's turn until finish_weight_update (or a failure) releases it."""
         self._require_nccl("start_weight_update")
         if version < self._version:
             raise ValueError(f"{self.name}.start_weight_update: version {version} is older than the "
                              f"loaded version {self._version}")
-        self._llm.start_weight_update()
+        self._turns.claim()
+        try:
+            self._pause()
+            self._llm.start_weight_update()
+        except BaseException:
+            self._turns.release()
+            raise
 
     def update_weights(self, update_info: dict) -> None:
         """Receive every tensor named in update_info (names, dtype_names, shapes) over NCCL,
         packed chunk by chunk, loading each into the model. Blocks until the broadcast ends."""
-        self._llm.update_weights({"update_info": update_info})
+        try:
+            self._llm.update_weights({"update_info": update_info})
+        except BaseException:
+            self._turns.release()
+            raise
 
     def finish_weight_update(self, version: int) -> dict:
         """Close the round (vLLM: finalize layerwise reload), drop stale KV, record `version`."""
         t0 = time.perf_counter()
-        self._llm.finish_weight_update()
-        self._llm.reset_prefix_cache()  # as in load_weights: cached KV came from the old weights
-        self._version = version
+        try:
+            self._llm.finish_weight_update()
+            self._after_update(version)
+        finally:
+            self._turns.release()
         return {"seconds": time.perf_counter() - t0, "version": version}
 
     def shutdown_weight_transfer(self) -> None:
@@ -288,11 +380,22 @@ class Generator:
 
     def health(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "version": self._version, "skipped_prompts": self._skipped_total,
-                "generated_tokens": self._generated_total, "engine_start_s": self.start_seconds}
+                "generated_tokens": self._generated_total, "engine_start_s": self.start_seconds,
+                "pushes_mid_generate": self._turns.updates_during_sampling}
 
     def config(self) -> dict:
         return {"sampling": asdict(self.sampling), "engine": asdict(self.engine),
-                "tensor_parallel": self.tensor_parallel, "weight_sync": self.weight_sync}
+                "tensor_parallel": self.tensor_parallel, "weight_sync": self.weight_sync,
+                "partial_rollouts": self.partial_rollouts}
+
+
+def token_versions(spans, n_tokens: int, default: int) -> np.ndarray:
+    """[n_tokens] int64 version of each output token, from vLLM's WeightVersionSpan list
+    (labels are our version numbers, set by _set_version); ``default`` where vLLM gave none."""
+    out = np.full(n_tokens, default, dtype=np.int64)
+    for span in spans or ():
+        out[span.start:span.end] = int(span.version)
+    return out
 
 
 def _has_cuda() -> bool:

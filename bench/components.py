@@ -16,7 +16,7 @@ import numpy as np
 import ray
 import torch
 
-from actors.generator import Generator
+from actors.generator import actor_class
 from bench.procmem import tree_peak_rss_bytes
 from actors.reference import Reference
 from cluster.pretrain import build_pretrained_policy
@@ -29,7 +29,7 @@ def model_path(name: str) -> str:
 
 def bench_generator(path: str, prompts: list, new_tokens: int):
     t0 = time.perf_counter()
-    gen = ray.remote(num_cpus=1)(Generator).options(name="bench-generator").remote(
+    gen = actor_class().options(name="bench-generator", num_cpus=1).remote(
         model=path, sampling={"max_new_tokens": new_tokens, "n": 4},
         engine={"max_model_len": 256, "kv_cache_bytes": 256 << 20})
     ray.get(gen.health.remote())

@@ -152,7 +152,7 @@ def run_tether(wl: dict, prompts: list, args) -> dict:
     import numpy as np
     import ray
 
-    from actors.generator import Generator, engine_process_env
+    from actors.generator import actor_class, engine_process_env
     from cluster.pools import QUIET_ENV
     from cluster.threads import thread_env
 
@@ -162,8 +162,8 @@ def run_tether(wl: dict, prompts: list, args) -> dict:
         t0 = time.perf_counter()
         env = {**QUIET_ENV, **thread_env(args.cpus, vllm=True),  # as cluster/pools.py starts it in sync mode
                **engine_process_env(num_gpus=0, tensor_parallel=1)}
-        gen = ray.remote(Generator).options(name="bench-generator", num_cpus=args.cpus,
-                                            runtime_env={"env_vars": env}).remote(
+        gen = actor_class().options(name="bench-generator", num_cpus=args.cpus,
+                                    runtime_env={"env_vars": env}).remote(
             model=wl["policy"], sampling=sampling, engine=engine, name="bench-generator")
         pid = ray.get(gen.health.remote())["pid"]
         startup = time.perf_counter() - t0

@@ -50,6 +50,9 @@ class PoolConfig:
 @dataclass(frozen=True)
 class GeneratorPoolConfig(PoolConfig):
     tensor_parallel: int = 1         # GPUs one vLLM engine spans (bundled STRICT_PACK)
+    partial_rollouts: bool = True    # async mode: a weight push lands between engine steps, not after a whole
+                                     # generate call; in-flight requests go on under the new weights, each
+                                     # token keeps the version that sampled it (sync mode: no effect)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 

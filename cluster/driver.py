@@ -38,6 +38,7 @@ from cluster.pools import PlacementError, Pools, alive
 from cluster.rollouts import BackgroundProducer, Produced, RolloutProducer
 from cluster.threads import chunks_per_generator
 from core.annotate import RewardShaping
+from core.rollout import WEIGHT_UPDATE_GROUP
 from core.ppo import AdaptiveKLController, FixedKLController
 from learner.group import LearnerRankDied
 
@@ -214,10 +215,13 @@ class Driver:
              "buffer/dropped_stale": batch.dropped_stale,
              "buffer/staleness_mean": float(batch.staleness.mean()),
              "buffer/staleness_max": int(batch.staleness.max()),
+             "buffer/token_staleness_mean": float(batch.token_staleness.mean()),
+             "rollouts/partial_frac": float(batch.partial.mean()),
              "perf/step_seconds": seconds["step"], "perf/generate_seconds": produced.generate_seconds,
              "perf/score_seconds": produced.score_seconds,
              "perf/buffer_wait_seconds": seconds["buffer_wait"], "perf/learn_seconds": seconds["learn"],
              "perf/sync_seconds": sync.get("seconds", seconds["sync"]), "perf/sync_bytes": sync.get("bytes", 0),
+             "perf/sync_wait_seconds": sync.get("wait_seconds", 0.0),
              "perf/tokens_per_s": produced.tokens / max(produced.generate_seconds, 1e-9), **learn}
         for g, tps in produced.per_generator_tps.items():
             self.ray_metrics.record({"generator/tokens_per_s": tps}, {"pool": "generator", "replica": g})
@@ -259,7 +263,8 @@ class Driver:
                 self.pools.learner.load(Path(path) / "learner")
             generators = self.pools.generators.handles()
             generators = {rid: g for rid, g in generators.items() if alive(g)}  # the producer replaces the rest
-            ray.get([g.rewind.remote(state.version) for g in generators.values()])
+            ray.get([g.rewind.options(concurrency_group=WEIGHT_UPDATE_GROUP).remote(state.version)
+                     for g in generators.values()])
             self._push_weights(generators, state.version)
         self.step_count, self.version, self.kl_ctl.value = state.step, state.version, state.kl_beta
         self._seek(state.batches_issued)

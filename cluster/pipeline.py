@@ -104,7 +104,7 @@ def sample_pairs(cfg: PipelineConfig, sft_model: str, out: Path) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from actors.generator import Generator, engine_process_env
+    from actors.generator import actor_class as generator_actor, engine_process_env
     from actors.reward import load_function
     from cluster.data import PromptDataset
     from cluster.pipeline_data import label_pairs
@@ -119,7 +119,7 @@ def sample_pairs(cfg: PipelineConfig, sft_model: str, out: Path) -> dict:
     train_set, _ = dataset.split_eval(d.eval_prompts)  # the held-out eval prompts never become pairs
     n = min(p.prompts, len(train_set))
     sampling = replace(rl.generator.sampling, n=p.samples_per_prompt, seed=p.seed)
-    generator = ray.remote(Generator).options(num_cpus=rl.generator.num_cpus, num_gpus=rl.generator.num_gpus,
+    generator = generator_actor().options(num_cpus=rl.generator.num_cpus, num_gpus=rl.generator.num_gpus,
                                               runtime_env={"env_vars": {**actor_env(rl), **engine_process_env(
                                                   num_gpus=rl.generator.num_gpus, tensor_parallel=1)}}).remote(
         model=sft_model, name="pairs-generator", sampling=sampling, engine=rl.generator.engine)

@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.buffer import RolloutBuffer
-from actors.generator import Generator, engine_process_env
+from actors.generator import actor_class as generator_actor, engine_process_env
 from actors.reference import Reference
 from actors.reward import Reward
 from cluster.config import TetherConfig
@@ -376,10 +376,10 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
     env = lambda pool: {"env_vars": pool_env(cfg, pool, threads[pool])}  # noqa: E731
 
     def generator(rid, index, options):
-        return ray.remote(Generator).options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,
-                                             runtime_env=env("generator"), **options).remote(
-            model=policy_path, name=rid, sampling=g.sampling,
-            engine=g.engine, tensor_parallel=g.tensor_parallel, weight_sync=cfg.learner.weight_sync)
+        return generator_actor().options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,
+                                         runtime_env=env("generator"), **options).remote(
+            model=policy_path, name=rid, sampling=g.sampling, engine=g.engine, tensor_parallel=g.tensor_parallel,
+            weight_sync=cfg.learner.weight_sync, partial_rollouts=cfg.run.mode == "async" and g.partial_rollouts)
 
     def reference(rid, index, options):
         return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,

@@ -12,6 +12,11 @@ import numpy as np
 
 FINISH_REASONS = ("stop", "length")
 
+# The Ray concurrency group in which a generator actor takes weight updates, so that a
+# push does not queue behind a generate call (actors/generator.py); the learner's weight
+# transports call into it. Shared here because actors and learner do not import each other.
+WEIGHT_UPDATE_GROUP = "weight_updates"
+
 
 @dataclass
 class Rollout:
@@ -23,6 +28,10 @@ class Rollout:
     policy_version: int             # version of the weights that sampled it
     prompt_index: int               # position of the prompt in the driver's batch / dataset
     sample_index: int               # which of the n samples for that prompt
+    # [R] int64: version of the weights that sampled each token. A weight push that lands
+    # mid-generation (async mode's partial rollouts) makes it step up inside one response;
+    # policy_version is its first (oldest) entry. None: every token is policy_version's.
+    token_versions: np.ndarray = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)
@@ -31,6 +40,16 @@ class Rollout:
         if self.response_ids.shape != self.behaviour_logprobs.shape:
             raise ValueError(f"Rollout: response_ids shape {self.response_ids.shape} does not match "
                              f"behaviour_logprobs shape {self.behaviour_logprobs.shape}")
+        if self.token_versions is None:
+            self.token_versions = np.full(self.response_ids.shape, self.policy_version, dtype=np.int64)
+        self.token_versions = np.asarray(self.token_versions, dtype=np.int64)
+        if self.token_versions.shape != self.response_ids.shape:
+            raise ValueError(f"Rollout: token_versions shape {self.token_versions.shape} does not match "
+                             f"response_ids shape {self.response_ids.shape}")
+        if self.token_versions.size and (self.token_versions.min() != self.policy_version
+                                         or np.any(np.diff(self.token_versions) < 0)):
+            raise ValueError(f"Rollout: token_versions must start at policy_version={self.policy_version} "
+                             "and never decrease")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Rollout: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
 
@@ -38,6 +57,11 @@ class Rollout:
     def truncated(self) -> bool:
         """Cut at max length without EOS: gets the configured truncation penalty."""
         return self.finish_reason == "length"
+
+    @property
+    def partial(self) -> bool:
+        """Sampled by more than one policy version (a weight push landed mid-response)."""
+        return bool(self.token_versions.size) and int(self.token_versions[-1]) != self.policy_version
 
 
 @dataclass
@@ -89,6 +113,8 @@ class BatchSummary:
     response_lengths: np.ndarray  # [N] int64
     truncated: np.ndarray       # [N] bool: cut at max_new_tokens
     staleness: np.ndarray       # [N] int64: learner version - policy_version that sampled it
+    token_staleness: np.ndarray = None  # [N] float64: mean over each rollout's tokens of learner version - token version
+    partial: np.ndarray = None  # [N] bool: sampled by more than one version (partial rollout)
     dropped: int = 0            # rollouts left out so every learner rank got an equal shard
     # (chunk_id, prompt_index) of every rollout that left the buffer since the previous
     # take: this batch's and the ones discarded as stale. The driver's ledger uses it to
@@ -111,5 +137,8 @@ class BatchSummary:
                    response_lengths=np.array([r.response_ids.size for r in rollouts], dtype=np.int64),
                    truncated=np.array([r.truncated for r in rollouts], dtype=bool),
                    staleness=staleness(rollouts, current_version),
+                   token_staleness=np.array([float(np.mean(np.maximum(0, current_version - r.token_versions)))
+                                             if r.token_versions.size else 0.0 for r in rollouts]),
+                   partial=np.array([r.partial for r in rollouts], dtype=bool),
                    dropped=dropped, samples=samples, consumed=tuple(consumed),
                    buffer_depth=buffer_depth, dropped_stale=dropped_stale)

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from core.rollout import WEIGHT_UPDATE_GROUP
 from learner.rendezvous import candidate_port, is_address_in_use, node_ip, one_line
 from learner.weight_sync import DEFAULT_BUCKET_BYTES, policy_weights
 
@@ -114,13 +115,19 @@ class GeneratorClient:
             raise ValueError(f"weight sync: version {self.version} is older than the loaded version "
                              f"{max(loaded)} of a generator")
         self.touched = True
-        _get([g.start_weight_update.remote(self.version) for g in self.generators])
+        _get([_updating(g.start_weight_update).remote(self.version) for g in self.generators])
 
     def update_weights(self, update_info: dict) -> None:
-        _get([g.update_weights.remote(update_info) for g in self.generators])
+        _get([_updating(g.update_weights).remote(update_info) for g in self.generators])
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        self.results = _get([g.finish_weight_update.remote(self.version) for g in self.generators])
+        self.results = _get([_updating(g.finish_weight_update).remote(self.version) for g in self.generators])
+
+
+def _updating(method):
+    """A generator's weight-update method, called in its weight-update concurrency group
+    (so that it does not queue behind a generate call: actors/generator.py)."""
+    return method.options(concurrency_group=WEIGHT_UPDATE_GROUP)
 
 
 def _round_source(device=None):

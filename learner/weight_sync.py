@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import torch
 
+from core.rollout import WEIGHT_UPDATE_GROUP
+
 DEFAULT_BUCKET_BYTES = 64 << 20
 TIED_HEAD = "lm_head.weight"
 
@@ -70,11 +72,15 @@ class CPUWeightSync:
                              self.bucket_bytes)
         serialise_s = time.perf_counter() - t0
         ref = ray.put(buckets)  # one copy in the object store, shared by every generator
-        results = ray.get([g.load_weights.remote(version, ref) for g in self.generators])
+        # In the generators' weight-update concurrency group: with partial rollouts (async mode)
+        # the push lands between two engine steps instead of after a whole generate call.
+        results = ray.get([g.load_weights.options(concurrency_group=WEIGHT_UPDATE_GROUP).remote(version, ref)
+                           for g in self.generators])
         for r in results:
             if r["version"] != version:
                 raise RuntimeError(f"weight sync: a generator reports version {r['version']}, "
                                    f"expected {version}")
         return {"seconds": time.perf_counter() - t0, "serialise_seconds": serialise_s,
+                "wait_seconds": max((r.get("wait_seconds", 0.0) for r in results), default=0.0),
                 "bytes": sum(len(b) for b in buckets), "buckets": len(buckets),
                 "generators": len(results), "version": version}

@@ -201,6 +201,9 @@ def test_async_bounded_staleness(cluster, tmp_path, driver_loads):
     # sampled by the learner's current weights, so a tag that lies about them shows here.
     assert all(m["ppo/logprob_gap_mean"] < 1e-3 for m in steps)
     assert all(m["off_policy/behaviour_kl"] < 1e-5 and m["off_policy/is_weight_max"] < 1.1 for m in steps)
+    # Partial rollouts (on by default in async mode): a rollout a push reached mid-response is
+    # as old as its first token, so none passes a zero staleness bound.
+    assert all(m["rollouts/partial_frac"] == 0 and m["buffer/token_staleness_mean"] == 0 for m in steps)
     # The producer keeps generating while the learner trains: with no staleness allowed,
     # rollouts from superseded versions must have been dropped and counted.
     assert steps[-1]["buffer/dropped_stale"] > 0

@@ -95,7 +95,9 @@ def fake_generators(ray_cluster):
     reaches them (defined here so Ray ships the class by value: tests are not importable there)."""
     import ray
 
-    @ray.remote(num_cpus=0)
+    from core.rollout import WEIGHT_UPDATE_GROUP
+
+    @ray.remote(num_cpus=0, concurrency_groups={WEIGHT_UPDATE_GROUP: 1})  # as actors.generator.actor_class
     class FakeGenerator:
         def __init__(self):
             self.calls, self._version = [], 0
@@ -231,7 +233,7 @@ def gpu_actors(ray_cluster, policy_path):
                     "detected'): the learner and the generator need a GPU each")
     import ray
 
-    from actors.generator import Generator
+    from actors.generator import actor_class
     from learner.worker import LearnerWorker
 
     made = []
@@ -246,7 +248,7 @@ def gpu_actors(ray_cluster, policy_path):
         made.append(actor)
         return actor
 
-    generator = ray.remote(Generator).options(num_gpus=1, num_cpus=1).remote(
+    generator = actor_class().options(num_gpus=1, num_cpus=1).remote(
         model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 12, "n": 2, "seed": 1},
         engine={"max_model_len": 128, "dtype": "float32", "gpu_memory_utilization": 0.3},
         weight_sync="nccl")

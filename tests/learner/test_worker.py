@@ -272,7 +272,9 @@ def test_two_rank_save_load_continue(groups, policy_path, tmp_path):
 def test_two_rank_zero3_push_sends_the_gathered_lm(groups):
     import ray
 
-    @ray.remote(num_cpus=0)
+    from core.rollout import WEIGHT_UPDATE_GROUP
+
+    @ray.remote(num_cpus=0, concurrency_groups={WEIGHT_UPDATE_GROUP: 1})  # as actors.generator.actor_class
     class RecordingGenerator:  # defined here so Ray ships it by value (tests are not importable there)
         def load_weights(self, version, buckets):
             from safetensors.torch import load

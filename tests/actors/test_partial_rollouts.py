@@ -1,0 +1,150 @@
+"""Partial rollouts: a weight push lands between two engine steps of a generate call.
+
+Checked on the real vLLM CPU engine against Hugging Face forwards of the old and the new
+weights: every token a rollout says version v sampled must have the behaviour logprob
+that version v gives it, with v's own KV for the whole prefix (the push preempts and
+recomputes the requests in flight). A push reused stale KV is 1.6-1.9 nats off here.
+"""
+import functools
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from actors.engine_turns import EngineTurns
+from actors.generator import Generator
+from core.rollout import WEIGHT_UPDATE_GROUP
+from learner.weight_sync import policy_weights, to_buckets
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["The cat was", "A dog seemed happy", "My friend felt", "The river"]
+NEW_TOKENS = 48
+PUSH_AFTER_STEPS = 12  # engine steps into the call (a step decodes one token of every request)
+
+
+def encode(tokenizer, texts):
+    return [np.asarray(tokenizer(t)["input_ids"]) for t in texts]
+
+
+def hf_logprobs(model, rollout):
+    ids = torch.tensor(np.concatenate([rollout.prompt_ids, rollout.response_ids]))[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(rollout.prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.as_tensor(rollout.response_ids)[:, None])[:, 0].numpy()
+
+
+@pytest.fixture(scope="module")
+def models(policy_path):
+    """(old, new): the policy the engine starts with, and a perturbed one to push."""
+    from transformers import AutoModelForCausalLM
+    old = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return old, new
+
+
+def buckets_of(model):
+    return to_buckets(policy_weights(model.state_dict().items(), tied_embeddings=True), 256 << 10)
+
+
+def land_next_update_after(turns: EngineTurns, steps: int) -> None:
+    """Make the next weight update wait for `steps` more engine steps: deterministically mid-call."""
+    turns.claim = functools.partial(EngineTurns.claim, turns, after_steps=turns.steps + steps)
+
+
+def check_versions_and_logprobs(rollouts, old, new, versions=(0, 1)):
+    """Each rollout: its token versions step once, old to new, mid-response, and each
+    token's behaviour logprob is its own version's (HF forward of the whole prefix)."""
+    for r in rollouts:
+        k = int((r.token_versions == versions[0]).sum())
+        assert 0 < k < NEW_TOKENS, r.token_versions
+        assert r.token_versions.tolist() == [versions[0]] * k + [versions[1]] * (NEW_TOKENS - k)
+        assert r.policy_version == versions[0] and r.partial
+        assert np.abs(hf_logprobs(old, r)[:k] - r.behaviour_logprobs[:k]).max() < 1e-3
+        assert np.abs(hf_logprobs(new, r)[k:] - r.behaviour_logprobs[k:]).max() < 1e-3
+
+
+def test_push_lands_mid_generate_and_each_token_keeps_its_version(policy_path, tokenizer, models):
+    """In this process, with vLLM's own engine process: the engine steps on its own there,
+    so the push pauses it with the requests kept."""
+    old, new = models
+    gen = Generator(model=policy_path, partial_rollouts=True,
+                    sampling={"max_new_tokens": NEW_TOKENS, "n": 2, "ignore_eos": True},
+                    engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
+    try:
+        out = {}
+        land_next_update_after(gen._turns, PUSH_AFTER_STEPS)
+        call = threading.Thread(target=lambda: out.update(result=gen.generate(encode(tokenizer, PROMPTS))))
+        call.start()
+        report = gen.load_weights(1, buckets_of(new))
+        call.join()
+        assert report["version"] == 1 and gen.health()["pushes_mid_generate"] == 1
+        check_versions_and_logprobs(out["result"].rollouts, old, new)
+
+        after = gen.generate(encode(tokenizer, PROMPTS)).rollouts  # no push: all version 1
+        assert all(not r.partial and set(r.token_versions) == {1} for r in after)
+    finally:
+        gen._llm.llm_engine.engine_core.shutdown()
+
+
+def test_without_partial_rollouts_a_push_waits_for_the_whole_call(generator_plain, tokenizer, models):
+    old, new = models
+    gen = generator_plain
+    out, started = {}, threading.Event()
+    with gen._turns._cond:  # the call holds the engine's turn for its whole length
+        call = threading.Thread(target=lambda: out.update(result=gen.generate(encode(tokenizer, PROMPTS))))
+        call.start()
+        assert gen._turns._cond.wait_for(lambda: gen._turns._busy, timeout=60)
+    gen.load_weights(1, buckets_of(new))
+    assert not call.is_alive()  # the push returned only after the call
+    rollouts = out["result"].rollouts
+    assert all(set(r.token_versions) == {0} and r.policy_version == 0 for r in rollouts)
+    assert max(np.abs(hf_logprobs(old, r) - r.behaviour_logprobs).max() for r in rollouts) < 1e-3
+
+
+@pytest.fixture
+def generator_plain(policy_path):
+    gen = Generator(model=policy_path, sampling={"max_new_tokens": NEW_TOKENS, "n": 2, "ignore_eos": True},
+                    engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
+    yield gen
+    gen._llm.llm_engine.engine_core.shutdown()
+
+
+def test_generator_actor_takes_a_push_mid_generate(policy_path, tokenizer, models):
+    """As the pools start it on CPU: a Ray actor with its engine in its own process, weight
+    updates in their concurrency group, and pushes from the learner's side of Ray."""
+    import ray
+
+    from cluster.config import load_config
+    from cluster.pools import pool_env
+
+    class MidCallPushGenerator(Generator):  # local: Ray ships it by value to the worker
+        def land_next_update_after(self, steps: int) -> None:
+            self._turns.claim = functools.partial(EngineTurns.claim, self._turns,
+                                                  after_steps=self._turns.steps + steps)
+
+    old, new = models
+    cfg = load_config(None, ["run.mode=async"])
+    env = pool_env(cfg, "generator", 1)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        gen = ray.remote(concurrency_groups={WEIGHT_UPDATE_GROUP: 1})(MidCallPushGenerator).options(
+            num_cpus=1, runtime_env={"env_vars": env}).remote(
+            model=policy_path, partial_rollouts=True, engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20},
+            sampling={"max_new_tokens": NEW_TOKENS, "n": 2, "ignore_eos": True})
+        ray.get(gen.land_next_update_after.remote(PUSH_AFTER_STEPS))
+        call = gen.generate.remote(encode(tokenizer, PROMPTS))
+        push = gen.load_weights.options(concurrency_group=WEIGHT_UPDATE_GROUP).remote(2, ray.put(buckets_of(new)))
+        assert ray.get(push)["version"] == 2
+        check_versions_and_logprobs(ray.get(call).rollouts, old, new, versions=(0, 2))
+        assert ray.get(gen.health.remote())["pushes_mid_generate"] == 1
+    finally:
+        if started:
+            ray.shutdown()
