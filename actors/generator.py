@@ -218,12 +218,12 @@ class Generator:
             return GenerationResult(rollouts=[], skipped_prompts=skipped, version=self._version)
 
         t0 = time.perf_counter()
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in keep]
         if self.partial_rollouts:
-            outputs = self._step_engine(prompts, [idx for _, idx in keep])
+            outputs = self._step_engine([ids for ids, _ in keep], [idx for _, idx in keep])
         else:
             with self._turns.sampling():  # a push waits for the whole call
-                outputs = self._llm.generate(prompts, self._params([idx for _, idx in keep]), use_tqdm=False)
+                outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in keep],
+                                             self._params([idx for _, idx in keep]), use_tqdm=False)
         seconds = time.perf_counter() - t0
         rollouts = [self._to_rollout(ids, idx, completion)
                     for (ids, idx), out in zip(keep, outputs) for completion in out.outputs]
@@ -232,9 +232,11 @@ class Generator:
         return GenerationResult(rollouts=rollouts, skipped_prompts=skipped,
                                 generated_tokens=tokens, seconds=seconds, version=self._version)
 
-    def _step_engine(self, prompts: list, prompt_indices: list[int]) -> list:
+    def _step_engine(self, prompts: list[list[int]], prompt_indices: list[int]) -> list:
         """LLM.generate, stepping the engine here so that a weight push can take its turn
         between two steps. Returns the finished RequestOutputs in prompt order."""
+        from vllm.inputs import tokens_input
+
         engine = self._llm.llm_engine
         ids = [f"{self.name}-{next(self._request_ids)}" for _ in prompts]
         done: dict = {}
@@ -242,7 +244,7 @@ class Generator:
             try:
                 with self._turns.step():  # seeds are drawn from the version the request starts on
                     for rid, prompt, params in zip(ids, prompts, self._params(prompt_indices)):
-                        engine.add_request(rid, prompt, params)
+                        engine.add_request(rid, tokens_input(prompt), params)
                 while len(done) < len(ids):
                     with self._turns.step():
                         for out in engine.step():
