@@ -15,6 +15,7 @@ and a push goes in between two engine steps instead of after the call:
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -179,7 +180,6 @@ class Generator:
         samples do not depend on which replica draws them or what else is in the batch's
         history, so a resumed or redispatched run samples what the original would have."""
         from vllm import SamplingParams
-
         from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
@@ -252,7 +252,8 @@ class Generator:
                                 done[out.request_id] = out
             finally:
                 if len(done) < len(ids):  # an error mid-call: leave nothing running in the engine
-                    engine.abort_request([r for r in ids if r not in done])
+                    with self._turns.step(), contextlib.suppress(Exception):  # the first error is the one to see
+                        engine.abort_request([r for r in ids if r not in done])
         return [done[r] for r in ids]
 
     def sample(self, prompt_ids: list, prompt_indices: list[int]) -> tuple[list[Rollout], GenerationSummary]:

@@ -3,7 +3,7 @@
 Checked on the real vLLM CPU engine against Hugging Face forwards of the old and the new
 weights: every token a rollout says version v sampled must have the behaviour logprob
 that version v gives it, with v's own KV for the whole prefix (the push preempts and
-recomputes the requests in flight). A push reused stale KV is 1.6-1.9 nats off here.
+recomputes the requests in flight). A push that kept the stale KV was 1.6-1.9 nats off here.
 """
 import functools
 import threading
