@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from actors.generator import Generator
+from hf_reference import encode, hf_logprobs
 from learner.weight_sync import policy_weights, to_buckets
 
 pytestmark = pytest.mark.integration
@@ -17,21 +18,9 @@ def generator(policy_path):
                      engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
 
 
-def hf_logprobs(model, rollout, temperature):
-    ids = torch.tensor(np.concatenate([rollout.prompt_ids, rollout.response_ids]))[None]
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(rollout.prompt_ids) - 1:-1].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return logp.gather(-1, torch.as_tensor(rollout.response_ids)[:, None])[:, 0].numpy()
-
-
 def max_gap(model, rollouts, temperature):
     return max(float(np.abs(hf_logprobs(model, r, temperature) - r.behaviour_logprobs).max())
                for r in rollouts)
-
-
-def encode(tokenizer, texts):
-    return [np.asarray(tokenizer(t)["input_ids"]) for t in texts]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -15,6 +15,7 @@ import torch
 from actors.engine_turns import EngineTurns
 from actors.generator import Generator
 from core.rollout import WEIGHT_UPDATE_GROUP
+from hf_reference import encode, hf_logprobs
 from learner.weight_sync import policy_weights, to_buckets
 
 pytestmark = pytest.mark.integration
@@ -22,17 +23,6 @@ pytestmark = pytest.mark.integration
 PROMPTS = ["The cat was", "A dog seemed happy", "My friend felt", "The river"]
 NEW_TOKENS = 48
 PUSH_AFTER_STEPS = 12  # engine steps into the call (a step decodes one token of every request)
-
-
-def encode(tokenizer, texts):
-    return [np.asarray(tokenizer(t)["input_ids"]) for t in texts]
-
-
-def hf_logprobs(model, rollout):
-    ids = torch.tensor(np.concatenate([rollout.prompt_ids, rollout.response_ids]))[None]
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(rollout.prompt_ids) - 1:-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, torch.as_tensor(rollout.response_ids)[:, None])[:, 0].numpy()
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +82,14 @@ def test_push_lands_mid_generate_and_each_token_keeps_its_version(policy_path, t
         gen._llm.llm_engine.engine_core.shutdown()
 
 
+@pytest.fixture
+def generator_plain(policy_path):
+    gen = Generator(model=policy_path, sampling={"max_new_tokens": NEW_TOKENS, "n": 2, "ignore_eos": True},
+                    engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
+    yield gen
+    gen._llm.llm_engine.engine_core.shutdown()
+
+
 def test_without_partial_rollouts_a_push_waits_for_the_whole_call(generator_plain, tokenizer, models):
     old, new = models
     gen = generator_plain
@@ -105,14 +103,6 @@ def test_without_partial_rollouts_a_push_waits_for_the_whole_call(generator_plai
     rollouts = out["result"].rollouts
     assert all(set(r.token_versions) == {0} and r.policy_version == 0 for r in rollouts)
     assert max(np.abs(hf_logprobs(old, r) - r.behaviour_logprobs).max() for r in rollouts) < 1e-3
-
-
-@pytest.fixture
-def generator_plain(policy_path):
-    gen = Generator(model=policy_path, sampling={"max_new_tokens": NEW_TOKENS, "n": 2, "ignore_eos": True},
-                    engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
-    yield gen
-    gen._llm.llm_engine.engine_core.shutdown()
 
 
 def test_generator_actor_takes_a_push_mid_generate(policy_path, tokenizer, models):
