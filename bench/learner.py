@@ -10,7 +10,7 @@ copy as a separate critic) on the same batch of scored rollouts with the same mi
 schedule: one no-grad forward for the old log-probs and values, then ppo_epochs x
 minibatches of forward, clipped policy + value loss, backward and an AdamW step.
 
-  - torch: the loop written out by hand with torch.optim.AdamW, no DeepSpeed;
+  - torch: the loop written out by hand with torch.optim.AdamW (fused, as tether builds it), no DeepSpeed;
   - tether: learner.worker.LearnerWorker (one rank, DeepSpeed ZeRO, as a run uses it).
 
 Prints seconds per update (median of --repeats rounds after a warm-up round; the sides
@@ -89,7 +89,7 @@ def torch_side(args, wl: dict, batch_rollouts: list):
     model = PolicyWithValueHead.from_pretrained(wl["policy"], critic=args.critic,
                                                 critic_model=wl["value"] if args.critic == "separate" else None)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, fused=True)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     mb = args.rollouts // args.minibatches
 

@@ -338,6 +338,10 @@ def validate(cfg: TetherConfig) -> None:
                           "(a reward-model checkpoint with reward_stats.json) or reward.normalize=false")
     if cfg.run.mode not in ("sync", "async"):
         raise ConfigError(f"config: run.mode={cfg.run.mode!r} must be sync or async")
+    if cfg.ppo.old_logprobs == "behaviour" and cfg.run.mode != "sync":
+        raise ConfigError("config: ppo.old_logprobs=behaviour takes the sampler's log-probs as the update's "
+                          "starting policy, which holds in sync mode only; set run.mode=sync or "
+                          "ppo.old_logprobs=recompute")
     if cfg.resources.cpu_threads not in ("phase", "reserved"):
         raise ConfigError(f"config: resources.cpu_threads={cfg.resources.cpu_threads!r} must be phase or reserved")
     if min(cfg.run.plot_every, cfg.run.eval_every, cfg.run.save_every, cfg.run.samples_every,

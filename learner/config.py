@@ -19,6 +19,7 @@ from core.ppo import AGG_MODES, OFF_POLICY_MODES
 OPTIMIZERS = ("adamw", "sgd")
 LR_DECAYS = ("linear", "cosine", "constant")
 CRITICS = ("shared", "separate")
+OLD_LOGPROBS = ("recompute", "behaviour")  # where the PPO ratio's pi_old comes from (learner/update.py)
 WEIGHT_SYNCS = ("cpu", "nccl")  # learner -> generator transports (learner/weight_sync.py, learner/nccl_sync.py)
 
 
@@ -74,13 +75,17 @@ class OptimConfig:
             _fail(f"{p}.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
 
     def build(self, params):
-        """A plain torch optimizer: DeepSpeed's fused CPU Adam needs a C++ build."""
+        """A plain torch optimizer: DeepSpeed's fused CPU Adam needs a C++ build.
+
+        AdamW is torch's fused kernel (CPU and CUDA): one pass over each tensor instead of
+        a chain of foreach ops, 4-5x faster per step on CPU (docs/performance.md).
+        """
         import torch
 
         if self.optimizer == "sgd":
             return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
         return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                 weight_decay=self.weight_decay)
+                                 weight_decay=self.weight_decay, fused=True)
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` at optimizer step ``step`` (0-based): warm-up, then decay."""
@@ -113,6 +118,7 @@ class PPOConfig:
     shuffle: bool = True                 # shuffle rollouts into minibatches each epoch (seeded)
     off_policy: str = "tis"              # correction for rollouts sampled by other weights: none | tis | decoupled (core.ppo.behaviour_weights)
     is_cap: float = 2.0                  # importance-weight cap: tis truncates weights to it, decoupled drops tokens above it
+    old_logprobs: str = "recompute"      # the ratio's pi_old: recompute (a learner forward) | behaviour (the sampler's log-probs; sync mode only)
 
     def validate(self, world_size: int = 1) -> None:
         p = "learner.ppo"
@@ -140,6 +146,8 @@ class PPOConfig:
             _fail(f"{p}.agg={self.agg!r} is unknown; use one of {AGG_MODES}")
         if self.off_policy not in OFF_POLICY_MODES:
             _fail(f"{p}.off_policy={self.off_policy!r} is unknown; use one of {OFF_POLICY_MODES}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            _fail(f"{p}.old_logprobs={self.old_logprobs!r} is unknown; use one of {OLD_LOGPROBS}")
         if not (self.is_cap >= 1 and math.isfinite(self.is_cap)):
             _fail(f"{p}.is_cap={self.is_cap} must be a finite number >= 1 (weights above it are capped)")
 

@@ -35,6 +35,12 @@ def build_engine(model: str, config: LearnerConfig, world_size: int, kind: str =
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s))
     engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=config.deepspeed_config(world_size), dist_init_required=False)
+    if world_size == 1 and config.zero_stage == 0:
+        # Alone, a rank has no gradients to average, but DeepSpeed still flattens, all-reduces
+        # and copies back every gradient after each backward (~70 ms a step for 32M params on
+        # CPU). ``enable_backward_allreduce`` is the engine's own switch for that pass (it
+        # turns it off itself without a process group); the stages that partition keep theirs.
+        engine.enable_backward_allreduce = False
     return engine
 
 

@@ -93,22 +93,28 @@ class PolicyWithValueHead(nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
     def forward(self, input_ids, attention_mask, position_ids, *, prompt_len: Optional[int] = None,
-                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, with_entropy: bool = True):
+                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, with_entropy: bool = True,
+                values_only: bool = False):
         """Without ``prompt_len``: (logits [B, T, V], values [B, T] float32) at every position.
 
         With ``prompt_len`` = P (the batch layout of learner.batch): (logprobs, values,
         entropy), each [B, R] for the response tokens input_ids[:, P:]; the LM head runs on
         those columns only. Log-probs and entropy are of the sampled distribution: logits /
-        temperature, truncated by top_k/top_p (core.sampling). One entry point, so
+        temperature, truncated by top_k/top_p (core.sampling). ``values_only``: (None, values,
+        None); a separate critic then runs without the policy body. One entry point, so
         DeepSpeed's engine wraps every forward.
         """
+        R = None if prompt_len is None else input_ids.shape[1] - prompt_len
+        cols = lambda t: response_slice(t, prompt_len, R)  # noqa: E731
+        if values_only and prompt_len is not None and self.critic_body is not None:
+            return None, self._values(None, input_ids, attention_mask, position_ids, cols), None
         hidden = self._hidden(body_of(self.lm), input_ids, attention_mask, position_ids)
         head = self.lm.get_output_embeddings()
         if prompt_len is None:
             return head(hidden), self._values(hidden, input_ids, attention_mask, position_ids)
-        R = input_ids.shape[1] - prompt_len
-        cols = lambda t: response_slice(t, prompt_len, R)  # noqa: E731
         hidden = cols(hidden)
+        if values_only:
+            return None, self._values(hidden, input_ids, attention_mask, position_ids, cols), None
         logits = head(hidden)
         truncation = dict(top_k=top_k, top_p=top_p)
         logprobs = ppo.logprobs_from_logits(logits, input_ids[:, prompt_len:], temperature, **truncation)

@@ -46,11 +46,17 @@ class PPOUpdate:
         local_mb = self.config.ppo.minibatch_size // self.world_size
         epochs = [self._minibatches(len(batch), local_mb, e) for e in range(self.config.ppo.ppo_epochs)]
         ptx = self._ptx_slices(ptx_rows, sum(map(len, epochs)))
+        # Without a recompute, the first minibatch (still at the update's starting weights)
+        # is where the learner's log-probs meet the sampler's: the agreement metrics come from it.
+        probe = [] if self.config.ppo.old_logprobs == "behaviour" else None
         self.epoch_history = []
         for minibatches in epochs:
             before = stats.copy()
             for rows in minibatches:
-                self._minibatch_step(batch[rows], horizon, next(ptx), stats)
+                self._minibatch_step(batch[rows], horizon, next(ptx), stats, probe)
+                if probe:
+                    metrics.update(self._agreement_metrics(probe))
+                    probe = None
             self.epoch_history.append(stats.since(before).epoch_summary())
         self.step += 1
         seconds = time.perf_counter() - t0
@@ -86,58 +92,73 @@ class PPOUpdate:
                              "shard so that every rank gets some response tokens")
         return int(global_tokens), int(horizon)
 
-    def _forward(self, mb: Batch, with_entropy: bool):
+    def _forward(self, mb: Batch, with_entropy: bool, values_only: bool = False):
         return self.engine(mb.input_ids, mb.attention_mask, mb.position_ids, prompt_len=mb.prompt_len,
                            temperature=self.config.temperature, top_k=self.config.top_k,
-                           top_p=self.config.top_p, with_entropy=with_entropy)
+                           top_p=self.config.top_p, with_entropy=with_entropy, values_only=values_only)
 
     @torch.no_grad()
     def _prepare(self, batch: Batch) -> dict:
-        """Old logprobs/values under the current weights, GAE, globally whitened advantages."""
+        """Old logprobs/values under the current weights, GAE, globally whitened advantages.
+
+        ``old_logprobs: behaviour`` (sync mode: the sampler ran these very weights) takes the
+        sampler's log-probs as pi_old, so only the values need a forward: with a separate
+        critic the policy body does not run here at all.
+        """
         cfg = self.config.ppo
-        lp, v = self._score(batch)
+        recompute = cfg.old_logprobs == "recompute"
+        lp, v = self._score(batch, values_only=not recompute)
         mask = batch.response_mask
-        batch.old_logprobs, batch.old_values = lp * mask, v * mask
+        batch.old_logprobs, batch.old_values = (lp if recompute else batch.behaviour_logprobs) * mask, v * mask
         adv, batch.returns = ppo.gae(batch.rewards, batch.old_values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:  # in float64: the statistics are sums over the global batch
             adv = ppo.whiten(adv.double(), mask, reduce=self.comm.sum).to(adv.dtype)
         batch.advantages = adv
         batch.is_weights, _ = ppo.behaviour_weights(batch.old_logprobs, batch.behaviour_logprobs, mask,
                                                     cfg.off_policy, cfg.is_cap)
-        return {**self._prepare_metrics(batch), **self._off_policy_metrics(batch)}
+        metrics = self._value_metrics(batch)
+        if recompute:
+            metrics.update(self._agreement_metrics([(batch.old_logprobs, batch.behaviour_logprobs, mask)]))
+        return metrics
 
-    def _score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs, values) [B, R] float32 under the current weights, micro-batch by micro-batch."""
+    def _score(self, batch: Batch, values_only: bool = False):
+        """(logprobs or None, values), each [B, R] float32 under the current weights, micro-batch
+        by micro-batch. ``values_only``: no log-probs (None)."""
         R, lps, vals = batch.response_len, [], []
         for mic in batch.split(self.config.ppo.micro_batch_size):
-            lp, v, _ = self._forward(mic.trimmed(), with_entropy=False)
-            pad = (0, R - lp.shape[1])  # trimmed columns were padding: put them back as zeros
-            lps.append(torch.nn.functional.pad(lp.float(), pad))
+            lp, v, _ = self._forward(mic.trimmed(), with_entropy=False, values_only=values_only)
+            pad = (0, R - v.shape[1])  # trimmed columns were padding: put them back as zeros
             vals.append(torch.nn.functional.pad(v.float(), pad))
-        return torch.cat(lps), torch.cat(vals)
+            if lp is not None:
+                lps.append(torch.nn.functional.pad(lp.float(), pad))
+        return (torch.cat(lps) if lps else None), torch.cat(vals)
 
-    def _prepare_metrics(self, b: Batch) -> dict:
+    def _value_metrics(self, b: Batch) -> dict:
         m = b.response_mask.double()
         ret, val = b.returns.double(), b.old_values.double()
-        gap = (b.behaviour_logprobs.double() - b.old_logprobs.double()).abs() * m
-        n, s_ret, s_gap, s_val = self.comm.sum([m.sum(), (ret * m).sum(), gap.sum(), (val * m).sum()])
-        (gap_max,) = self.comm.max([gap.max()])
+        n, s_ret, s_val = self.comm.sum([m.sum(), (ret * m).sum(), (val * m).sum()])
         ev = ppo.explained_variance(val, ret, b.response_mask, reduce=self.comm.sum)
-        return {"ppo/explained_variance": float(ev), "ppo/logprob_gap_max": gap_max,
-                "ppo/logprob_gap_mean": s_gap / n, "ppo/returns_mean": s_ret / n, "ppo/values_mean": s_val / n}
+        return {"ppo/explained_variance": float(ev), "ppo/returns_mean": s_ret / n, "ppo/values_mean": s_val / n}
 
-    def _off_policy_metrics(self, b: Batch) -> dict:
+    def _agreement_metrics(self, parts: list) -> dict:
         """How far the sampling policy is from the learner's weights at the start of the update,
-        whatever ``off_policy`` is: KL(behaviour || learner) and the raw weights pi_learner / pi_behaviour."""
-        mask = b.response_mask
-        m = mask.double()
-        log_w = (b.old_logprobs.double() - b.behaviour_logprobs.double()) * m
-        w = torch.exp(log_w.clamp(max=ppo.LOG_RATIO_LIMIT)) * m
-        kl = ppo.kl_estimate(b.behaviour_logprobs.double(), b.old_logprobs.double(), "k3") * m
-        capped = (w > self.config.ppo.is_cap).double() * m
-        n, s_kl, s_w, s_capped = self.comm.sum([m.sum(), kl.sum(), w.sum(), capped.sum()])
-        (w_max,) = self.comm.max([w.max()])
-        return {"off_policy/behaviour_kl": s_kl / n, "off_policy/is_weight_mean": s_w / n,
+        whatever ``off_policy`` is: the log-prob gap, KL(behaviour || learner) and the raw weights
+        pi_learner / pi_behaviour. ``parts``: (learner_lp, behaviour_lp, mask) triples, [B, R] each,
+        over the whole batch (recompute) or the first minibatch's micro-batches (behaviour)."""
+        sums, maxes = torch.zeros(5, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        for learner_lp, behaviour_lp, mask in parts:
+            m = mask.double()
+            learner_lp, behaviour_lp = learner_lp.double() * m, behaviour_lp.double() * m
+            log_w = learner_lp - behaviour_lp
+            w = torch.exp(log_w.clamp(max=ppo.LOG_RATIO_LIMIT)) * m
+            kl = ppo.kl_estimate(behaviour_lp, learner_lp, "k3") * m
+            capped = (w > self.config.ppo.is_cap).double() * m
+            sums += torch.stack([m.sum(), log_w.abs().sum(), kl.sum(), w.sum(), capped.sum()])
+            maxes = torch.maximum(maxes, torch.stack([log_w.abs().max(), w.max()]))
+        n, s_gap, s_kl, s_w, s_capped = self.comm.sum(sums.tolist())
+        gap_max, w_max = self.comm.max(maxes.tolist())
+        return {"ppo/logprob_gap_max": gap_max, "ppo/logprob_gap_mean": s_gap / n,
+                "off_policy/behaviour_kl": s_kl / n, "off_policy/is_weight_mean": s_w / n,
                 "off_policy/is_weight_max": w_max, "off_policy/capped_frac": s_capped / n}
 
     def _minibatches(self, n: int, size: int, epoch: int) -> list[np.ndarray]:
@@ -148,15 +169,16 @@ class PPOUpdate:
             order = rng.permutation(n)
         return [order[i:i + size] for i in range(0, n, size)]
 
-    def _minibatch_step(self, mb: Batch, horizon: int, ptx, stats: UpdateStats) -> None:
-        """Accumulate gradients over micro-batches (+ PTX), then one optimizer step."""
+    def _minibatch_step(self, mb: Batch, horizon: int, ptx, stats: UpdateStats, probe=None) -> None:
+        """Accumulate gradients over micro-batches (+ PTX), then one optimizer step. ``probe``: a
+        list that collects each micro-batch's (learner log-probs, behaviour log-probs, mask)."""
         n_tok, n_seq = self.comm.sum([mb.num_tokens(), float((mb.response_mask.sum(1) > 0).sum())])
         # Length-sorted micro-batches pad less; the minibatch (so the gradient) is unchanged.
         lengths = mb.response_mask.sum(1) + mb.attention_mask[:, :mb.prompt_len].sum(1)
         micros = mb[torch.argsort(lengths, stable=True)].split(self.config.ppo.micro_batch_size)
         for i, mic in enumerate(micros):
             self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1 and ptx is None)
-            loss = self._micro_loss(mic.trimmed(), n_tok, n_seq, horizon, stats)
+            loss = self._micro_loss(mic.trimmed(), n_tok, n_seq, horizon, stats, probe)
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             self._engine_step(stats)
         if ptx is not None:
@@ -176,10 +198,12 @@ class PPOUpdate:
         stats.add_optimizer_step(grad_norm=_as_float(norm if norm is not None
                                                      else self.engine.get_global_grad_norm()), lr=lr)
 
-    def _micro_loss(self, mic: Batch, n_tok: float, n_seq: float, horizon: int, stats: UpdateStats):
+    def _micro_loss(self, mic: Batch, n_tok: float, n_seq: float, horizon: int, stats: UpdateStats, probe=None):
         cfg = self.config.ppo
         lp, v, ent = self._forward(mic, with_entropy=True)
         m = mic.response_mask
+        if probe is not None:
+            probe.append((lp.detach(), mic.behaviour_logprobs, m))
         local = float(m.sum())
         if local == 0:  # keep every parameter in the graph so ZeRO's reductions line up
             return (lp.sum() + v.sum()) * 0.0

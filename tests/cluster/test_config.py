@@ -66,6 +66,8 @@ def test_exponent_without_a_dot_is_a_number():
     (["generator.sampling.temperature=0"], "temperature must be > 0"),
     (["reward.model=/x"], "exactly one of reward.model and reward.function"),
     (["run.mode=fast"], "run.mode='fast' must be sync or async"),
+    (["ppo.old_logprobs=vllm"], "ppo.old_logprobs='vllm' is unknown"),
+    (["ppo.old_logprobs=behaviour", "run.mode=async"], "holds in sync mode only; set run.mode=sync"),
     (["generator.replicas=0"], "generator.replicas=0 must be >= 1"),
     (["data.prompts_per_step=2", "ppo.minibatch_size=16"], "lower the minibatch"),
     (["buffer.capacity=4"], "buffer.capacity=4 is below"),

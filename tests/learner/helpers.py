@@ -77,6 +77,8 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id):
     mask = batch.response_mask
     with torch.no_grad():
         old_lp, old_v, _ = model.response_logprobs_values(batch, cfg.temperature, with_entropy=False)
+    if p.old_logprobs == "behaviour":
+        old_lp = batch.behaviour_logprobs
     old_lp, old_v = old_lp * mask, old_v * mask
     adv, ret = ppo.gae(batch.rewards, old_v, mask, p.gamma, p.lam)
     if p.whiten_advantages:

@@ -78,6 +78,9 @@ def test_one_rank_update_matches_plain_torch(policy_path, rollouts, initial, ref
     assert metrics["learner/optimizer_steps"] == 4 and metrics["ppo/lr"] == cfg.optim.lr
     assert metrics["ppo/logprob_gap_max"] < 1e-4  # behaviour logprobs came from the same weights
     assert "ppo/score_mean" not in metrics  # the driver reports reward/mean
+    # Alone, a stage-0 rank skips DeepSpeed's gradient all-reduce (nothing to average); the
+    # match with the reference shows gradients still accumulate over micro-batches.
+    assert w.update.engine.enable_backward_allreduce is (stage != 0)
     assert w.health() == {**w.health(), "ok": True, "built": True, "step": 1, "optimizer_steps": 4}
 
 
@@ -132,6 +135,45 @@ def test_off_policy_correction_matches_plain_torch(policy_path, pad_id, stale_ro
     uncorrected, _ = reference_update(policy_path, stale_rollouts, sgd_config(zero_stage=stage, off_policy="none"),
                                       pad_id)
     assert max_abs_diff(w.full_state_dict(), uncorrected) > 1e-3
+
+
+def test_behaviour_old_logprobs_match_plain_torch_and_probe_the_first_minibatch(policy_path, pad_id,
+                                                                                stale_rollouts, initial):
+    # No shuffle: minibatch 0 is rows 0-3. lr 0.1, not 0.5: against stale log-probs the ratios start
+    # far from 1, and at 0.5 both sides agree to 1e-7 for two steps but part (1.1) after the third.
+    cfg = sgd_config(zero_stage=0, lr=0.1, old_logprobs="behaviour")
+    w = worker(policy_path, cfg)
+    metrics = w.train(stale_rollouts)
+    check_against_reference(w.full_state_dict(), metrics, initial,
+                            reference_update(policy_path, stale_rollouts, cfg, pad_id), "old_logprobs=behaviour")
+    recomputed, _ = reference_update(policy_path, stale_rollouts, sgd_config(zero_stage=0, lr=0.1), pad_id)
+    assert max_abs_diff(w.full_state_dict(), recomputed) > 1e-2  # pi_old really is the sampler's (0.047)
+    # The gap and importance-weight metrics come from the first minibatch's forward, before its step.
+    first = stale_rollouts[:cfg.ppo.minibatch_size]
+    learner = model_logprobs(policy_path, [r.prompt_ids for r in first], [r.response_ids for r in first])
+    log_w = np.concatenate([a - r.behaviour_logprobs for a, r in zip(learner, first)]).astype(np.float64)
+    assert metrics["ppo/logprob_gap_max"] == pytest.approx(np.abs(log_w).max(), rel=1e-4)
+    assert metrics["ppo/logprob_gap_mean"] == pytest.approx(np.abs(log_w).mean(), rel=1e-4)
+    assert metrics["off_policy/is_weight_mean"] == pytest.approx(np.exp(log_w).mean(), rel=1e-4)
+
+
+def test_behaviour_old_logprobs_skip_the_policy_body_with_a_separate_critic(policy_path, reward_path, rollouts):
+    """The recompute runs the critic alone: the policy body runs only in the epochs, and
+    the old values are those of the full forward."""
+    def run(mode):
+        cfg = LearnerConfig(zero_stage=0, critic="separate", critic_model=reward_path, optim=OptimConfig(lr=1e-4),
+                            ppo=PPOConfig(ppo_epochs=1, minibatch_size=8, micro_batch_size=4, old_logprobs=mode))
+        w = worker(policy_path, cfg)
+        calls = []
+        w.update.engine.module.lm.model.register_forward_hook(lambda *a: calls.append(1))
+        return w.train(rollouts), len(calls)
+
+    recomputed, recompute_calls = run("recompute")
+    behaviour, behaviour_calls = run("behaviour")
+    assert (recompute_calls, behaviour_calls) == (4, 2)  # 2 micro-batches of prepare + 2 of the epoch
+    assert behaviour["ppo/values_mean"] == pytest.approx(recomputed["ppo/values_mean"], rel=1e-6)
+    assert behaviour["ppo/explained_variance"] == pytest.approx(recomputed["ppo/explained_variance"], rel=1e-6)
+    assert behaviour["ppo/logprob_gap_max"] < 1e-4  # these behaviour log-probs came from the same weights
 
 
 def test_loss_falls_and_clip_fraction_rises_over_epochs(policy_path, rollouts):
