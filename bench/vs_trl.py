@@ -197,6 +197,21 @@ def summarise(runs: list[dict], new_tokens: int, prompts: int) -> dict:
 LABELS = {"trl": "TRL 1.12 PPOTrainer", "separate": "tether critic=separate", "shared": "tether critic=shared"}
 
 
+def work_floor(trl: dict) -> dict:
+    """tether's step over TRL's if tether did each piece of its work exactly as fast as TRL
+    does the same piece, from TRL's measured phases (g generate, s score, l learn).
+
+    Both sample the same tokens (g) and run three no-grad forwards of the batch: TRL's
+    reference, value and reward forwards (s); tether's reference and reward forwards plus
+    the learner's old-value forward (bench-30m takes pi_old from the sampler, as TRL does).
+    TRL's epochs train two bodies (policy and value model), as critic=separate does; the
+    shared value head trains one, so half of l. Below these ratios tether must beat TRL's
+    kernels on the same arithmetic, not skip work.
+    """
+    g, s, l = (trl[f"{p}_seconds"] for p in ("generate", "score", "learn"))
+    return {"separate": 1.0, "shared": (g + s + l / 2) / (g + s + l)}
+
+
 def report(summary: dict) -> str:
     head = (f"{'':24}{'step s':>8}{'gen':>7}{'score':>7}{'learn':>7}{'sync':>7}{'other':>7}{'sync %':>7}"
             f"{'tok/s':>8}{'start s':>9}")
@@ -206,11 +221,14 @@ def report(summary: dict) -> str:
                     + f"{100 * s['sync_seconds'] / s['step_seconds']:7.1f}"
                     + f"{s['rollout_tokens_per_s']:8.0f}{s['startup_seconds']:9.1f}")
     if "trl" in summary:
+        floor = work_floor(summary["trl"])
         for side in ("separate", "shared"):
             if side in summary:
                 t, s = summary["trl"], summary[side]
                 rows.append(f"ratio TRL/{LABELS[side]}: step time {t['step_seconds'] / s['step_seconds']:.2f}x, "
-                            f"rollout tokens/s {s['rollout_tokens_per_s'] / t['rollout_tokens_per_s']:.2f}x")
+                            f"rollout tokens/s {s['rollout_tokens_per_s'] / t['rollout_tokens_per_s']:.2f}x; "
+                            f"{LABELS[side]}/TRL {s['step_seconds'] / t['step_seconds']:.2f}x "
+                            f"(equal-speed work floor {floor[side]:.2f}x)")
     rows.append("peak RSS per actor (MiB):")
     for side, s in summary.items():
         mem = ", ".join(f"{role} {b / 2**20:.0f}" for role, b in sorted(s["peak_rss_bytes"].items()))
@@ -252,7 +270,8 @@ def main(argv=None) -> int:
         record = {"time": stamp, "host": platform.node(), "cpus": os.cpu_count(), "load_before": load_before,
                   "load_after": os.getloadavg(), "args": {k: v for k, v in vars(args).items() if k != "print_command"},
                   "pool_cpus": cpus, "workload": {k: v for k, v in wl.items() if k != "prompt_ids"},
-                  "summary": summary, "runs": runs, "report": text}
+                  "summary": summary, "runs": runs, "report": text,
+                  "work_floor": work_floor(summary["trl"]) if "trl" in summary else None}
         out = ROOT / args.out
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=1, default=float))

@@ -61,3 +61,14 @@ def test_learner_bench_bad_flags_exit_2_in_one_line(argv):
     done = subprocess.run([sys.executable, "-m", "bench.learner", *argv], capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("python -m bench.learner: error:")
+
+
+def test_work_floor_halves_only_the_learn_phase_for_the_shared_head():
+    from bench.vs_trl import report, work_floor
+
+    trl = {"generate_seconds": 10.0, "score_seconds": 15.0, "learn_seconds": 100.0}
+    assert work_floor(trl) == {"separate": 1.0, "shared": pytest.approx(75.0 / 125.0)}
+    side = {**trl, "step_seconds": 125.0, "sync_seconds": 0.0, "other_seconds": 0.0, "rollout_tokens_per_s": 1.0,
+            "startup_seconds": 1.0, "peak_rss_bytes": {}, "tokens_per_step": 1, "expected_tokens_per_step": 1}
+    text = report({"trl": side, "shared": {**side, "step_seconds": 100.0}})
+    assert "tether critic=shared/TRL 0.80x (equal-speed work floor 0.60x)" in text
