@@ -37,3 +37,14 @@ def reward_path():
 def tokenizer(policy_path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(policy_path)
+
+
+@pytest.fixture(scope="session")
+def entrypoints():
+    """`python -m <module> ...` in forked children of one process that imported the stack once
+    (tests/entrypoints.py): the user-mistake cases cost milliseconds instead of ~6 s each."""
+    from entrypoints import EntrypointServer
+
+    server = EntrypointServer()
+    yield server
+    server.close()

@@ -140,6 +140,7 @@ def test_two_generators_as_ray_actors(policy_path, tokenizer):
         ray.shutdown()
 
 
+@pytest.mark.slow  # CI budget: every e2e run hosts a CPU generator actor this way
 def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer):
     """As cluster/pools.py starts it on CPU: vLLM's engine core and worker run inside the
     actor's process (no helper processes to start, or to outlive a kill of the actor), and
@@ -201,6 +202,7 @@ def test_lm_head_repack_is_gated_on_the_vllm_release(monkeypatch, caplog):
     assert ours() == ["vLLM 0.99.1 is untested with tether's CP"]
 
 
+@pytest.mark.slow  # CI budget: an engine of its own for a benchmark-only switch (bench.vs_trl uses it)
 def test_ignore_eos_gives_every_response_max_new_tokens(tokenizer):
     """The pre-trained tiny policy ends most sentences with EOS within 24 tokens; with
     sampling.ignore_eos every response runs to max_new_tokens (fixed-length benchmarks)."""

@@ -155,6 +155,7 @@ def test_construction_errors():
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # CI budget: every e2e run hosts reward actors
 def test_runs_unchanged_as_ray_actor(reward_path, policy_path, tokenizer, ray_cluster):
     ray = ray_cluster
     prompts, responses = _batch(seed=5)

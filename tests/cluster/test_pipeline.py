@@ -49,10 +49,13 @@ def short_run(tmp_path_factory) -> Path:
     return runs / "short"
 
 
+@pytest.mark.slow  # CI budget: four stage start-ups; tests/cluster/test_stages.py runs SFT and RM by default
 def test_pipeline_short_stages_feed_each_other(short_run):
     assert status(short_run) == "succeeded"
     sft_final = short_run / "sft" / "checkpoints" / "final"
     assert (sft_final / "config.json").is_file() and status(short_run / "sft") == "succeeded"
+    sft_eval = [r["sft/eval_loss"] for r in read_jsonl(short_run / "sft" / "metrics.jsonl") if "sft/eval_loss" in r]
+    assert len(sft_eval) == 2 and sft_eval[-1] < sft_eval[0] - 0.1  # one epoch learns (1.35 -> 1.11 measured)
     pairs = read_jsonl(short_run / "pairs.jsonl")
     assert pairs, "no labelled pairs"
     for row in pairs:  # hard labels: the chosen response is the one the gold function prefers
@@ -60,6 +63,9 @@ def test_pipeline_short_stages_feed_each_other(short_run):
         assert g_chosen == pytest.approx(row["gold_chosen"]) and g_chosen > g_rejected
     rm_final = short_run / "rm" / "checkpoints" / "final"
     assert (rm_final / "reward_stats.json").is_file()
+    rm_rows = read_jsonl(short_run / "rm" / "metrics.jsonl")
+    rm_eval = [r["rm/eval_loss"] for r in rm_rows if "rm/eval_loss" in r]
+    assert len(rm_eval) == 2 and rm_eval[-1] < rm_eval[0] - 0.05  # the proxy learns the pairs (0.75 -> 0.58)
     rm_cfg = yaml.safe_load((short_run / "rm" / "config.yaml").read_text())
     assert rm_cfg["data"]["path"] == str(short_run / "pairs.jsonl")
     ppo = short_run / "ppo"
@@ -75,6 +81,7 @@ def test_pipeline_short_stages_feed_each_other(short_run):
         assert sum(isinstance(r.get("eval/gold_score"), float) for r in rows) >= 2
 
 
+@pytest.mark.slow  # CI budget: a PPO start-up and two sweep runs; the sweep's refusal without a folder stays
 def test_sweep_reuses_the_pipeline_folder(short_run):
     # one beta (a PPO start-up is most of a minute here); the second call reuses it and adds none
     p = cli("cluster.sweep", "--config", "configs/pipeline-cpu.yaml", "--betas", "0.5",

@@ -44,7 +44,8 @@ def make_driver(tmp_path, *overrides):
 
 class KillRank:
     """Wraps one learner-group call (train: the PPO epochs; push_weights: the weight sync):
-    at ``at_step`` it SIGKILLs ``rank`` while that call runs."""
+    at ``at_step`` it SIGKILLs ``rank`` while that call runs (``delay_s`` into it), or just as
+    it is sent (``delay_s=0``)."""
 
     def __init__(self, driver, *, phase: str, rank: int, at_step: int, delay_s: float = 0.05):
         self.group, self.rank, self.at_step, self.delay_s = driver.pools.learner, rank, at_step, delay_s
@@ -62,11 +63,22 @@ class KillRank:
             pid = self.group.pids()[self.rank]
 
             def kill():
-                time.sleep(self.delay_s)  # let the call start on every rank first
                 self.killed_at = time.perf_counter()
                 os.kill(pid, signal.SIGKILL)
 
-            threading.Thread(target=kill, daemon=True).start()
+            if self.delay_s == 0:
+                # The weight push can finish before a kill from another thread lands (then the
+                # death is found at the checkpoint save instead). Killed here, just before the
+                # call goes out, the push is always the call that finds the rank dead, while
+                # rank 0 runs its part of it and waits in the collective.
+                kill()
+                return
+
+            def kill_later():
+                time.sleep(self.delay_s)  # let the (seconds-long) call start on every rank first
+                kill()
+
+            threading.Thread(target=kill_later, daemon=True).start()
 
 
 # CI budget: the sync/train kill is slow; the async kill during the weight push stays in the default suite.

@@ -101,6 +101,7 @@ PTX_TEXTS = ["an old lighthouse keeper counted the gulls every morning",
              "seven red kites circled over the frozen harbour"]
 
 
+@pytest.mark.slow  # CI budget: PTX, truncated sampling and 2-replica pools each have narrower default tests
 def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_loads):
     """Pools sized independently (2 generators, 1 reference, 2 rewards, 2 learner ranks),
     PPO-ptx from a user's text file, sampling with top-p and top-k: rollouts travel by
@@ -229,6 +230,7 @@ def test_empty_dataset_and_missing_fields(tmp_path):
     assert "Traceback" not in result.stderr and "prompt" in result.stderr
 
 
+@pytest.mark.slow  # CI budget: a subprocess job that waits out its placement timeout
 def test_unplaceable_pool_fails_fast_naming_the_pool(tmp_path):
     result = cli(f"run.dir={tmp_path}", "run.name=big", "generator.replicas=50",
                  "resources.num_cpus=4", "resources.placement_timeout_s=5",
