@@ -3,10 +3,11 @@
 A user-mistake case costs ~6 s as a fresh `python -m cluster.train`, nearly all of it importing
 torch, transformers and Ray; the mistake itself is found in milliseconds. This server imports
 those once, then forks a child per command: the child is a process of its own (its own exit
-code, stdout and stderr, environment and working directory) that runs the module as
-`__main__`, as `python -m` does, and exits the way the interpreter would (exit handlers run; an
-uncaught exception prints its traceback and exits 1). Nothing is computed before the fork, so no thread
-pool is copied into the children. vLLM is not imported: no mistake case reaches it.
+code, stdout and stderr files, environment; the repository root as working directory, as the
+subprocess cases had) that runs the module as `__main__`, as `python -m` does, and exits the
+way the interpreter would (exit handlers run; an uncaught exception prints its traceback and
+exits 1). Nothing is computed before the fork, so no thread pool is copied into the children.
+vLLM is not imported: no mistake case reaches it.
 
 Used through `EntrypointServer` (see tests/conftest.py `entrypoints`); a handful of cases also run
 as real subprocesses, which proves the two agree.

@@ -71,9 +71,9 @@ def test_user_mistake_exits_2_with_one_line(tmp_path, inputs, entrypoints, modul
     assert_one_line_error(result, run_dir, message.format(inputs=inputs))
 
 
-@pytest.mark.parametrize("case", [2, 9])  # one per stage entrypoint, in a fresh interpreter as a user runs it
+@pytest.mark.parametrize("case", ["sft-2", "reward_model-9"])  # one per stage entrypoint, as a user runs it
 def test_user_mistake_in_a_fresh_interpreter(tmp_path, inputs, case):
-    (module, args, message), run_dir = CASES[case], tmp_path / "runs"
+    (module, args, message), run_dir = CASES[IDS.index(case)], tmp_path / "runs"
     env = {**os.environ, "RAY_ADDRESS": "", "DS_ACCELERATOR": "cpu"}
     result = subprocess.run([sys.executable, "-m", module, f"run.dir={run_dir}",
                              *(a.format(inputs=inputs) for a in args)], cwd=REPO,
