@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from actors import kept_set
 from actors.engine_turns import EngineTurns
 from actors.reference import resolve_model_path
 from core.rollout import WEIGHT_UPDATE_GROUP, Rollout
@@ -146,6 +147,7 @@ class Generator:
         self._request_ids = itertools.count()
         self._skipped_total = 0
         self._generated_total = 0
+        self._incomplete_kept_sets = 0  # positions whose kept set vLLM returned in part (top-k ties)
         if weight_sync == "nccl" and not _has_cuda():
             raise ValueError(f"{name}: weight_sync='nccl' needs CUDA (NCCL broadcast into "
                              "vLLM's GPU workers); this generator has no GPU: use 'cpu' or give it num_gpus")
@@ -153,6 +155,8 @@ class Generator:
         self._llm = self._start_engine(model)
         self._llm.llm_engine.set_weight_version(str(self._version))  # vLLM labels each token with it
         self.start_seconds = time.perf_counter() - t0
+        self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
+        kept_set.check_vocab(self.sampling.top_k, self.sampling.top_p, self._vocab_size, name)
         log.info("%s: vLLM engine up in %.1fs", name, self.start_seconds)
 
     def _start_engine(self, model: str):
@@ -165,6 +169,7 @@ class Generator:
                       max_num_seqs=e.max_num_seqs, tensor_parallel_size=self.tensor_parallel,
                       enforce_eager=e.enforce_eager, seed=self.sampling.seed,
                       logprobs_mode="processed_logprobs",  # logprobs after temperature/top-k/top-p
+                      max_logprobs=-1,  # top_p alone reads the whole vocabulary's (actors/kept_set.py)
                       worker_extension_cls="actors.vllm_extension.WeightReloadExtension")
         if on_gpu:
             kwargs["gpu_memory_utilization"] = e.gpu_memory_utilization
@@ -183,10 +188,12 @@ class Generator:
         from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
+        kept_set.check_vocab(s.top_k, s.top_p, self._vocab_size, self.name)
         return [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                               max_tokens=s.max_new_tokens, n=s.n, logprobs=0, ignore_eos=s.ignore_eos,
+                               max_tokens=s.max_new_tokens, n=s.n, ignore_eos=s.ignore_eos,
                                seed=request_seed(s.seed, self._version, idx),
-                               output_kind=RequestOutputKind.FINAL_ONLY) for idx in prompt_indices]
+                               output_kind=RequestOutputKind.FINAL_ONLY, **kept_set.logprob_request(s.top_k, s.top_p))
+                for idx in prompt_indices]
 
     def generate(self, prompt_ids: list, prompt_indices: list[int] | None = None) -> GenerationResult:
         """Sample `sampling.n` responses per prompt. prompt_ids: list of [P] int token arrays.
@@ -265,15 +272,20 @@ class Generator:
 
     def _to_rollout(self, prompt: list[int], prompt_index: int, completion) -> Rollout:
         token_ids = list(completion.token_ids)
-        # logprobs=0 returns exactly the sampled token's entry at each step.
-        logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
+        kept = None
+        if kept_set.is_truncated(self.sampling.top_k, self.sampling.top_p):
+            logprobs, kept, incomplete = kept_set.read_completion(token_ids, completion.logprobs)
+            self._incomplete_kept_sets += incomplete
+        else:
+            logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
         versions = token_versions(completion.weight_versions, len(token_ids), self._version)
         return Rollout(prompt_ids=np.asarray(prompt, dtype=np.int64),
                        response_ids=np.asarray(token_ids, dtype=np.int64),
                        behaviour_logprobs=np.asarray(logprobs, dtype=np.float32),
                        finish_reason="stop" if completion.finish_reason == "stop" else "length",
                        policy_version=int(versions[0]) if len(versions) else self._version,
-                       prompt_index=prompt_index, sample_index=completion.index, token_versions=versions)
+                       prompt_index=prompt_index, sample_index=completion.index, token_versions=versions,
+                       kept_ids=kept)
 
     def rewind(self, version: int) -> None:
         """A rollback to a checkpoint: the next weights pushed are that (older) version's."""
@@ -384,7 +396,8 @@ class Generator:
     def health(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "version": self._version, "skipped_prompts": self._skipped_total,
                 "generated_tokens": self._generated_total, "engine_start_s": self.start_seconds,
-                "pushes_mid_generate": self._turns.updates_during_sampling}
+                "pushes_mid_generate": self._turns.updates_during_sampling,
+                "incomplete_kept_sets": self._incomplete_kept_sets}
 
     def config(self) -> dict:
         return {"sampling": asdict(self.sampling), "engine": asdict(self.engine),

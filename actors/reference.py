@@ -3,8 +3,9 @@
 The reference model is loaded from disk by this actor alone, so it can never share
 storage with a trainable policy (the KL penalty would silently shrink to zero if
 the learner's updates leaked into it). Log-probs are of the distribution the generator
-samples from: log_softmax(logits / T), truncated by top-k/top-p when sampling is
-(core.sampling), so the KL penalty compares like with like.
+samples from: log_softmax(logits / T), and with top-k/top-p sampling renormalised over the
+set of tokens the sampler kept at each position (the rollout's ``kept_ids``, core.sampling),
+so the KL penalty compares like with like.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 from core.dtypes import torch_dtype
 from core.ppo import logprobs_from_logits
-from core.sampling import check_truncation
+from core.sampling import check_truncation, is_truncated, pad_kept_ids
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,14 @@ class Reference:
         self._logits_to_keep = "logits_to_keep" in params
         self._counts = {"calls": 0, "sequences": 0, "tokens": 0, "seconds": 0.0}
 
-    def logprobs(self, prompt_ids_batch: list[np.ndarray],
-                 response_ids_batch: list[np.ndarray]) -> list[np.ndarray]:
-        """Per rollout, the [R] float32 log-probs of its response tokens under the reference."""
+    def logprobs(self, prompt_ids_batch: list[np.ndarray], response_ids_batch: list[np.ndarray],
+                 kept_ids_batch: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Per rollout, the [R] float32 log-probs of its response tokens under the reference.
+
+        With truncated sampling, ``kept_ids_batch`` gives each rollout's [R, K] kept set
+        (Rollout.kept_ids); the reference renormalises over it."""
         prompts, responses = as_token_arrays(prompt_ids_batch, response_ids_batch, "Reference.logprobs")
+        kept = self._kept_sets(kept_ids_batch, len(prompts))
         for i, p in enumerate(prompts):
             if p.size == 0:
                 raise ValueError(f"Reference.logprobs: prompt {i} is empty; the first response token "
@@ -137,7 +142,8 @@ class Reference:
         lengths = [prompts[i].size + responses[i].size for i in todo]
         for chunk in length_sorted_chunks(lengths, self.batch_size):
             rows = [todo[j] for j in chunk]
-            lps = self._forward([prompts[i] for i in rows], [responses[i] for i in rows])
+            lps = self._forward([prompts[i] for i in rows], [responses[i] for i in rows],
+                                None if kept is None else [kept[i] for i in rows])
             for i, lp in zip(rows, lps):
                 out[i] = lp
         self._counts["calls"] += 1
@@ -148,10 +154,25 @@ class Reference:
 
     def reference_logprobs(self, rollouts: list) -> list[np.ndarray]:
         """logprobs() of Rollouts, for a caller that passes the generator's output by reference."""
-        return self.logprobs([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts])
+        return self.logprobs([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
+                             [r.kept_ids for r in rollouts] if self.truncated else None)
+
+    @property
+    def truncated(self) -> bool:
+        return is_truncated(self.top_k, self.top_p)
+
+    def _kept_sets(self, kept_ids_batch, n: int):
+        if not self.truncated:
+            return None
+        if kept_ids_batch is None or len(kept_ids_batch) != n or any(k is None for k in kept_ids_batch):
+            raise ValueError(f"Reference.logprobs: sampling is truncated (top_k={self.top_k}, "
+                             f"top_p={self.top_p}), so every rollout must carry the sampler's kept set "
+                             "(kept_ids); a generator with the same sampling settings records it")
+        return [np.asarray(k, dtype=np.int64) for k in kept_ids_batch]
 
     @torch.inference_mode()
-    def _forward(self, prompts: list[np.ndarray], responses: list[np.ndarray]) -> list[np.ndarray]:
+    def _forward(self, prompts: list[np.ndarray], responses: list[np.ndarray],
+                 kept: list[np.ndarray] | None = None) -> list[np.ndarray]:
         # Left-pad prompts and right-pad responses: every response then starts at column P,
         # so one slice of the logits serves the whole batch.
         P = max(p.size for p in prompts)
@@ -171,8 +192,8 @@ class Reference:
             logits = self.model(**kwargs, logits_to_keep=R + 1).logits[:, :R]
         else:
             logits = self.model(**kwargs).logits[:, P - 1:P + R - 1]
-        lp = logprobs_from_logits(logits.float(), ids_t[:, P:], self.temperature, top_k=self.top_k,
-                                  top_p=self.top_p)
+        kept_t = None if kept is None else torch.from_numpy(pad_kept_ids(kept)).to(self.device)
+        lp = logprobs_from_logits(logits.float(), ids_t[:, P:], self.temperature, kept_ids=kept_t)
         lp = lp.cpu().numpy().astype(np.float32)
         return [lp[row, :r.size].copy() for row, r in enumerate(responses)]
 

@@ -22,7 +22,7 @@ from typing import Optional
 import yaml
 
 from actors.generator import EngineConfig, SamplingConfig
-from core.ppo import KL_ESTIMATORS
+from core.ppo import kl_placement_error
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
 BUILTIN_POLICY = "builtin:tiny"        # the offline tiny model, pre-trained on the built-in corpus
@@ -88,7 +88,8 @@ class LearnerPoolConfig(PoolConfig, TrainerConfig):
 @dataclass(frozen=True)
 class KLConfig:
     beta: float = 0.05               # initial weight of the per-token KL penalty
-    estimator: str = "k1"            # k1 | k2 | k3 (Schulman) for the per-token KL in the reward
+    estimator: str = "k1"            # k1 | k2 | k3 (Schulman): k1 in the reward; k3 (or k2) in the loss
+    placement: str = "reward"        # reward: -beta x KL per token in the reward (classic RLHF) | loss: beta x KL as a loss term with its gradient (GRPO family)
     target: Optional[float] = None   # set to use the adaptive controller (Ziegler et al.); null = fixed beta
     horizon: int = 10000             # adaptive controller horizon, in rollouts
 
@@ -170,7 +171,8 @@ class TetherConfig:
         pick = lambda obj, cls: {f.name: getattr(obj, f.name) for f in fields(cls)}
         return LearnerConfig(**pick(self.learner, TrainerConfig), ppo=PPOConfig(**pick(self.ppo, PPOConfig)),
                              seed=self.run.seed, temperature=self.generator.sampling.temperature,
-                             top_k=self.generator.sampling.top_k, top_p=self.generator.sampling.top_p)
+                             top_k=self.generator.sampling.top_k, top_p=self.generator.sampling.top_p,
+                             kl_loss_estimator=self.ppo.kl.estimator if self.ppo.kl.placement == "loss" else None)
 
     def to_dict(self) -> dict:
         """Plain nested dict that load_config accepts back."""
@@ -363,9 +365,9 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError(f"config: data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be >= 1, "
                           "or null to keep prompts of any length")
     _check_lengths(cfg.generator, cfg.data.max_prompt_tokens)
-    if cfg.ppo.kl.estimator not in KL_ESTIMATORS:
-        raise ConfigError(f"config: ppo.kl.estimator={cfg.ppo.kl.estimator!r} is unknown; use one of "
-                          f"{', '.join(KL_ESTIMATORS)}")
+    kl_problem = kl_placement_error(cfg.ppo.kl.placement, cfg.ppo.kl.estimator)
+    if kl_problem:
+        raise ConfigError(f"config: {kl_problem}")
     if cfg.ppo.kl.beta < 0:
         raise ConfigError(f"config: ppo.kl.beta={cfg.ppo.kl.beta} must be >= 0 (0 = no KL penalty)")
     if cfg.ppo.kl.target is not None and cfg.ppo.kl.target <= 0:

@@ -90,8 +90,13 @@ class Driver:
     def shaping(self) -> RewardShaping:
         """How this step's rollouts get their per-token rewards (beta as the controller has it now)."""
         p = self.cfg.ppo
-        return RewardShaping(beta=self.kl_ctl.value, kl_estimator=p.kl.estimator,
-                             truncation_penalty=p.truncation_penalty, reward_clip=p.reward_clip)
+        return RewardShaping.for_step(beta=self.kl_ctl.value, kl_estimator=p.kl.estimator,
+                                      kl_placement=p.kl.placement, truncation_penalty=p.truncation_penalty,
+                                      reward_clip=p.reward_clip)
+
+    def _kl_loss_coef(self) -> float:
+        """beta for the learner's KL loss term (ppo.kl.placement=loss), else 0."""
+        return self.kl_ctl.value if self.cfg.ppo.kl.placement == "loss" else 0.0
 
     # ------------------------------------------------------------------ the data stream
     def _seek(self, batches_issued: int) -> None:
@@ -151,7 +156,7 @@ class Driver:
                 shards, batch, regenerated = self._take(producer, min_version)
             produced = (producer.take() if producer is not None else produced).merge(regenerated)
             with timer("learn"), self._learner_lock:
-                learn = learner.train(shards, ptx_rows=self.ptx_rows())
+                learn = learner.train(shards, ptx_rows=self.ptx_rows(), kl_coef=self._kl_loss_coef())
             with timer("sync"), self._learner_lock:
                 self.kl_ctl.update(float(batch.kl_sums.mean()), n_steps=len(batch.scores))
                 sync = self._push_weights(self.pools.generators.handles(), self.version + 1)

@@ -29,6 +29,15 @@ class RewardShaping:
     truncation_penalty: float = 0.0
     reward_clip: Optional[float] = None
 
+    @classmethod
+    def for_step(cls, *, beta: float, kl_estimator: str = "k1", kl_placement: str = "reward",
+                 truncation_penalty: float = 0.0, reward_clip: Optional[float] = None) -> "RewardShaping":
+        """The shaping of one step with the KL coefficient ``beta``: the KL penalty enters the
+        rewards only with ``kl_placement="reward"``; with "loss" the learner weighs the KL loss
+        term by beta instead, and the rewards are the scores alone (the KL is still measured)."""
+        return cls(beta=beta if kl_placement == "reward" else 0.0, kl_estimator=kl_estimator,
+                   truncation_penalty=truncation_penalty, reward_clip=reward_clip)
+
 
 def annotate_valid(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], scores: np.ndarray,
                    valid: np.ndarray, shaping: RewardShaping) -> tuple[list[ScoredRollout], int, int]:

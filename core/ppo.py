@@ -21,6 +21,7 @@ from core import sampling
 Tensor = torch.Tensor
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_PLACEMENTS = ("reward", "loss")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 OFF_POLICY_MODES = ("none", "tis", "decoupled")
 
@@ -140,24 +141,25 @@ def _tempered(logits: Tensor, temperature: float) -> Tensor:
 
 
 def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0, *,
-                         top_k: int = 0, top_p: float = 1.0) -> Tensor:
+                         top_k: int = 0, top_p: float = 1.0, kept_ids: Optional[Tensor] = None) -> Tensor:
     """Log-probability of ``tokens`` [B, T] under ``softmax(logits / temperature)``.
 
     ``logits`` is [B, T, V] and is aligned with ``tokens`` (logits[:, t] scores
-    tokens[:, t]; the caller does any shift). The temperature, ``top_k`` and ``top_p``
-    must be the ones used for sampling so that the ratio matches the behaviour policy:
-    with truncation the softmax is renormalised over the tokens the sampler keeps
-    (core.sampling). Returns [B, T] (float32 for half-precision logits). Padding
+    tokens[:, t]; the caller does any shift). The temperature must be the sampling one so
+    that the ratio matches the behaviour policy. Truncated sampling (core.sampling):
+    ``kept_ids`` [B, T, K] (the sampler's kept set, -1 = padding) renormalises over that
+    set; without it, ``top_k``/``top_p`` truncate by these logits' own kept set, and a token
+    outside it gets -inf. Returns [B, T] (float32 for half-precision logits). Padding
     positions are computed like any other; mask them downstream.
     """
     fn = "logprobs_from_logits"
-    _check_temperature(fn, temperature)
-    sampling.check_truncation(fn, top_k, top_p)
+    scaled = _scaled(fn, logits, temperature, top_k, top_p)
     if logits.dim() != tokens.dim() + 1:
         raise ValueError(f"{fn}: logits shape {tuple(logits.shape)} must be tokens shape "
                          f"{tuple(tokens.shape)} plus a vocabulary dimension")
     _check_shapes(fn, "logits batch", logits.shape[:-1], tokens=tokens)
-    scaled = _tempered(logits, temperature)
+    if kept_ids is not None:
+        return sampling.kept_logprobs(scaled, tokens, kept_ids)
     if sampling.is_truncated(top_k, top_p):
         return sampling.truncated_logprobs(scaled, tokens, top_k, top_p)
     # gather - logsumexp avoids a second [B, T, V] tensor for the full log-softmax.
@@ -166,17 +168,26 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, *, top_k: int = 0,
-                        top_p: float = 1.0) -> Tensor:
-    """Entropy [B, T] of ``softmax(logits / temperature)`` for logits [B, T, V], truncated
-    by ``top_k``/``top_p`` as the sampler truncates it."""
-    _check_temperature("entropy_from_logits", temperature)
-    sampling.check_truncation("entropy_from_logits", top_k, top_p)
-    scaled = _tempered(logits, temperature)
+                        top_p: float = 1.0, kept_ids: Optional[Tensor] = None,
+                        tokens: Optional[Tensor] = None) -> Tensor:
+    """Entropy [B, T] of ``softmax(logits / temperature)`` for logits [B, T, V]: over the
+    sampler's kept set ``kept_ids`` [B, T, K] (with the sampled ``tokens`` [B, T]) when given,
+    else truncated by ``top_k``/``top_p`` as these logits' own sampler would."""
+    scaled = _scaled("entropy_from_logits", logits, temperature, top_k, top_p)
+    if kept_ids is not None:
+        _require(tokens is not None, "entropy_from_logits: kept_ids needs the sampled tokens")
+        return sampling.kept_entropy(scaled, tokens, kept_ids)
     if sampling.is_truncated(top_k, top_p):
         return sampling.truncated_entropy(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
     # H = logsumexp(z) - sum(p * z); avoids log(p) underflow for tiny probabilities.
     return torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(-1)
+
+
+def _scaled(fn: str, logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    _check_temperature(fn, temperature)
+    sampling.check_truncation(fn, top_k, top_p)
+    return _tempered(logits, temperature)
 
 
 # --------------------------------------------------------------------------- KL and rewards
@@ -202,6 +213,47 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -
     # expm1 keeps precision for small r; the clamp removes rounding below the true
     # minimum of 0 (k3 is non-negative mathematically).
     return (torch.expm1(-log_ratio) + log_ratio).clamp_min(0.0)
+
+
+def kl_placement_error(placement: str, estimator: str) -> Optional[str]:
+    """Why ``estimator`` cannot serve at ``placement``, or None when it can.
+
+    In the reward PPO treats the penalty as a constant, so only k1's expectation has the KL's
+    gradient (k2 and k3 there pull with a fraction of it, k3 away from the reference when
+    far). In the loss the gradient flows through log pi: k1 has zero expected gradient there,
+    k2 gives grad KL(pi || ref) and k3 grad KL(ref || pi) (the GRPO family's low-variance KL).
+    """
+    if placement not in KL_PLACEMENTS:
+        return f"ppo.kl.placement={placement!r} is unknown; use one of {', '.join(KL_PLACEMENTS)}"
+    if estimator not in KL_ESTIMATORS:
+        return f"ppo.kl.estimator={estimator!r} is unknown; use one of {', '.join(KL_ESTIMATORS)}"
+    if placement == "reward" and estimator != "k1":
+        return (f"ppo.kl.estimator={estimator} in the reward does not give the KL's gradient (PPO treats "
+                "rewards as constants); use k1 there, or ppo.kl.placement=loss to train on "
+                f"{estimator} as a loss term")
+    if placement == "loss" and estimator == "k1":
+        return ("ppo.kl.estimator=k1 in the loss has zero expected gradient; use k3 (the low-variance "
+                "KL of the GRPO family) or k2 with ppo.kl.placement=loss, or placement=reward for k1")
+    return None
+
+
+def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k3",
+            agg: str = "token-mean", *, global_tokens: Optional[float] = None,
+            global_seqs: Optional[float] = None, horizon: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """The KL to the reference as a loss term (``ppo.kl.placement: loss``); all [B, T].
+
+    ``kl_estimate(logprobs, ref_logprobs, estimator)`` aggregated like the policy loss, with
+    the gradient flowing through ``logprobs`` (the reference is frozen): per token,
+    d k2 / d log pi = log pi - log ref and d k3 / d log pi = 1 - pi_ref / pi. The caller
+    multiplies by beta. Returns (loss, masked mean of the estimate, detached).
+    """
+    fn = "kl_loss"
+    _check_masked(fn, mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    # Masked before the estimate: exp of padding garbage could overflow into inf * 0 = NaN.
+    kl = kl_estimate(_zero_pad(logprobs, mask), _zero_pad(ref_logprobs.detach(), mask), estimator)
+    loss = aggregate_loss(kl, mask, agg, global_tokens, global_seqs, horizon)
+    with torch.no_grad():
+        return loss, masked_mean(kl, mask)
 
 
 def _last_valid_index(fn: str, mask: Tensor) -> Tensor:
@@ -328,7 +380,8 @@ def behaviour_weights(
     behaviour_logprobs: log pi_behaviour, recorded by the generator (possibly an older
     version, or the same weights scored by another engine); proximal_logprobs: log
     pi_prox, the learner's weights when the update starts (PPO's "old" log-probs, the
-    anchor of the clipped ratio). With w = pi_prox / pi_behaviour:
+    anchor of the clipped ratio); with truncated sampling, of the set pi_prox itself would
+    keep, -inf outside it (weight 0). With w = pi_prox / pi_behaviour:
 
       none:       1 on every valid token (the rollouts are treated as on-policy);
       tis:        min(w, cap): truncated importance sampling (Ionides 2008; as used
@@ -348,7 +401,9 @@ def behaviour_weights(
                   behaviour_logprobs=behaviour_logprobs)
     valid = mask != 0
     log_w = _zero_pad(proximal_logprobs.detach() - behaviour_logprobs.detach(), mask)
-    w = torch.exp(log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    # -inf: the token is outside the set the proximal policy would sample from (truncated
+    # sampling, core.sampling), so it has no probability there: weight exactly 0.
+    w = torch.where(log_w == float("-inf"), 0.0, torch.exp(log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)))
     if mode == "none":
         return valid.to(w.dtype), torch.zeros_like(valid)
     capped = valid & (w > cap)

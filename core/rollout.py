@@ -32,6 +32,10 @@ class Rollout:
     # mid-generation (async mode's partial rollouts) makes it step up inside one response;
     # policy_version is its first (oldest) entry. None: every token is policy_version's.
     token_versions: np.ndarray = None
+    # [R, K] int32: with truncated sampling (top-k / top-p), the ids of the tokens the sampler
+    # kept at each position, -1 padding a row; the reference and the learner renormalise
+    # over this set (core.sampling). None: untruncated sampling, the whole vocabulary.
+    kept_ids: np.ndarray = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)
@@ -50,6 +54,11 @@ class Rollout:
                                          or np.any(np.diff(self.token_versions) < 0)):
             raise ValueError(f"Rollout: token_versions must start at policy_version={self.policy_version} "
                              "and never decrease")
+        if self.kept_ids is not None:
+            self.kept_ids = np.asarray(self.kept_ids, dtype=np.int32)
+            if self.kept_ids.ndim != 2 or self.kept_ids.shape[0] != self.response_ids.size:
+                raise ValueError(f"Rollout: kept_ids shape {self.kept_ids.shape} must be "
+                                 f"[{self.response_ids.size}, K] (one kept set per response token)")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Rollout: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
 

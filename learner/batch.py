@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from core.rollout import Rollout, ScoredRollout
+from core.sampling import pad_kept_ids
 
 Tensor = torch.Tensor
 FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")  # [B, P+R]; other 2-D fields are [B, R]
@@ -36,6 +37,7 @@ class Batch:
     rewards: Tensor               # [B, R] float32: per-token rewards, score folded in
     scores: Tensor                # [B] float32: sequence scores (for metrics)
     prompt_len: int               # P: column where every response starts
+    kept_ids: Optional[Tensor] = None  # [B, R, K] int64: truncated sampling's kept sets (-1 = padding)
     # Filled in by the learner before the epochs; same [B, R] layout.
     old_logprobs: Optional[Tensor] = None
     old_values: Optional[Tensor] = None
@@ -93,7 +95,7 @@ class Batch:
             v = getattr(self, f.name)
             if f.name in FULL_WIDTH:
                 v = v[:, first:P + R]
-            elif isinstance(v, Tensor) and v.dim() == 2:
+            elif isinstance(v, Tensor) and v.dim() in (2, 3):  # [B, R] and [B, R, K]
                 v = v[:, :R]
             out[f.name] = v
         out["prompt_len"] = P - first
@@ -145,6 +147,11 @@ def collate(rollouts: Sequence[ScoredRollout | Rollout], pad_id: int) -> Batch:
             per_token["reference_logprobs"][row, :n] = r.reference_logprobs
             per_token["rewards"][row, :n] = r.rewards
     attention_mask = torch.from_numpy(attn)
+    kept = [r.kept_ids for r in rollouts]
+    if any(k is not None for k in kept):
+        if any(k is None for k in kept):
+            raise ValueError("collate: some rollouts carry a kept set (truncated sampling) and some do not")
+        per_token["kept_ids"] = pad_kept_ids(kept)
     return Batch(input_ids=torch.from_numpy(ids), attention_mask=attention_mask,
                  position_ids=position_ids(attention_mask),
                  scores=torch.tensor([float(getattr(r, "score", 0.0)) for r in rollouts], dtype=torch.float32),

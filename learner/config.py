@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from core.dtypes import TRAINABLE_DTYPES
-from core.ppo import AGG_MODES, OFF_POLICY_MODES
+from core.ppo import AGG_MODES, OFF_POLICY_MODES, kl_placement_error
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_DECAYS = ("linear", "cosine", "constant")
@@ -197,6 +197,9 @@ class LearnerConfig(TrainerConfig):
     temperature: float = 1.0             # the sampling temperature: logits are divided by it (as in vLLM)
     top_k: int = 0                       # the sampling truncation: the learner scores the distribution
     top_p: float = 1.0                   # the generator sampled from (core.sampling)
+    # ppo.kl.placement=loss: the KL estimator (k2 | k3) added to the loss as beta x its
+    # aggregate, the gradient flowing through the policy's log-probs. None: the KL is in the reward.
+    kl_loss_estimator: Optional[str] = None
 
     def validate(self, world_size: int = 1) -> None:
         super().validate(world_size)
@@ -205,6 +208,10 @@ class LearnerConfig(TrainerConfig):
         if self.top_k < 0 or not 0 < self.top_p <= 1:
             _fail(f"learner.top_k={self.top_k} must be >= 0 and learner.top_p={self.top_p} in (0, 1] "
                   "(the sampling truncation)")
+        if self.kl_loss_estimator is not None:
+            problem = kl_placement_error("loss", self.kl_loss_estimator)
+            if problem:
+                _fail(f"learner: {problem}")
         self.ppo.validate(world_size)
 
     def check_device(self, has_cuda: bool) -> None:

@@ -116,17 +116,18 @@ class LearnerGroup:
 
     # ------------------------------------------------------------------ the ranks as one
 
-    def train(self, shards: list, ptx_rows: Optional[np.ndarray] = None) -> dict:
+    def train(self, shards: list, ptx_rows: Optional[np.ndarray] = None, kl_coef: float = 0.0) -> dict:
         """One PPO update. ``shards``: one entry per rank (core.rollout.shard_rollouts makes
         them), each a list of ScoredRollout or a Ray ObjectRef to one; a ref is resolved by
         Ray inside its rank, so the rollouts never pass through this process.
         ``ptx_rows``: [N, T] token ids of pretraining text for the PTX loss; rank r gets the
-        r-th of W equal consecutive blocks, so N must be a multiple of the world size."""
+        r-th of W equal consecutive blocks, so N must be a multiple of the world size.
+        ``kl_coef``: beta of the KL loss term (``kl_loss_estimator`` set; ignored otherwise)."""
         t0 = time.perf_counter()
         if len(shards) != self.world_size:
             raise ValueError(f"learner.train: got {len(shards)} shards for {self.world_size} ranks; "
                              "pass exactly one per rank (core.rollout.shard_rollouts)")
-        refs = [w.train.remote(shard, rows)
+        refs = [w.train.remote(shard, rows, kl_coef)
                 for w, shard, rows in zip(self.workers, shards, split_rows(ptx_rows, self.world_size))]
         metrics = _merge_metrics(self._gather(refs, "train"))
         metrics["perf/learner_group_seconds"] = time.perf_counter() - t0

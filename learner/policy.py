@@ -93,16 +93,19 @@ class PolicyWithValueHead(nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
     def forward(self, input_ids, attention_mask, position_ids, *, prompt_len: Optional[int] = None,
-                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, with_entropy: bool = True,
-                values_only: bool = False):
+                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, kept_ids=None,
+                with_entropy: bool = True, values_only: bool = False, with_own_set: bool = False):
         """Without ``prompt_len``: (logits [B, T, V], values [B, T] float32) at every position.
 
         With ``prompt_len`` = P (the batch layout of learner.batch): (logprobs, values,
         entropy), each [B, R] for the response tokens input_ids[:, P:]; the LM head runs on
         those columns only. Log-probs and entropy are of the sampled distribution: logits /
-        temperature, truncated by top_k/top_p (core.sampling). ``values_only``: (None, values,
-        None); a separate critic then runs without the policy body. One entry point, so
-        DeepSpeed's engine wraps every forward.
+        temperature, renormalised over the sampler's kept sets ``kept_ids`` [B, R, K] when
+        given, else truncated by top_k/top_p as these weights would sample (core.sampling).
+        ``values_only``: (None, values, None); a separate critic then runs without the policy
+        body. ``with_own_set``: a 4th output, the log-probs under the set these weights would
+        keep themselves (-inf outside it: the off-policy weight's proximal policy). One entry
+        point, so DeepSpeed's engine wraps every forward.
         """
         R = None if prompt_len is None else input_ids.shape[1] - prompt_len
         cols = lambda t: response_slice(t, prompt_len, R)  # noqa: E731
@@ -116,10 +119,15 @@ class PolicyWithValueHead(nn.Module):
         if values_only:
             return None, self._values(hidden, input_ids, attention_mask, position_ids, cols), None
         logits = head(hidden)
-        truncation = dict(top_k=top_k, top_p=top_p)
-        logprobs = ppo.logprobs_from_logits(logits, input_ids[:, prompt_len:], temperature, **truncation)
-        entropy = ppo.entropy_from_logits(logits, temperature, **truncation) if with_entropy else None
+        tokens = input_ids[:, prompt_len:]
+        truncation = dict(top_k=top_k, top_p=top_p, kept_ids=kept_ids)
+        logprobs = ppo.logprobs_from_logits(logits, tokens, temperature, **truncation)
+        entropy = (ppo.entropy_from_logits(logits, temperature, tokens=tokens, **truncation)
+                   if with_entropy else None)
         values = self._values(hidden, input_ids, attention_mask, position_ids, cols)
+        if with_own_set:
+            own = ppo.logprobs_from_logits(logits, tokens, temperature, top_k=top_k, top_p=top_p)
+            return logprobs, values, entropy, own
         return logprobs, values, entropy
 
     def response_logprobs_values(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True,
@@ -127,10 +135,12 @@ class PolicyWithValueHead(nn.Module):
         """-> (logprobs, values, entropy), each [B, R] float32, aligned with the response tokens.
 
         values[:, t] is the value of the state before response token t (read at the
-        position that predicts it). entropy is None when ``with_entropy`` is False.
+        position that predicts it). entropy is None when ``with_entropy`` is False. With
+        truncated sampling the batch's kept sets (``kept_ids``) are the renormalising sets.
         """
         return self(batch.input_ids, batch.attention_mask, batch.position_ids, prompt_len=batch.prompt_len,
-                    temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=with_entropy)
+                    temperature=temperature, top_k=top_k, top_p=top_p, kept_ids=batch.kept_ids,
+                    with_entropy=with_entropy)
 
     # ------------------------------------------------------------------ persistence
 

@@ -19,6 +19,8 @@ class UpdateStats:
     policy_loss: float = 0.0     # sum of micro-batch policy losses
     value_loss: float = 0.0      # sum of micro-batch value losses
     ptx_loss: float = 0.0        # sum of this rank's PTX token-mean LM losses, one per step
+    kl_loss: float = 0.0         # sum of micro-batch KL loss terms (before beta; ppo.kl.placement=loss)
+    kl_sum: float = 0.0          # the KL loss's per-token estimate x tokens
     entropy_sum: float = 0.0     # sum of per-token entropies
     approx_kl_sum: float = 0.0   # approx_kl x tokens, per micro-batch
     clip_sum: float = 0.0        # clip_frac x tokens
@@ -56,11 +58,11 @@ class UpdateStats:
         return {"policy_loss": self.policy_loss / steps, "value_loss": self.value_loss / steps,
                 "clip_frac": self.clip_sum / tokens, "approx_kl": self.approx_kl_sum / tokens}
 
-    def metrics(self, reduce: Reduce, *, world_size: int, with_ptx: bool) -> dict:
+    def metrics(self, reduce: Reduce, *, world_size: int, with_ptx: bool, with_kl_loss: bool = False) -> dict:
         """The ``ppo/*`` metrics over all ranks (one all-reduce; every rank must call)."""
-        pg, vf, ptx, ent, kl, clip, vf_clip, tokens = reduce(
+        pg, vf, ptx, ent, kl, clip, vf_clip, tokens, kl_loss, kl_in_loss = reduce(
             [self.policy_loss, self.value_loss, self.ptx_loss, self.entropy_sum, self.approx_kl_sum,
-             self.clip_sum, self.vf_clip_sum, self.tokens])
+             self.clip_sum, self.vf_clip_sum, self.tokens, self.kl_loss, self.kl_sum])
         steps = max(self.optimizer_steps, 1)  # the same on every rank
         out = {"ppo/policy_loss": pg / steps, "ppo/value_loss": vf / steps,
                "ppo/entropy": ent / tokens, "ppo/approx_kl": kl / tokens, "ppo/clip_frac": clip / tokens,
@@ -68,4 +70,7 @@ class UpdateStats:
                "ppo/lr": self.lr}
         if with_ptx:
             out["ppo/ptx_loss"] = ptx / (steps * world_size)
+        if with_kl_loss:
+            out["ppo/kl_loss"] = kl_loss / steps
+            out["ppo/kl_loss_token_mean"] = kl_in_loss / tokens
         return out

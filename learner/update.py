@@ -34,11 +34,15 @@ class PPOUpdate:
         self.step = 0  # completed train() calls; seeds the shuffle so a resumed run replays it
         self.epoch_history: list[dict] = []  # this rank's per-epoch losses of the last train()
         self.last_ptx_rows: Optional[np.ndarray] = None  # [n, T] PTX rows of the last train()
+        self.kl_coef = 0.0  # beta of the KL loss term in the current train()
 
-    def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None) -> dict:
+    def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None,
+              kl_coef: float = 0.0) -> dict:
         """``ppo_epochs`` passes over this rank's shard; every rank must call it. ``ptx_rows``
-        [n, T]: this rank's PTX text, spread evenly over the update's optimizer steps."""
+        [n, T]: this rank's PTX text, spread evenly over the update's optimizer steps.
+        ``kl_coef``: beta of the KL loss term when ``config.kl_loss_estimator`` is set."""
         t0 = time.perf_counter()
+        self.kl_coef = float(kl_coef) if self.config.kl_loss_estimator else 0.0
         global_tokens, horizon = self._check_shard(shard)
         batch = collate(shard, self.pad_id).to(self.device)
         metrics = self._prepare(batch)
@@ -61,7 +65,10 @@ class PPOUpdate:
         self.step += 1
         seconds = time.perf_counter() - t0
         metrics.update(stats.metrics(self.comm.sum, world_size=self.world_size,
-                                     with_ptx=bool(self.config.ppo.ptx_coef)))
+                                     with_ptx=bool(self.config.ppo.ptx_coef),
+                                     with_kl_loss=self.config.kl_loss_estimator is not None))
+        if self.config.kl_loss_estimator is not None:
+            metrics["ppo/kl_loss_coef"] = self.kl_coef
         metrics.update({"perf/learner_seconds": seconds,
                         "perf/learner_tokens_per_s": global_tokens / seconds,
                         "learner/step": self.step, "learner/optimizer_steps": self.engine.global_steps,
@@ -92,10 +99,11 @@ class PPOUpdate:
                              "shard so that every rank gets some response tokens")
         return int(global_tokens), int(horizon)
 
-    def _forward(self, mb: Batch, with_entropy: bool, values_only: bool = False):
+    def _forward(self, mb: Batch, with_entropy: bool, values_only: bool = False, with_own_set: bool = False):
         return self.engine(mb.input_ids, mb.attention_mask, mb.position_ids, prompt_len=mb.prompt_len,
                            temperature=self.config.temperature, top_k=self.config.top_k,
-                           top_p=self.config.top_p, with_entropy=with_entropy, values_only=values_only)
+                           top_p=self.config.top_p, kept_ids=mb.kept_ids, with_entropy=with_entropy,
+                           values_only=values_only, with_own_set=with_own_set)
 
     @torch.no_grad()
     def _prepare(self, batch: Batch) -> dict:
@@ -107,31 +115,40 @@ class PPOUpdate:
         """
         cfg = self.config.ppo
         recompute = cfg.old_logprobs == "recompute"
-        lp, v = self._score(batch, values_only=not recompute)
+        lp, v, own = self._score(batch, values_only=not recompute)
         mask = batch.response_mask
         batch.old_logprobs, batch.old_values = (lp if recompute else batch.behaviour_logprobs) * mask, v * mask
+        # The off-policy weight's proximal policy samples from its own kept set (-inf outside);
+        # the ratio's anchor is renormalised over the sampler's set, as the update's log-probs are.
+        proximal = torch.where(mask != 0, own, 0.0) if recompute else batch.old_logprobs
         adv, batch.returns = ppo.gae(batch.rewards, batch.old_values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:  # in float64: the statistics are sums over the global batch
             adv = ppo.whiten(adv.double(), mask, reduce=self.comm.sum).to(adv.dtype)
         batch.advantages = adv
-        batch.is_weights, _ = ppo.behaviour_weights(batch.old_logprobs, batch.behaviour_logprobs, mask,
+        batch.is_weights, _ = ppo.behaviour_weights(proximal, batch.behaviour_logprobs, mask,
                                                     cfg.off_policy, cfg.is_cap)
         metrics = self._value_metrics(batch)
         if recompute:
-            metrics.update(self._agreement_metrics([(batch.old_logprobs, batch.behaviour_logprobs, mask)]))
+            metrics.update(self._agreement_metrics([(batch.old_logprobs, batch.behaviour_logprobs, mask)],
+                                                   proximal))
         return metrics
 
     def _score(self, batch: Batch, values_only: bool = False):
-        """(logprobs or None, values), each [B, R] float32 under the current weights, micro-batch
-        by micro-batch. ``values_only``: no log-probs (None)."""
-        R, lps, vals = batch.response_len, [], []
+        """(logprobs, values, own-set logprobs), each [B, R] float32 under the current weights,
+        micro-batch by micro-batch (policy.forward's ``with_own_set``). ``values_only``: the
+        log-probs are None."""
+        R, outs = batch.response_len, ([], [], [])
         for mic in batch.split(self.config.ppo.micro_batch_size):
-            lp, v, _ = self._forward(mic.trimmed(), with_entropy=False, values_only=values_only)
-            pad = (0, R - v.shape[1])  # trimmed columns were padding: put them back as zeros
-            vals.append(torch.nn.functional.pad(v.float(), pad))
-            if lp is not None:
-                lps.append(torch.nn.functional.pad(lp.float(), pad))
-        return (torch.cat(lps) if lps else None), torch.cat(vals)
+            if values_only:
+                _, v, _ = self._forward(mic.trimmed(), with_entropy=False, values_only=True)
+                parts = (None, v, None)
+            else:
+                lp, v, _, own = self._forward(mic.trimmed(), with_entropy=False, with_own_set=True)
+                parts = (lp, v, own)
+            for out, t in zip(outs, parts):
+                if t is not None:  # trimmed columns were padding: put them back as zeros
+                    out.append(torch.nn.functional.pad(t.float(), (0, R - t.shape[1])))
+        return tuple(torch.cat(out) if out else None for out in outs)
 
     def _value_metrics(self, b: Batch) -> dict:
         m = b.response_mask.double()
@@ -140,17 +157,20 @@ class PPOUpdate:
         ev = ppo.explained_variance(val, ret, b.response_mask, reduce=self.comm.sum)
         return {"ppo/explained_variance": float(ev), "ppo/returns_mean": s_ret / n, "ppo/values_mean": s_val / n}
 
-    def _agreement_metrics(self, parts: list) -> dict:
+    def _agreement_metrics(self, parts: list, proximal=None) -> dict:
         """How far the sampling policy is from the learner's weights at the start of the update,
         whatever ``off_policy`` is: the log-prob gap, KL(behaviour || learner) and the raw weights
         pi_learner / pi_behaviour. ``parts``: (learner_lp, behaviour_lp, mask) triples, [B, R] each,
-        over the whole batch (recompute) or the first minibatch's micro-batches (behaviour)."""
+        over the whole batch (recompute) or the first minibatch's micro-batches (behaviour).
+        ``proximal`` [B, R]: the weights' numerator where it differs from learner_lp (truncated
+        sampling: the proximal policy's own kept set, -inf outside; one part only)."""
         sums, maxes = torch.zeros(5, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
         for learner_lp, behaviour_lp, mask in parts:
             m = mask.double()
             learner_lp, behaviour_lp = learner_lp.double() * m, behaviour_lp.double() * m
             log_w = learner_lp - behaviour_lp
-            w = torch.exp(log_w.clamp(max=ppo.LOG_RATIO_LIMIT)) * m
+            numerator = learner_lp if proximal is None else torch.where(mask != 0, proximal.double(), 0.0)
+            w = torch.exp((numerator - behaviour_lp).clamp(max=ppo.LOG_RATIO_LIMIT)) * m
             kl = ppo.kl_estimate(behaviour_lp, learner_lp, "k3") * m
             capped = (w > self.config.ppo.is_cap).double() * m
             sums += torch.stack([m.sum(), log_w.abs().sum(), kl.sum(), w.sum(), capped.sum()])
@@ -212,6 +232,11 @@ class PPOUpdate:
                                                    cfg.clip_high, cfg.dual_clip, weights=mic.is_weights, **kw)
         vf, vf_clip = ppo.value_loss(v, mic.old_values, mic.returns, m, cfg.value_clip, **kw)
         loss = pg + cfg.vf_coef * vf
+        if self.config.kl_loss_estimator is not None:  # the KL to the reference, with its gradient
+            kl, kl_mean = ppo.kl_loss(lp, mic.reference_logprobs, m, self.config.kl_loss_estimator, **kw)
+            loss = loss + self.kl_coef * kl
+            stats.kl_loss += kl.item()
+            stats.kl_sum += kl_mean.item() * local
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * ppo.aggregate_loss(ent, m, cfg.agg, n_tok, n_seq, horizon)
         stats.add_micro_batch(policy_loss=pg.item(), value_loss=vf.item(),

@@ -102,10 +102,12 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ training
 
-    def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None) -> dict:
+    def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None,
+              kl_coef: float = 0.0) -> dict:
         """One PPO update (``ppo_epochs`` passes) on this rank's shard, with this rank's
-        [n, T] PTX rows when ``ppo.ptx_coef`` > 0; every rank must call it."""
-        return self.update.train(shard, ptx_rows)
+        [n, T] PTX rows when ``ppo.ptx_coef`` > 0 and beta ``kl_coef`` for a KL loss term;
+        every rank must call it."""
+        return self.update.train(shard, ptx_rows, kl_coef)
 
     def ptx_rows(self) -> Optional[np.ndarray]:
         """The PTX rows this rank trained on in its last update (for checks and debugging)."""

@@ -1,10 +1,12 @@
 """Generator on the real vLLM CPU engine, checked against the Hugging Face model."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from actors.generator import Generator
-from hf_reference import encode, hf_logprobs
+from hf_reference import encode, hf_logprobs, perturbed_lm
 from learner.weight_sync import policy_weights, to_buckets
 
 pytestmark = pytest.mark.integration
@@ -63,7 +65,8 @@ def test_truncated_sampling_scored_alike_on_every_side(generator, policy_path, t
     batch = collate(rollouts, pad_id=0)
     with torch.no_grad():
         lp, _, _ = policy.response_logprobs_values(batch, 1.0, with_entropy=False, top_k=top_k, top_p=top_p)
-        full, _, _ = policy.response_logprobs_values(batch, 1.0, with_entropy=False)
+        full, _, _ = policy.response_logprobs_values(dataclasses.replace(batch, kept_ids=None), 1.0,
+                                                     with_entropy=False)
     mask = batch.response_mask.bool()
     gap = (lp - batch.behaviour_logprobs).abs()[mask]
     untruncated_gap = float((full - batch.behaviour_logprobs).abs()[mask].mean())
@@ -74,6 +77,49 @@ def test_truncated_sampling_scored_alike_on_every_side(generator, policy_path, t
     assert float(gap.mean()) <= 1e-5
     if top_k or top_p < 1:  # the check can fail: scoring the full softmax is visibly off
         assert untruncated_gap > 1e-2
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 0.95)])
+def test_kept_sets_are_vllms_and_the_penalty_is_the_truncated_kl(generator, policy_path, tokenizer, tmp_path,
+                                                                top_k, top_p):
+    """Against a reference that differs from the policy: each rollout's kept set is the set a
+    Hugging Face forward of the policy keeps at that position (vLLM's own sampler decided
+    it), and the mean k1 penalty over the sampled tokens matches the mean of the exact
+    per-position KL(pi^S || ref^S) computed over the vocabulary (a proper KL, > 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.reference import Reference
+    from core.sampling import kept_tokens
+
+    policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).eval()
+    reference = perturbed_lm(policy_path, 0.03, seed=5)
+    reference.save_pretrained(tmp_path / "ref")
+    generator.sampling = type(generator.sampling)(temperature=1.0, top_k=top_k, top_p=top_p,
+                                                  max_new_tokens=12, n=4)
+    rollouts = generator.generate(encode(tokenizer, PROMPTS * 8)).rollouts
+    ref_lp = Reference(model=str(tmp_path / "ref"), top_k=top_k, top_p=top_p).reference_logprobs(rollouts)
+
+    k1, exact, sets = [], [], 0
+    for r, ref in zip(rollouts, ref_lp):
+        ids = torch.tensor(np.concatenate([r.prompt_ids, r.response_ids]))[None]
+        P = r.prompt_ids.size
+        with torch.no_grad():
+            zp = policy(ids).logits[0, P - 1:-1].float()
+            zq = reference(ids).logits[0, P - 1:-1].float()
+        keep = kept_tokens(zp, top_k, top_p)
+        for t in range(r.response_ids.size):
+            kept = r.kept_ids[t][r.kept_ids[t] >= 0]
+            assert set(kept.tolist()) == set(keep[t].nonzero().flatten().tolist())
+            sets += 1
+            logp = torch.log_softmax(zp[t, kept], -1).double()
+            logq = torch.log_softmax(zq[t, kept], -1).double()
+            exact.append(float((logp.exp() * (logp - logq)).sum()))
+        k1.append(r.behaviour_logprobs - ref)
+    k1 = np.concatenate(k1)
+    stderr = k1.std() / np.sqrt(k1.size)
+    print(f"top_k={top_k} top_p={top_p}: {sets} kept sets equal HF's; mean k1 {k1.mean():.4f} "
+          f"(+-{stderr:.4f}) vs exact truncated KL {np.mean(exact):.4f}")
+    assert np.mean(exact) > 0 and abs(k1.mean() - np.mean(exact)) < 4 * stderr + 1e-4
 
 
 def test_load_weights_changes_generation_and_records_version(generator, policy_path, tokenizer):

@@ -77,6 +77,10 @@ def test_exponent_without_a_dot_is_a_number():
     (["learner.weight_sync=carrier-pigeon"], "weight_sync='carrier-pigeon' is unknown"),
     (["nonsense"], "must look like section.key=value"),
     (["run.plot_every=-1"], "must be >= 0"),
+    (["ppo.kl.estimator=k3"], "ppo.kl.estimator=k3 in the reward does not give the KL's gradient"),
+    (["ppo.kl.estimator=k2"], "or ppo.kl.placement=loss to train on k2 as a loss term"),
+    (["ppo.kl.placement=loss"], "ppo.kl.estimator=k1 in the loss has zero expected gradient; use k3"),
+    (["ppo.kl.placement=grad"], "ppo.kl.placement='grad' is unknown; use one of reward, loss"),
 ])
 def test_each_mistake_is_one_clear_line(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -84,6 +88,12 @@ def test_each_mistake_is_one_clear_line(overrides, message):
     text = str(info.value)
     assert message in text
     assert "\n" not in text
+
+
+def test_kl_in_the_loss_reaches_the_learner():
+    cfg = load_config(None, ["ppo.kl.placement=loss", "ppo.kl.estimator=k3"])
+    assert cfg.learner_config().kl_loss_estimator == "k3"
+    assert load_config(None).learner_config().kl_loss_estimator is None
 
 
 def test_file_errors(tmp_path):

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from core.annotate import annotate
+from core.annotate import RewardShaping, annotate, annotate_valid
 from core.rollout import Rollout, ScoredRollout
 
 pytestmark = pytest.mark.unit
@@ -45,6 +45,20 @@ def test_beta_zero_leaves_only_the_score():
     r = _rollout(6)
     out = annotate([r], _refs([r]), np.array([1.25]), beta=0.0)[0]
     np.testing.assert_array_equal(out.rewards, [0, 0, 0, 0, 0, 1.25])
+
+
+@pytest.mark.parametrize("placement, kl_in_rewards", [("reward", True), ("loss", False)])
+def test_kl_in_the_loss_leaves_the_rewards_to_the_score(placement, kl_in_rewards):
+    """With the KL as a loss term the rewards are the scores alone; the KL is still measured."""
+    r = _rollout(5, seed=3)
+    ref = _refs([r])
+    shaping = RewardShaping.for_step(beta=0.3, kl_estimator="k3" if placement == "loss" else "k1",
+                                     kl_placement=placement)
+    (out,), _, _ = annotate_valid([r], ref, np.array([1.5]), np.array([True]), shaping)
+    assert (out.kl != 0).all()
+    expected = -0.3 * out.kl if kl_in_rewards else np.zeros(5, np.float32)
+    expected[-1] += 1.5
+    np.testing.assert_allclose(out.rewards, expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])

@@ -258,6 +258,64 @@ def test_kl_estimators_exact_expectation_two_point():
     assert expect["k2"] > 0 and not torch.isclose(expect["k3"], (q * (q / p).log()).sum())
 
 
+def test_kl_loss_hand_computed_value_and_gradient():
+    """Token-mean over the valid tokens; d k3 / d lp = 1 - exp(ref - lp), d k2 / d lp = lp - ref;
+    padding (even inf garbage) contributes nothing, to the loss or the gradient."""
+    lp = t([[-1.0, -2.0, float("inf")], [-0.5, -1.5, -3.0]]).requires_grad_(True)
+    ref = t([[-1.2, -1.0, 7.0], [-0.5, -2.5, -2.0]])
+    mask = t([[1, 1, 0], [1, 1, 1]])
+    valid = mask.bool()
+    r = (ref - lp.detach())[valid]
+    for est, value, grad in (("k3", torch.exp(r) - 1 - r, 1 - torch.exp(r)), ("k2", 0.5 * r**2, -r)):
+        lp.grad = None
+        loss, mean = ppo.kl_loss(lp, ref, mask, est)
+        loss.backward()
+        torch.testing.assert_close(loss, value.mean())
+        torch.testing.assert_close(mean, value.mean())
+        torch.testing.assert_close(lp.grad[valid], grad / 5)
+        assert lp.grad[~valid].eq(0).all()
+
+
+def test_kl_gradient_depends_on_placement():
+    """Exact expectations over a categorical policy pi = softmax(z) and reference q. In the
+    reward (a constant to PPO: the score-function gradient E[k(y) grad log pi(y)]) only k1
+    gives grad KL(pi || q); k3 there pulls with a fraction of it. In the loss (gradient through
+    log pi: E[grad k(y)]) k2 gives grad KL(pi || q) and k3 grad KL(q || pi)."""
+    z = torch.tensor([0.3, -0.2, 0.1, 0.05], dtype=D, requires_grad=True)
+    q = torch.softmax(torch.tensor([0.25, -0.1, 0.1, 0.0], dtype=D), -1)
+
+    def grad(f):
+        z.grad = None
+        f().backward()
+        return z.grad.clone()
+
+    def expected(est, in_loss):
+        log_pi = torch.log_softmax(z, -1)
+        k = ppo.kl_estimate(log_pi, q.log(), est)
+        pi = log_pi.exp().detach()
+        return (pi * k).sum() if in_loss else (pi * k.detach() * log_pi).sum()
+
+    forward_kl = grad(lambda: (torch.softmax(z, -1) * (torch.log_softmax(z, -1) - q.log())).sum())
+    reverse_kl = grad(lambda: (q * (q.log() - torch.log_softmax(z, -1))).sum())
+    torch.testing.assert_close(grad(lambda: expected("k1", False)), forward_kl)
+    torch.testing.assert_close(grad(lambda: expected("k2", True)), forward_kl)
+    torch.testing.assert_close(grad(lambda: expected("k3", True)), reverse_kl)
+    in_reward = grad(lambda: expected("k3", False))
+    assert float(in_reward.norm()) < 0.2 * float(forward_kl.norm())  # near the reference: a few percent
+
+
+@pytest.mark.parametrize("placement, estimator, message", [
+    ("reward", "k3", "does not give the KL's gradient"), ("reward", "k2", "placement=loss"),
+    ("loss", "k1", "zero expected gradient"), ("gradient", "k1", "placement='gradient' is unknown"),
+])
+def test_kl_placement_refuses_what_misleads(placement, estimator, message):
+    assert message in ppo.kl_placement_error(placement, estimator)
+
+
+def test_kl_placement_accepts_the_sound_pairs():
+    assert [ppo.kl_placement_error(*pair) for pair in (("reward", "k1"), ("loss", "k3"), ("loss", "k2"))] == [None] * 3
+
+
 def test_kl_unknown_estimator():
     with pytest.raises(ValueError, match="k1, k2, k3"):
         ppo.kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), "k4")

@@ -9,6 +9,14 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
+def cluster():
+    """A local Ray for the module's in-process runs (logical CPUs: several pools on 2 cores)."""
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def cluster_with_test_rewards():
     """A Ray cluster whose workers can import tests/e2e/slow_reward.py (PYTHONPATH is
     inherited by the workers, so it is set before ray.init)."""

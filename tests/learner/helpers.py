@@ -64,8 +64,11 @@ def sgd_config(*, zero_stage=2, lr=0.5, epochs=2, minibatch=4, micro=2, grad_cli
                                        shuffle=False, **ppo_kw))
 
 
-def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id):
+def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: float = 0.0):
     """The same PPO update in plain single-process torch: full minibatches, no DeepSpeed.
+    With truncated sampling (rollouts with kept sets) the ratio is over the sampler's sets and
+    the off-policy weight's numerator over the policy's own set; ``kl_coef`` weighs the KL loss
+    term of ``cfg.kl_loss_estimator``.
 
     Returns (state_dict after the update, list of pre-clip grad norms per step).
     """
@@ -75,15 +78,19 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id):
     model = PolicyWithValueHead.from_pretrained(model_path)
     batch = collate(rollouts, pad_id)
     mask = batch.response_mask
+    truncation = dict(top_k=cfg.top_k, top_p=cfg.top_p)
     with torch.no_grad():
-        old_lp, old_v, _ = model.response_logprobs_values(batch, cfg.temperature, with_entropy=False)
+        old_lp, old_v, _ = model.response_logprobs_values(batch, cfg.temperature, with_entropy=False, **truncation)
+        own = model(batch.input_ids, batch.attention_mask, batch.position_ids, prompt_len=batch.prompt_len,
+                    temperature=cfg.temperature, with_entropy=False, with_own_set=True, **truncation)[3]
     if p.old_logprobs == "behaviour":
-        old_lp = batch.behaviour_logprobs
+        old_lp = own = batch.behaviour_logprobs
     old_lp, old_v = old_lp * mask, old_v * mask
+    own = torch.where(mask != 0, own, 0.0)
     adv, ret = ppo.gae(batch.rewards, old_v, mask, p.gamma, p.lam)
     if p.whiten_advantages:
         adv = ppo.whiten(adv, mask)
-    weights, _ = ppo.behaviour_weights(old_lp, batch.behaviour_logprobs, mask, p.off_policy, p.is_cap)
+    weights, _ = ppo.behaviour_weights(own, batch.behaviour_logprobs, mask, p.off_policy, p.is_cap)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
     horizon = batch.response_len
     norms = []
@@ -91,12 +98,15 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id):
         for start in range(0, len(batch), p.minibatch_size):
             rows = slice(start, start + p.minibatch_size)
             mb, m = batch[rows], mask[rows]
-            lp, v, ent = model.response_logprobs_values(mb, cfg.temperature)
+            lp, v, ent = model.response_logprobs_values(mb, cfg.temperature, **truncation)
             kw = dict(agg=p.agg, horizon=horizon)
             pg, _, _ = ppo.policy_loss(lp, old_lp[rows], adv[rows], m, p.clip_low, p.clip_high,
                                        p.dual_clip, weights=weights[rows], **kw)
             vf, _ = ppo.value_loss(v, old_v[rows], ret[rows], m, p.value_clip, **kw)
             loss = pg + p.vf_coef * vf - p.entropy_coef * ppo.aggregate_loss(ent, m, p.agg, horizon=horizon)
+            if cfg.kl_loss_estimator:
+                kl, _ = ppo.kl_loss(lp, mb.reference_logprobs, m, cfg.kl_loss_estimator, **kw)
+                loss = loss + kl_coef * kl
             opt.zero_grad()
             loss.backward()
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")

@@ -137,6 +137,79 @@ def test_off_policy_correction_matches_plain_torch(policy_path, pad_id, stale_ro
     assert max_abs_diff(w.full_state_dict(), uncorrected) > 1e-3
 
 
+@pytest.mark.parametrize("estimator, stage", [("k3", 2), ("k2", 3)])
+def test_kl_loss_term_matches_plain_torch(policy_path, pad_id, rollouts, initial, estimator, stage):
+    """ppo.kl.placement=loss: beta x the estimator's aggregate joins the loss with its gradient
+    through the policy's log-probs, exactly as the plain-torch update adds it."""
+    cfg = dataclasses.replace(sgd_config(zero_stage=stage), kl_loss_estimator=estimator)
+    w = worker(policy_path, cfg)
+    metrics = w.train(rollouts, kl_coef=0.5)
+    check_against_reference(w.full_state_dict(), metrics, initial,
+                            reference_update(policy_path, rollouts, cfg, pad_id, kl_coef=0.5), f"KL loss {estimator}")
+    without, _ = reference_update(policy_path, rollouts, sgd_config(zero_stage=stage), pad_id)
+    assert max_abs_diff(w.full_state_dict(), without) > 1e-3  # the term moves the update
+    assert metrics["ppo/kl_loss_token_mean"] > 0 and "ppo/kl_loss" in metrics
+
+
+@pytest.fixture(scope="module")
+def truncated_rollouts(policy_path, rollouts):
+    """As a stale top_p=0.9 sampler would record them: each position's kept set is the policy's
+    own nucleus plus the token (the tokens are random, so some lie outside the policy's own
+    nucleus: their off-policy weight must be 0), behaviour log-probs renormalised over it and
+    moved by N(0, 0.3), as an older version's would be."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core.sampling import kept_logprobs, kept_tokens
+
+    lm = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).eval()
+    rng, out = np.random.default_rng(11), []
+    for r in rollouts:
+        ids = torch.as_tensor(np.concatenate([r.prompt_ids, r.response_ids]))[None]
+        with torch.no_grad():
+            logits = lm(ids).logits[0, r.prompt_ids.size - 1:-1]
+        tokens = torch.as_tensor(r.response_ids)
+        keep = kept_tokens(logits, 0, 0.9)
+        keep[torch.arange(tokens.numel()), tokens] = True
+        width = int(keep.sum(-1).max())
+        kept = torch.full((tokens.numel(), width), -1, dtype=torch.long)
+        for t in range(tokens.numel()):
+            row = keep[t].nonzero().flatten()
+            kept[t, :row.numel()] = row
+        behaviour = kept_logprobs(logits[None], tokens[None], kept[None])[0].numpy()
+        behaviour = (behaviour + rng.normal(0, 0.3, behaviour.shape)).astype(np.float32)
+        out.append(dataclasses.replace(r, behaviour_logprobs=behaviour, kept_ids=kept.numpy()))
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_truncated_sampling_update_matches_plain_torch(policy_path, pad_id, truncated_rollouts, initial, stage):
+    """Top-p rollouts: the ratio and entropy renormalise over the sampler's kept sets (trimmed
+    and micro-batched with the rows), and a token outside the policy's own nucleus gets
+    off-policy weight exactly 0 (the weights' mean, by hand, counts those tokens as 0)."""
+    import torch
+
+    from core.sampling import truncated_logprobs
+
+    cfg = dataclasses.replace(sgd_config(zero_stage=stage, off_policy="tis", is_cap=2.0), top_p=0.9)
+    w = worker(policy_path, cfg)
+    metrics = w.train(truncated_rollouts)
+    check_against_reference(w.full_state_dict(), metrics, initial,
+                            reference_update(policy_path, truncated_rollouts, cfg, pad_id), f"top_p ZeRO-{stage}")
+    from transformers import AutoModelForCausalLM
+    lm = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).eval()
+    weights = []
+    for r in truncated_rollouts:
+        ids = torch.as_tensor(np.concatenate([r.prompt_ids, r.response_ids]))[None]
+        with torch.no_grad():
+            logits = lm(ids).logits[0, r.prompt_ids.size - 1:-1]
+        own = truncated_logprobs(logits[None], torch.as_tensor(r.response_ids)[None], 0, 0.9)[0].double()
+        weights.append(torch.exp(own - torch.as_tensor(r.behaviour_logprobs).double()).numpy())
+    weights = np.concatenate(weights)
+    assert 0 < float((weights == 0).mean()) < 1  # some tokens lie outside the policy's nucleus
+    assert metrics["off_policy/is_weight_mean"] == pytest.approx(float(weights.mean()), rel=1e-4)
+
+
 def test_behaviour_old_logprobs_match_plain_torch_and_probe_the_first_minibatch(policy_path, pad_id,
                                                                                 stale_rollouts, initial):
     # No shuffle: minibatch 0 is rows 0-3. lr 0.1, not 0.5: against stale log-probs the ratios start
