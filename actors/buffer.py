@@ -14,7 +14,15 @@ Semantics
   starved by a stream of small ones. Returns len(items).
 * get(n, min_version) first discards (and counts as dropped_stale) every buffered
   item with policy_version < min_version, then waits for n items and returns the
-  oldest n in put order (FIFO).
+  oldest n in put order (FIFO), and on to the end of the n-th one's prompt group.
+* A prompt group is the samples of one prompt that one put_chunk stored (same chunk id
+  and prompt index); an item put without a chunk id is a group of one. A group leaves
+  the buffer whole, in one get or one stale discard, so a step never trains part of a
+  prompt's samples and leaves the rest to a later step, or to a rollback that would lose
+  them (the driver's ledger counts a prompt done once it left). So a get returns more
+  than n items (less than a group more) when the n-th is not the last of its group: the
+  driver asks for prompts x generator.sampling.n, but an invalid reward leaves a group
+  short. A group with one stale sample is discarded whole.
 * Staleness of a gotten item = reference version - item.policy_version, where the
   reference version is get's ``current_version`` when the caller passes it (the
   learner's version) and otherwise the newest policy_version ever put.
@@ -55,6 +63,12 @@ class ChunkReport:
     errors: tuple = ()            # one line per reward problem
     held: tuple = ()              # (prompt_index, rollouts stored) for each prompt now in the buffer
     duplicate: bool = False       # this chunk id was stored before: nothing stored now
+
+
+def _prompt_group(x: ScoredRollout):
+    """(chunk id, prompt index): the group an item leaves the buffer with; None (a group of
+    one) for an item put without a chunk id."""
+    return (x.chunk_id, x.prompt_index) if x.chunk_id >= 0 else None
 
 
 class BufferClosed(RuntimeError):
@@ -118,10 +132,12 @@ class RolloutBuffer:
 
     def get(self, n: int, min_version: int = 0, timeout: Optional[float] = None,
             current_version: Optional[int] = None) -> list[ScoredRollout]:
-        """Return exactly n items, oldest first, none older than min_version.
+        """Return the oldest n items and the rest of the n-th one's prompt group, none older
+        than min_version.
 
         Blocks until n fresh items are buffered; on expiry raises TimeoutError and
-        takes nothing (stale items discarded meanwhile stay discarded).
+        takes nothing (stale items discarded meanwhile stay discarded). The rest of the
+        group is here already: put_chunk puts a chunk's groups whole.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"RolloutBuffer.get: n must be an int >= 1, got {n!r}")
@@ -142,8 +158,8 @@ class RolloutBuffer:
                     if remaining is not None and remaining <= 0:
                         raise TimeoutError(f"buffer: waited {timeout}s for {n} rollouts, have {len(self._items)}")
                     self._cond.wait(remaining)
-                out = [self._items.popleft() for _ in range(n)]
-                self._got_total += n
+                out = [self._items.popleft() for _ in range(self._to_group_end(n))]
+                self._got_total += len(out)
                 ref = current_version if current_version is not None else self._latest_version
                 lag = staleness(out, ref)
                 self._staleness_sum += int(lag.sum())
@@ -168,6 +184,10 @@ class RolloutBuffer:
                                                     scores.valid, shaping)
             for x in scored:
                 x.chunk_id = chunk_id
+            order: dict = {}
+            for x in scored:
+                order.setdefault(x.prompt_index, len(order))
+            scored.sort(key=lambda x: order[x.prompt_index])  # a prompt's samples side by side: one group
             held = tuple(sorted(collections.Counter(x.prompt_index for x in scored).items()))
             self.put(scored, timeout=timeout)
             with self._cond:
@@ -180,7 +200,8 @@ class RolloutBuffer:
 
     def take(self, n: int, *, world_size: int, min_version: int = 0, current_version: int = 0,
              timeout: Optional[float] = None) -> tuple:
-        """get() n rollouts and split them for the learner: (shard_0, ..., shard_{W-1}, BatchSummary)."""
+        """get() n rollouts (whole prompt groups: maybe more) and split them for the learner:
+        (shard_0, ..., shard_{W-1}, BatchSummary)."""
         items = self.get(n, min_version=min_version, timeout=timeout, current_version=current_version)
         with self._cond:
             left, self._left = self._left, []
@@ -192,12 +213,24 @@ class RolloutBuffer:
         return (*shards, BatchSummary.of(items, current_version=current_version, dropped=dropped,
                                          consumed=consumed, buffer_depth=depth, dropped_stale=dropped_stale))
 
+    def _to_group_end(self, n: int) -> int:
+        """How many items the oldest n are, with the rest of the n-th one's prompt group."""
+        last = _prompt_group(self._items[n - 1])
+        while last is not None and n < len(self._items) and _prompt_group(self._items[n]) == last:
+            n += 1
+        return n
+
     def _discard_stale(self, min_version: int) -> int:
         # Versions interleave when several generators put, so scan everything, not just the head.
-        if not any(x.policy_version < min_version for x in self._items):
+        stale = [x for x in self._items if x.policy_version < min_version]
+        if not stale:
             return 0
-        fresh = [x for x in self._items if x.policy_version >= min_version]
-        self._left += [(x.chunk_id, x.prompt_index) for x in self._items if x.policy_version < min_version]
+        # Samples of one prompt can differ in version (a weight push mid-generation): one stale
+        # sample takes its whole group along.
+        groups = {_prompt_group(x) for x in stale} - {None}
+        gone = lambda x: x.policy_version < min_version or _prompt_group(x) in groups  # noqa: E731
+        fresh = [x for x in self._items if not gone(x)]
+        self._left += [(x.chunk_id, x.prompt_index) for x in self._items if gone(x)]
         dropped = len(self._items) - len(fresh)
         self._items = collections.deque(fresh)
         self._dropped_stale += dropped

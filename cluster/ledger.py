@@ -9,8 +9,11 @@ A chunk is a slice of one step's prompts. Its life:
 
 A stored chunk stays in the ledger while the buffer holds any of its rollouts
 (``held``: prompt index -> rollouts); the learner's take reports which prompts left
-the buffer (``consumed``), trained on or dropped as stale. So when the buffer dies, the
-ledger knows exactly which prompts it took with it, and they are generated again.
+the buffer (``consumed``), trained on or dropped as stale. The unit is the prompt: the
+buffer moves a prompt's samples out together (actors/buffer.py, prompt groups), so a
+prompt that left is wholly trained or dropped, and one still held is wholly unfinished.
+So when the buffer dies, or a checkpoint lists the unfinished prompts for a rollback or
+a resume, the ledger knows exactly which prompts are lost, and they are generated again.
 
 Exactly-once: a chunk id is stored at most once. The buffer refuses a second put of
 the same id (a redispatched chunk whose first put landed after all), and the ledger
@@ -84,7 +87,8 @@ class Ledger:
 
     def consumed(self, pairs) -> None:
         """(chunk_id, prompt_index) pairs that left the buffer. A prompt counts as consumed once
-        any of its rollouts left (the learner trained on it), so it is never generated twice."""
+        any of its rollouts left (the learner trained on it), so it is never generated twice;
+        the buffer never leaves some of its samples behind."""
         with self._lock:
             for chunk_id, prompt_index in pairs:
                 c = self._chunks.get(chunk_id)

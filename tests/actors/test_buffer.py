@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 import threading
@@ -254,3 +255,43 @@ def test_take_by_reference_through_ray(cluster):
     assert all(isinstance(s, ray.ObjectRef) for s in shards)
     assert [r.prompt_index for r in ray.get(shards[1])] == [1, 3]
     assert ray.get(summary).dropped == 0
+
+
+# ------------------------------------------------------------ a prompt's samples stay together
+
+def _put_prompts(buf, chunk_id, prompts, *, n=4, invalid=(), old=()):
+    """put_chunk of ``n`` samples per prompt; (prompt, sample) pairs in ``invalid`` get a NaN
+    score (left out), those in ``old`` were sampled one version before the rest."""
+    from actors.reward import ScoreResult
+    from core.annotate import RewardShaping
+    from core.rollout import Rollout
+
+    rollouts = [Rollout(prompt_ids=np.array([1, 2]), response_ids=np.array([3, 4, 5]),
+                        behaviour_logprobs=np.full(3, -1.0, np.float32), finish_reason="stop",
+                        policy_version=0 if (p, s) in old else 1, prompt_index=p, sample_index=s)
+                for p in prompts for s in range(n)]
+    valid = np.array([(r.prompt_index, r.sample_index) not in invalid for r in rollouts])
+    scores = ScoreResult(np.where(valid, 1.0, np.nan).astype(np.float32), valid)
+    return buf.put_chunk(chunk_id, rollouts, [np.full(3, -1.5, np.float32)] * len(rollouts), scores,
+                         RewardShaping(beta=0.1))
+
+
+@pytest.mark.unit
+def test_take_never_splits_a_prompts_samples():
+    """The take's size is a rollout count, but a prompt's samples leave the buffer together:
+    the take goes on to the end of the prompt its last rollout belongs to."""
+    buf = RolloutBuffer(capacity=32)
+    _put_prompts(buf, 0, [10, 11], invalid={(10, 2)})  # prompt 10 keeps 3 of its 4 samples
+    _put_prompts(buf, 1, [12, 13])
+    *_, summary = buf.take(8, world_size=1)  # rollout 8 is prompt 12's first
+    assert collections.Counter(summary.consumed) == {(0, 10): 3, (0, 11): 4, (1, 12): 4}
+    assert [(x.chunk_id, x.prompt_index) for x in buf.get(4)] == [(1, 13)] * 4
+
+
+@pytest.mark.unit
+def test_a_stale_sample_discards_its_whole_prompt():
+    buf = RolloutBuffer(capacity=32)
+    _put_prompts(buf, 0, [10, 11], old={(10, 1)})  # one of prompt 10's samples is a version behind
+    *_, summary = buf.take(4, world_size=1, min_version=1, current_version=1)
+    assert collections.Counter(summary.consumed) == {(0, 10): 4, (0, 11): 4}  # 10 dropped, 11 trained
+    assert summary.dropped_stale == 4 and summary.scores.size == 4 and buf.stats()["depth"] == 0

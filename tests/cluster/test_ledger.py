@@ -1,4 +1,6 @@
 """The chunk ledger: dispatch, completion, and a replica leaving with chunks in flight."""
+import collections
+
 import pytest
 
 from cluster.ledger import ChunkState, Ledger
@@ -130,3 +132,46 @@ def test_stored_after_an_early_take_holds_only_the_rest():
     ledger.consumed([(c.id, 1)])
     ledger.stored(c.id, {1: 4, 2: 4})
     assert ledger.held_rollouts() == 4 and [x.prompt_indices for x in ledger.release_stored()] == [[2]]
+
+
+class _SavedLearner:
+    """What checkpoint.save asks of the learner: a folder (the weights do not matter here)."""
+
+    def save(self, path):
+        path.mkdir()
+
+
+def test_a_take_that_would_split_a_prompt_then_rollback_and_resume_lose_no_sample(tmp_path):
+    """An async take of prompts_per_step * n rollouts after a prompt lost a sample to its reward:
+    every prompt is then either trained on all of its samples, or still unfinished in the
+    checkpoint a rollback and a resume restore (and generated again whole)."""
+    import numpy as np
+
+    from actors.buffer import RolloutBuffer
+    from cluster import checkpoint
+    from core.rollout import ScoredRollout
+
+    ledger, buf, z = Ledger(), RolloutBuffer(capacity=64), np.zeros(2, np.float32)
+    stored = {10: 3, 11: 4, 12: 4, 13: 4}  # prompt 10: one sample's score was NaN, left out
+    for prompts in ([10, 11], [12, 13]):
+        c = _stored(ledger, prompts, {p: stored[p] for p in prompts})
+        buf.put([ScoredRollout(prompt_ids=np.array([1]), response_ids=np.array([2, 3]), behaviour_logprobs=z,
+                               finish_reason="stop", policy_version=0, prompt_index=p, sample_index=s,
+                               reference_logprobs=z, kl=z, rewards=z, chunk_id=c.id)
+                 for p in prompts for s in range(stored[p])])
+    *_, batch = buf.take(2 * 4, world_size=1)  # prompts_per_step=2, generator.sampling.n=4
+    ledger.consumed(batch.consumed)
+    trained = collections.Counter(p for _, p in batch.consumed)
+    state = checkpoint.RunState(step=1, version=1, batches_issued=1, unfinished=tuple(ledger.unfinished_prompts()),
+                                kl_beta=0.1, pinned={})
+    checkpoint.save(tmp_path, state, _SavedLearner(), keep=1)
+
+    # A rollback (new empty buffer, ledger cleared) and run.resume both restore this checkpoint,
+    # and Driver.restore re-queues its unfinished prompts.
+    ledger.reset()
+    redo = checkpoint.load_state(checkpoint.latest(tmp_path)).unfinished
+    ledger.open(list(redo), [[p] for p in redo])
+    for p, n in stored.items():
+        assert (trained[p], p in redo) in ((n, False), (0, True)), \
+            f"prompt {p}: {trained[p]} of its {n} samples trained, {'' if p in redo else 'not '}generated again"
+    assert ledger.unfinished_prompts() == [13]
