@@ -35,7 +35,7 @@ from cluster.checkpoint import RunState
 from cluster.config import TetherConfig
 from cluster.metrics import RayMetrics, RunMetrics, progress_line
 from cluster.pools import PlacementError, Pools, alive
-from cluster.rollouts import BackgroundProducer, Produced, RolloutProducer
+from cluster.rollouts import BackgroundProducer, Produced, ProducerStuck, RolloutProducer
 from cluster.threads import chunks_per_generator
 from core.annotate import RewardShaping
 from core.rollout import WEIGHT_UPDATE_GROUP
@@ -84,6 +84,7 @@ class Driver:
                                         chunks_per_generator=chunks_per_generator(cfg),
                                         on_new_generator=self._give_current_weights)
         self.stop_requested = threading.Event()  # set by SIGTERM/SIGINT: stop at the next step boundary
+        self.producer_stop_timeout_s = 60.0      # async mode: how long a stop waits for the producer thread
         self.rollbacks: list[dict] = []          # one record per learner recovery
         self.startup_metrics: dict = {}          # perf/startup_* of the process that built the pools (step 0)
 
@@ -141,7 +142,7 @@ class Driver:
                 log.info(progress_line(step, cfg.run.steps, metrics, time.perf_counter() - t_start))
                 final = metrics
         finally:
-            self._stop_producer(producer)
+            self._stop_producer(producer, at_end=True)
         return final
 
     def step(self, producer) -> dict:
@@ -319,15 +320,19 @@ class Driver:
             return None
         return BackgroundProducer(self.rollouts, issue=self.issue, shaping=self.shaping)
 
-    def _stop_producer(self, producer) -> None:
-        if producer is None:
+    def _stop_producer(self, producer, *, at_end: bool = False) -> None:
+        """Stop async mode's producer for certain: one still running could take the prompts a rollback
+        re-queues next. A stuck one fails the rollback in one line (at the run's end: a warning)."""
+        if producer is None or producer.stopping:  # stopped before: a stuck stop was reported then
             return
         producer.stop()
-        try:  # wake a producer blocked on a full buffer
-            ray.get(self.pools.buffer.close.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - a dead buffer wakes nobody, and blocks nobody either
-            pass
-        producer.join()
+        try:
+            producer.join(self.producer_stop_timeout_s)
+        except ProducerStuck as e:
+            if not at_end:
+                raise ProducerStuck(f"rollback: {e}, and could take the prompts the rollback re-queues; "
+                                    f"resume the run with run.resume={self.metrics.run_dir}") from None
+            log.warning("%s; the run ends without it", e)
 
     # ------------------------------------------------------------------ runtime scaling
     def apply_scaling(self) -> None:

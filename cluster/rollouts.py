@@ -14,9 +14,13 @@ is dispatched to the least-loaded replica of each pool and tracked in the ledger
 from __future__ import annotations
 
 import logging
+import sys
+import sysconfig
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -26,6 +30,10 @@ from cluster.ledger import ChunkState, Ledger
 from cluster.pools import alive
 
 log = logging.getLogger("tether")
+
+STOP_POLL_S = 0.5  # how often a stoppable produce() waiting on remote calls looks at its stop
+# Python's and the installed libraries' files: not where a stuck producer's own code waits.
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
 @dataclass
@@ -88,30 +96,30 @@ class RolloutProducer:
         return [self.ledger.open([int(indices[i]) for i in rows], [prompt_ids[i] for i in rows])
                 for rows in np.array_split(np.arange(len(indices)), n_chunks)]
 
-    def produce(self, chunks: list, shaping) -> Produced:
-        """Generate, score and store ``chunks`` (and any backlog); returns once all is stored."""
+    def produce(self, chunks: list, shaping, stop: threading.Event | None = None) -> Produced:
+        """Generate, score and store ``chunks`` (and any backlog); returns once all is stored,
+        or soon after ``stop`` is set (async mode's producer). A stopped produce abandons what is
+        in flight (the ledger still counts it unfinished) and takes nothing from the backlog."""
         out = Produced(prompts=sum(len(c.prompt_indices) for c in chunks))
+        if stop is not None and stop.is_set():
+            return out
         pending: dict = {}  # object ref -> _InFlight
         for chunk in chunks:
             pending.update(self._generate(chunk))
-        self._dispatch_backlog(pending, out)
+        self._dispatch_backlog(pending, out, stop)
         t0 = time.perf_counter()
         t_generated, tps = None, {}
         while pending:
-            # fetch_local=False: only completion is awaited; the data stays where it is.
-            [done], _ = ray.wait(list(pending), num_returns=1, fetch_local=False)
+            if stop is not None and stop.is_set():
+                self._forget(None, pending)
+                break
+            done = self._next_done(pending, stop)
+            if done is None:
+                continue
             job = pending.pop(done)
             if job.stage == "generated":
-                self.pools.generators.release(job.replica)
-                try:
-                    summary = ray.get(done)  # a GenerationSummary: counts only
-                except RayActorError as e:
-                    self._recover(job, e, pending, out)
+                if not self._on_generated(job, done, pending, out, tps, shaping):
                     continue
-                out.skipped_prompts += len(summary.skipped_prompts)
-                out.tokens += summary.generated_tokens
-                tps.setdefault(job.replica, []).append(summary.tokens_per_second)
-                pending.update(self._score(job.chunk_id, summary, job.rollouts_ref, shaping))
                 if all(j.stage != "generated" for j in pending.values()):
                     t_generated = time.perf_counter()
             elif job.stage == "stored":
@@ -128,7 +136,7 @@ class RolloutProducer:
             else:  # a scorer finished (or failed: the put then says so): free its slot
                 job.pool.release(job.replica)
                 out.score_latency.setdefault(job.stage, []).append(time.perf_counter() - job.started)
-            self._dispatch_backlog(pending, out)
+            self._dispatch_backlog(pending, out, stop)
         t_end = time.perf_counter()
         out.generate_seconds = (t_generated or t_end) - t0
         out.score_seconds = t_end - (t_generated or t_end)
@@ -136,6 +144,30 @@ class RolloutProducer:
         self.ledger.forget_stored()
         self._collect_abandoned()
         return out
+
+    @staticmethod
+    def _next_done(pending: dict, stop: threading.Event | None):
+        """A finished call's ref; None after STOP_POLL_S with a stop to look at, so that a stop
+        never waits for a generation to end."""
+        # fetch_local=False: only completion is awaited; the data stays where it is.
+        ready, _ = ray.wait(list(pending), num_returns=1, fetch_local=False,
+                            timeout=None if stop is None else STOP_POLL_S)
+        return ready[0] if ready else None
+
+    def _on_generated(self, job, done, pending: dict, out: Produced, tps: dict, shaping) -> bool:
+        """A generate call ended: count it and send its rollouts to be scored; False if its
+        generator died (the chunk went to another)."""
+        self.pools.generators.release(job.replica)
+        try:
+            summary = ray.get(done)  # a GenerationSummary: counts only
+        except RayActorError as e:
+            self._recover(job, e, pending, out)
+            return False
+        out.skipped_prompts += len(summary.skipped_prompts)
+        out.tokens += summary.generated_tokens
+        tps.setdefault(job.replica, []).append(summary.tokens_per_second)
+        pending.update(self._score(job.chunk_id, summary, job.rollouts_ref, shaping))
+        return True
 
     # ------------------------------------------------------------------ replicas that died
     def buffer_died(self, buffer_id: str) -> None:
@@ -174,8 +206,12 @@ class RolloutProducer:
             self._backlog = []
         self.ledger.reset()
 
-    def _dispatch_backlog(self, pending: dict, out: Produced) -> None:
+    def _dispatch_backlog(self, pending: dict, out: Produced, stop: threading.Event | None = None) -> None:
         with self._backlog_lock:
+            # Looked at under the lock a rollback re-queues under (after the stop): a stopped
+            # producer that is still running can never take those chunks.
+            if stop is not None and stop.is_set():
+                return
             chunks, self._backlog = self._backlog, []
         for c in chunks:
             pending.update(self._generate(c))
@@ -213,14 +249,16 @@ class RolloutProducer:
         self.recoveries.append({"role": pool.role, "replica": dead_id, "replacement": new_id,
                                 "detected": detected, "serving": time.perf_counter()})
 
-    def _forget(self, chunk_id: int, pending: dict) -> None:
-        """Drop a released chunk's outstanding calls, freeing the live replicas' slots."""
+    def _forget(self, chunk_id: int | None, pending: dict) -> None:
+        """Drop a released chunk's outstanding calls (None: every call, on a stop), freeing the
+        live replicas' slots."""
         for ref, job in list(pending.items()):
-            if job.chunk_id == chunk_id:
+            if chunk_id is None or job.chunk_id == chunk_id:
                 del pending[ref]
                 self._abandoned.append(ref)
-                if job.pool is not None:
-                    job.pool.release(job.replica)
+                pool = self.pools.generators if job.stage == "generated" else job.pool
+                if pool is not None:
+                    pool.release(job.replica)
 
     def _collect_abandoned(self) -> None:
         """Fetch the outcome of abandoned calls that finished, so Ray does not log their
@@ -314,7 +352,7 @@ class BackgroundProducer:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                produced = self._rollouts.produce(self._issue(), self._shaping())
+                produced = self._rollouts.produce(self._issue(), self._shaping(), stop=self._stop)
                 with self._lock:
                     self._pending = self._pending.merge(produced)
         except Exception as e:  # noqa: BLE001 - surfaced by take() in the main thread
@@ -328,7 +366,30 @@ class BackgroundProducer:
         return out
 
     def stop(self) -> None:
+        """Ask the thread to stop: it abandons what is in flight within STOP_POLL_S, unless it
+        is inside a call that does not look (starting a replacement replica, a health check)."""
         self._stop.set()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def join(self, timeout_s: float = 60.0) -> None:
+        """Wait for the thread to end; ProducerStuck if it still runs after ``timeout_s``."""
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise ProducerStuck(f"the rollout producer thread still runs {timeout_s:g}s after its stop "
+                                f"(at {_where(self._thread)})")
+
+
+class ProducerStuck(RuntimeError):
+    """A stopped producer thread outlived the wait for it (the message is one line)."""
+
+
+def _where(thread: threading.Thread) -> str:
+    """``file:line function`` of the thread's innermost frame outside Python's and the libraries'
+    files: the project's own code that waits."""
+    frame = sys._current_frames().get(thread.ident)
+    stack = traceback.extract_stack(frame) if frame is not None else []
+    ours = [f for f in stack if not f.filename.startswith(_LIBRARY_DIRS)] or stack
+    return f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}" if ours else "an unknown place"
