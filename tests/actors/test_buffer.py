@@ -26,6 +26,15 @@ def ids(items):
     return [(x.sample_index, x.prompt_index) for x in items]
 
 
+def until(stats, **expected):
+    """Wait until the buffer's stats() show ``expected`` (e.g. waiting_puts=2): a waiter is
+    counted under the buffer's lock just before it waits, so this is its real readiness."""
+    deadline = time.monotonic() + 30
+    while {k: stats()[k] for k in expected} != expected:
+        assert time.monotonic() < deadline, f"buffer never reached {expected}: {stats()}"
+        time.sleep(0.001)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=2, include_dashboard=False)
@@ -75,12 +84,12 @@ def test_close_wakes_waiters_and_waiting_puts_are_served_in_order():
 
     big = threading.Thread(target=put, args=("big", [item(index=10), item(index=11), item(index=12)]))
     big.start()
-    time.sleep(0.2)
+    until(buf.stats, waiting_puts=1)
     small = threading.Thread(target=put, args=("small", [item(index=20)]))
     small.start()
-    time.sleep(0.2)
+    until(buf.stats, waiting_puts=2)
     # Room for the small put exists, but it queued behind the big one: no starvation.
-    assert buf.stats()["depth"] == 2 and buf.stats()["waiting_puts"] == 2
+    assert buf.stats()["depth"] == 2
     assert ids(buf.get(2)) == [(0, 0), (0, 1)]
     big.join(2)
     assert results["big"] == 3
@@ -90,7 +99,7 @@ def test_close_wakes_waiters_and_waiting_puts_are_served_in_order():
 
     getter = threading.Thread(target=lambda: results.setdefault("get", _catch(lambda: buf.get(3))))
     getter.start()
-    time.sleep(0.2)
+    until(buf.stats, waiting_gets=1)
     buf.close()
     getter.join(2)
     assert isinstance(results["get"], BufferClosed)
@@ -143,9 +152,9 @@ def test_put_blocks_when_full_until_a_get_frees_room(cluster):
     buf = new_buffer(2)
     ray.get(buf.put.remote([item(index=0), item(index=1)]))
     blocked = buf.put.remote([item(index=2)], timeout=30)
-    ready, _ = ray.wait([blocked], timeout=1.0)
+    until(lambda: ray.get(buf.stats.remote()), waiting_puts=1)
+    ready, _ = ray.wait([blocked], timeout=0)
     assert not ready, "put on a full buffer returned instead of blocking"
-    assert ray.get(buf.stats.remote())["waiting_puts"] == 1
     assert [x.prompt_index for x in ray.get(buf.get.remote(1))] == [0]
     assert ray.get(blocked, timeout=10) == 1
     assert [x.prompt_index for x in ray.get(buf.get.remote(2))] == [1, 2]
@@ -217,6 +226,7 @@ def _scores(values, valid):
     return ScoreResult(np.array(values, np.float32), np.array(valid, bool), ["reward said no"])
 
 
+@pytest.mark.unit
 def test_put_chunk_annotates_and_stores_each_chunk_once():
     from core.annotate import RewardShaping
 
@@ -236,6 +246,7 @@ def test_put_chunk_annotates_and_stores_each_chunk_once():
     assert [r.prompt_index for r in got] == [0, 2] and got[1].score == 2.0
 
 
+@pytest.mark.unit
 def test_take_returns_interleaved_shards_and_a_summary():
     buf = RolloutBuffer(capacity=16)
     items = [item(version=v, index=i) for i, v in enumerate([3, 3, 2, 3, 3])]
@@ -247,6 +258,7 @@ def test_take_returns_interleaved_shards_and_a_summary():
     assert summary.response_lengths.tolist() == [2] * 5 and len(summary.samples) == 4
 
 
+@pytest.mark.integration
 def test_take_by_reference_through_ray(cluster):
     """Each shard is its own object: a rank can be handed one without the others."""
     buf = new_buffer(16)
