@@ -380,6 +380,13 @@ def validate(cfg: TetherConfig) -> None:
     if cfg.buffer.capacity < rollouts:
         raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} is below the "
                           f"{rollouts} rollouts of one step; raise it")
+    # Async: the learner waits for a step's rollouts while the producer waits for room to store
+    # a whole chunk; with one generator a chunk is half a step's prompts (cluster/rollouts.py).
+    chunk = -(-cfg.data.prompts_per_step // 2) * cfg.generator.sampling.n
+    if cfg.run.mode == "async" and cfg.buffer.capacity < rollouts + chunk - 1:
+        raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} can stall async mode: the learner "
+                          f"waits for a step's {rollouts} rollouts while the producer waits for room for a "
+                          f"chunk of up to {chunk}; raise it to at least {rollouts + chunk - 1}")
     try:
         cfg.learner_config().validate(world_size=cfg.learner.replicas)
     except ValueError as e:
