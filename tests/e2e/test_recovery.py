@@ -1,11 +1,13 @@
 """A learner rank dies mid-run; the run rolls back to its last checkpoint and goes on.
 
-The rank is SIGKILLed by the pid it reports through Ray, while the group is inside a
-learner call (train), at a step after a checkpoint. The run must detect it in seconds,
-rebuild the group, restore the checkpoint (step, version, data position, KL beta),
-give the generators the restored weights, and finish; the metrics file then holds each
-step exactly once.
+The rank is SIGKILLed by the pid it reports through Ray, during or just as a learner call goes
+out, at a step after a checkpoint. The run must detect it in seconds, rebuild the group,
+restore the checkpoint (learner state, step, version, data position, unfinished prompts, KL
+beta), give the generators the restored weights, and finish; the metrics file then holds each
+step exactly once. Each of those is checked against what the run did (``Trail``), not only
+that it ended.
 """
+import itertools
 import json
 import os
 import signal
@@ -16,15 +18,9 @@ import pytest
 import ray
 
 from cluster import train
+from core.ppo import AdaptiveKLController
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
 
 
 def make_driver(tmp_path, *overrides):
@@ -81,30 +77,155 @@ class KillRank:
             threading.Thread(target=kill_later, daemon=True).start()
 
 
+def run_with_kill(driver, metrics, killer, *, failed_at: int, resumed_at: int, what: str):
+    """driver.run() with ``killer`` armed: the killed rank is found within seconds and the run
+    rolls back once, from step ``failed_at`` to the checkpoint of step ``resumed_at``.
+    Returns the last step's metrics and the rows of metrics.jsonl."""
+    final = driver.run()
+    metrics.close()
+    assert killer.killed_at is not None
+    [rb] = driver.rollbacks
+    assert (rb["rank"], rb["failed_at_step"], rb["resumed_at_step"]) == (killer.rank, failed_at, resumed_at)
+    detected = rb["detected_at"] - killer.killed_at
+    print(f"\n{what}: detected in {detected:.2f}s, learner rebuilt in {rb['rebuild_seconds']:.1f}s, "
+          f"back at step {resumed_at} after {rb['recovery_seconds']:.1f}s")
+    assert detected < 10
+    rows = [json.loads(line) for line in (metrics.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return final, rows
+
+
+class Trail:
+    """What the run did, recorded from the driver's side: each batch drawn from the prompt stream
+    (with its ledger chunk ids), each take's consumed (chunk, prompt) pairs, the summary of each
+    batch taken, and the checkpoint state each rollback restored. ``timeline`` counts the
+    rollbacks so far: 0 is the run before the first, whose steps after the checkpoint are redone."""
+
+    def __init__(self, driver):
+        self.draws, self.takes, self.restored = [], [], []
+        self.issued_chunks: set = set()
+        issue, take, restore = driver.issue, driver._take, driver.restore
+
+        def issue_and_note():
+            chunks = issue()
+            self.issued_chunks |= {c.id for c in chunks}
+            self.draws.append((len(self.restored), [i for c in chunks for i in c.prompt_indices]))
+            return chunks
+
+        def take_and_note(producer, min_version):
+            shards, batch, regenerated = take(producer, min_version)
+            self.takes.append({"timeline": len(self.restored), "step": driver.step_count + 1,
+                               "consumed": list(batch.consumed), "reward_mean": float(batch.scores.mean()),
+                               "kl_mean": float(batch.kl_sums.mean())})
+            return shards, batch, regenerated
+
+        def restore_and_note(path):
+            from cluster import checkpoint
+            self.restored.append(checkpoint.load_state(path))
+            return restore(path)
+
+        driver.issue, driver._take, driver.restore = issue_and_note, take_and_note, restore_and_note
+        self.stream = [sorted(int(i) for i in indices) for indices, _, _ in
+                       itertools.islice(driver.dataset.batches(driver.cfg.data.prompts_per_step, epochs=None), 64)]
+
+    def drawn(self, timeline: int) -> list:
+        return [sorted(d) for t, d in self.draws if t == timeline]
+
+    def consumed(self, timeline: int, *, before_step=None, requeued=False) -> set:
+        """Prompts the takes of ``timeline`` reported (those of steps before ``before_step``);
+        ``requeued``: only those of chunks no draw opened (a restore re-queued them)."""
+        return {p for t in self.takes if t["timeline"] == timeline and (before_step is None or t["step"] < before_step)
+                for c, p in t["consumed"] if not requeued or c not in self.issued_chunks}
+
+
+def assert_rolled_back_to(trail, driver, rows, ckpt_step: int, mode: str):
+    """What the rollback restored, as the run went on from it."""
+    [state] = trail.restored
+    assert state.step == ckpt_step
+    # Data position: the run drew batches 0, 1, ... and after the rollback draws again from the
+    # checkpoint's position in the (deterministic) stream, not from where the lost steps left it.
+    before, after = trail.drawn(0), trail.drawn(1)
+    assert before == trail.stream[:len(before)] and len(before) > state.batches_issued
+    assert after, "no batch drawn after the rollback"
+    assert after == trail.stream[state.batches_issued:state.batches_issued + len(after)]
+    if mode == "sync":
+        assert [r["data/batches_issued"] for r in rows[1:]] == list(range(1, len(rows)))
+        assert state.unfinished == ()
+    else:
+        # The prompts drawn before the checkpoint but not yet trained on (async: in flight or
+        # buffered then) are generated again after the rollback: consumed there, or still in
+        # flight at the end; and none the run had trained on before the checkpoint comes back.
+        requeued = trail.consumed(1, requeued=True)
+        assert state.unfinished, "async: the producer runs ahead, so the checkpoint holds unfinished prompts"
+        assert set(state.unfinished) <= requeued | set(driver.rollouts.ledger.unfinished_prompts())
+        assert not requeued & trail.consumed(0, before_step=ckpt_step + 1)
+    # KL beta: each step's beta is the controller's update of the previous step's, from the
+    # batch's KL; the first step after the rollback starts from the checkpoint's beta (the
+    # lost steps had moved it on).
+    kl = driver.cfg.ppo.kl
+    assert kl.target, "the default config's KL controller is adaptive: beta moves every step"
+    beta = kl.beta
+    for r in rows[1:]:
+        ctl = AdaptiveKLController(beta, kl.target, kl.horizon)
+        ctl.update(r["kl/mean"], n_steps=r["rollouts/used"])
+        assert r["kl/beta"] == pytest.approx(ctl.value, rel=1e-9), f"step {r['step']}"
+        beta = r["kl/beta"]
+    assert rows[ckpt_step]["kl/beta"] == pytest.approx(state.kl_beta, rel=1e-9)
+    # Learner: the optimizer state came back with the weights (its step counter too).
+    steps = len(rows) - 1
+    assert [h["step"] for h in driver.pools.learner.health()] == [steps] * driver.pools.learner.world_size
+    # Generators: every trained rollout was sampled by exactly the learner's weights of its
+    # version (sync mode; async with max_staleness=0), so a generator left with the lost
+    # steps' weights shows here.
+    assert all(r["ppo/logprob_gap_mean"] < 1e-3 for r in rows[1:]), [r["ppo/logprob_gap_mean"] for r in rows[1:]]
+
+
 # CI budget: the sync/train kill is slow; the async kill during the weight push stays in the default suite.
 @pytest.mark.parametrize("mode, phase", [pytest.param("sync", "train", marks=pytest.mark.slow), ("async", "push_weights")])
 def test_learner_rank_killed_mid_step_rolls_back_and_finishes(cluster, tmp_path, mode, phase):
+    # max_staleness=0: async mode then trains only on rollouts of the learner's current weights,
+    # so the log-prob gap checks the generators' weights in both modes.
     driver, pools, metrics = make_driver(tmp_path, "learner.replicas=2", "run.steps=5",
-                                         "run.checkpoint_every=2", f"run.mode={mode}")
+                                         "run.checkpoint_every=2", f"run.mode={mode}", "buffer.max_staleness=0")
     try:
+        trail = Trail(driver)
         killer = KillRank(driver, phase=phase, rank=1, at_step=4, delay_s=0.05 if phase == "train" else 0.0)
-        final = driver.run()
-        metrics.close()
-        assert killer.killed_at is not None
-        [rb] = driver.rollbacks
-        assert rb["rank"] == 1 and rb["resumed_at_step"] == 2 and rb["failed_at_step"] == 3
-        detected = rb["detected_at"] - killer.killed_at
-        print(f"\n{mode}: rank 1 killed in {phase} at step 4: detected in {detected:.2f}s, "
-              f"learner rebuilt in {rb['rebuild_seconds']:.1f}s, back at step 2 after "
-              f"{rb['recovery_seconds']:.1f}s")
-        assert detected < 10
+        final, rows = run_with_kill(driver, metrics, killer, failed_at=3, resumed_at=2,
+                                    what=f"{mode}: rank 1 killed in {phase} at step 4")
         assert driver.step_count == 5 and final["policy/version"] == 5
-        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]  # each step once, the lost ones redone
-        assert [r["data/batches_issued"] for r in rows[1:4]] == [1, 2, 3] if mode == "sync" else True
-        if mode == "sync":  # the generators run exactly the restored-then-trained weights
-            assert final["ppo/logprob_gap_mean"] < 1e-3
+        assert_rolled_back_to(trail, driver, rows, 2, mode)
         gens = pools.generators.handles()
         assert {ray.get(g.health.remote())["version"] for g in gens.values()} == {5}
+    finally:
+        pools.shutdown()
+
+
+def test_the_only_learner_rank_killed_rolls_back_and_redoes_the_same_step(cluster, tmp_path):
+    """The default learner: one rank, so nothing survives its death (rank 0 of 1). Killed as
+    step 3's PPO update goes out (its rollouts made, the checkpoint of step 2 on disk), the run
+    rebuilds the rank from the checkpoint and redoes step 3 from the same place: the same
+    prompts, sampled by the same restored weights with the same per-prompt seeds, so the batch
+    it trains on is the one the lost attempt had drawn."""
+    driver, pools, metrics = make_driver(tmp_path, "learner.replicas=1", "run.steps=3", "run.checkpoint_every=2",
+                                         "run.mode=sync")
+    try:
+        trail = Trail(driver)
+        killer = KillRank(driver, phase="train", rank=0, at_step=3, delay_s=0.0)
+        final, rows = run_with_kill(driver, metrics, killer, failed_at=2, resumed_at=2,
+                                    what="rank 0 of 1 killed in train at step 3")
+        assert driver.step_count == 3 and final["policy/version"] == 3
+        assert [r["step"] for r in rows] == [0, 1, 2, 3]
+        # Step 3 twice: the lost attempt's batch (taken, then the rank died) and the redo's.
+        lost, redo = [t for t in trail.takes if t["step"] == 3]
+        assert (lost["timeline"], redo["timeline"]) == (0, 1)
+        assert trail.drawn(0)[2] == trail.drawn(1)[0]  # the same prompts
+        assert sorted(p for _, p in redo["consumed"]) == sorted(p for _, p in lost["consumed"])
+        # the same samples: scores and KL to the reference of the batch match the lost attempt's
+        assert redo["reward_mean"] == pytest.approx(lost["reward_mean"], abs=1e-6)
+        assert redo["kl_mean"] == pytest.approx(lost["kl_mean"], abs=1e-6)
+        assert rows[3]["reward/mean"] == pytest.approx(lost["reward_mean"], abs=1e-6)
+        assert_rolled_back_to(trail, driver, rows, 2, "sync")
+        gens = pools.generators.handles()
+        assert {ray.get(g.health.remote())["version"] for g in gens.values()} == {3}
     finally:
         pools.shutdown()
