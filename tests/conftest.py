@@ -1,12 +1,36 @@
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Every test carries exactly one tier. `gpu` (needs CUDA) and `slow` (left out of the default
+# run) are extra markers on top of a tier, not tiers: a GPU test is an integration or e2e test
+# that also needs a GPU.
+TIERS = ("unit", "integration", "e2e")
+# pytest-timeout's limit per test (setup, call and teardown; pyproject.toml sets the method and
+# the 900 s default of the integration and e2e tiers). A test's own @pytest.mark.timeout wins.
+UNIT_TIMEOUT_S = 120     # pure functions: seconds each, even on a loaded 2-core machine
+SLOW_TIMEOUT_S = 1800    # the slow tier's full runs (not in CI)
+
 
 def pytest_collection_modifyitems(config, items):
+    wrong = []
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        if len(tiers) != 1:
+            wrong.append(f"  {item.nodeid}: {', '.join(tiers) if tiers else 'no tier'}")
+        elif item.get_closest_marker("timeout") is None:
+            if item.get_closest_marker("slow"):
+                item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+            elif tiers == ["unit"]:
+                item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
+    if wrong:
+        raise pytest.UsageError(
+            f"{len(wrong)} test(s) do not carry exactly one tier marker ({', '.join(TIERS)}; gpu and slow "
+            "come on top of one); mark each (a module-level pytestmark is fine):\n" + "\n".join(wrong))
     try:
         import torch
         has_cuda = torch.cuda.is_available()
@@ -18,6 +42,102 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------- `unit` means no process, no actor
+class UnitTierViolation(AssertionError):
+    """A unit test started a process or used Ray: it belongs in the integration tier."""
+
+
+class _UnitGuard:
+    """While a unit test runs (its fixtures' set-up and teardown included), starting a process
+    (subprocess, fork, posix_spawn, os.system, multiprocessing, the forking entrypoint server) or
+    touching Ray (ray.init, creating an actor or task, calling an actor) raises. What was tried is
+    also kept, so a test whose code swallows the error still fails at teardown."""
+
+    def __init__(self, nodeid: str) -> None:
+        self.nodeid, self.tried, self._mp = nodeid, [], pytest.MonkeyPatch()
+
+    def _refuse(self, what: str, command=None, original=None):
+        def refuse(*args, **kwargs):
+            if original is not None and _importing():
+                # A library probing its platform while it is first imported (vLLM runs
+                # `uname -p`): that depends on which test imported it first, not on the test.
+                return original(*args, **kwargs)
+            if command is not None:  # name what it tried to run
+                what_ = f"{what} ({_shorten(command(*args, **kwargs))})"
+            else:
+                what_ = what
+            self.tried.append(what_)
+            raise UnitTierViolation(f"{self.nodeid} is marked unit but {what_}; a unit test starts no process "
+                                    "and no Ray actor: mark it integration (tests/conftest.py)")
+        return refuse
+
+    def install(self) -> "_UnitGuard":
+        import multiprocessing.process
+        import subprocess
+
+        import ray
+        import ray.actor
+        import ray.remote_function
+
+        mp = self._mp
+        mp.setattr(subprocess.Popen, "__init__",
+                   self._refuse("started a subprocess", lambda popen, args, *a, **k: args, subprocess.Popen.__init__))
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            if hasattr(os, name):
+                mp.setattr(os, name, self._refuse(f"called os.{name}", lambda *a, **k: a[:2], getattr(os, name)))
+        mp.setattr(multiprocessing.process.BaseProcess, "start", self._refuse("started a multiprocessing process"))
+        mp.setattr(ray, "init", self._refuse("called ray.init"))
+        mp.setattr(ray.actor.ActorClass, "_remote", self._refuse("created a Ray actor"))
+        mp.setattr(ray.actor.ActorMethod, "_remote", self._refuse("called a Ray actor"))
+        mp.setattr(ray.remote_function.RemoteFunction, "_remote", self._refuse("started a Ray task"))
+        server = sys.modules.get("entrypoints")  # tests/entrypoints.py: forks a child per command
+        if server is not None:
+            mp.setattr(server.EntrypointServer, "run", self._refuse("ran an entrypoint in a forked child"))
+        return self
+
+    def undo(self) -> None:
+        self._mp.undo()
+
+
+def _importing() -> bool:
+    """True while a module is being imported (a frame of importlib's machinery is on the stack)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _shorten(command) -> str:
+    text = " ".join(map(str, command)) if isinstance(command, (list, tuple)) else str(command)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+_GUARD = pytest.StashKey[_UnitGuard]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("unit") is not None:
+        item.stash[_GUARD] = _UnitGuard(item.nodeid).install()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        guard = item.stash.get(_GUARD, None)
+        if guard is not None:
+            del item.stash[_GUARD]
+            guard.undo()
+            if guard.tried:
+                raise UnitTierViolation(f"{item.nodeid} is marked unit but {'; '.join(dict.fromkeys(guard.tried))}: "
+                                        "mark it integration")
 
 
 # Tiny offline models (cached on disk by content): one build serves every test session.

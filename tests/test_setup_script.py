@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # runs scripts/setup.sh in bash
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -9,8 +9,6 @@ from bench.procmem import PeakMemory
 from bench.vs_trl import BenchError, parse_pool_cpus
 from bench.workload import _prompts
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture(scope="module")
 def bench_tokenizer():
@@ -20,6 +18,7 @@ def bench_tokenizer():
     return AutoTokenizer.from_pretrained(build_tokenizer(SPEC_BENCH_32M.vocab_size))
 
 
+@pytest.mark.unit
 def test_workload_prompts_are_seeded_fixed_length_and_round_trip(bench_tokenizer):
     a = _prompts(bench_tokenizer, 64, 16, seed=0)
     assert a == _prompts(bench_tokenizer, 64, 16, seed=0)
@@ -29,17 +28,20 @@ def test_workload_prompts_are_seeded_fixed_length_and_round_trip(bench_tokenizer
     assert all(bench_tokenizer(bench_tokenizer.decode(p))["input_ids"] == p for p in a)
 
 
+@pytest.mark.unit
 def test_bench_model_has_the_issue_shape():
     from cluster.tiny_models import SPEC_BENCH_32M as s
     assert (s.vocab_size, s.hidden_size, s.intermediate_size, s.num_hidden_layers, s.num_attention_heads,
             s.num_key_value_heads, s.tie_word_embeddings) == (512, 512, 2048, 8, 8, 4, True)
 
 
+@pytest.mark.unit
 def test_tether_runs_as_shipped_unless_pool_cpus_are_given():
     assert parse_pool_cpus(None) == {}  # no hand-tuned CPUs: the thread plan decides
     assert parse_pool_cpus("generator=8, learner=4") == {"generator": 8, "learner": 4}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", ["generator", "gpu=2", "learner=0", "reward=x"])
 def test_bad_pool_cpus_is_a_user_error(bad):
     with pytest.raises(BenchError) as e:
@@ -47,6 +49,7 @@ def test_bad_pool_cpus_is_a_user_error(bad):
     assert e.value.code == 2
 
 
+@pytest.mark.integration
 def test_peak_memory_sees_a_child_allocation():
     code = "import time; b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)"
     proc = subprocess.Popen([sys.executable, "-c", code])
@@ -55,6 +58,7 @@ def test_peak_memory_sees_a_child_allocation():
     assert mem.by_role()["driver"]["peak_rss_bytes"] >= 300 << 20
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("argv", [["--rollouts", "6", "--minibatches", "4"], ["--sides", "torch,trl"],
                                   ["--epochs", "0"]])
 def test_learner_bench_bad_flags_exit_2_in_one_line(argv):
@@ -63,6 +67,7 @@ def test_learner_bench_bad_flags_exit_2_in_one_line(argv):
     assert done.stderr.strip().splitlines()[-1].startswith("python -m bench.learner: error:")
 
 
+@pytest.mark.unit
 def test_work_floor_halves_only_the_learn_phase_for_the_shared_head():
     from bench.vs_trl import report, work_floor
 

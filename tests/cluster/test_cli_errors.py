@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from entrypoints import assert_one_line_error
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # each case runs an entrypoint in a child process
 REPO = Path(__file__).resolve().parents[2]
 
 # Reward functions that the driver's probe must refuse (imported through PYTHONPATH).

@@ -12,7 +12,6 @@ import pytest
 
 from cluster.train import missing_dependencies
 
-pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 # The probe: Python >= 3.9 (parses cluster/train.py) and no importable torch.
 PROBE = ("import importlib.util, sys; "
@@ -45,10 +44,12 @@ def _python_without_torch() -> str | None:
     return None
 
 
+@pytest.mark.unit
 def test_missing_dependencies_empty_in_project_env():
     assert missing_dependencies() == []
 
 
+@pytest.mark.integration
 def test_entrypoint_without_torch_is_one_line():
     python = _python_without_torch()
     if python is None:

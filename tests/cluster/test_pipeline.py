@@ -82,6 +82,7 @@ def test_pipeline_short_stages_feed_each_other(short_run):
 
 
 @pytest.mark.slow  # CI budget: a PPO start-up and two sweep runs; the sweep's refusal without a folder stays
+@pytest.mark.timeout(3000)  # the pipeline fixture's run (if first) and two sweep runs, each allowed 900 s
 def test_sweep_reuses_the_pipeline_folder(short_run):
     # one beta (a PPO start-up is most of a minute here); the second call reuses it and adds none
     p = cli("cluster.sweep", "--config", "configs/pipeline-cpu.yaml", "--betas", "0.5",

@@ -15,7 +15,7 @@ from entrypoints import assert_one_line_error
 
 from cluster.lineage import tether_warning, write_stage
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # each case runs an entrypoint in a child process
 REPO = Path(__file__).resolve().parents[2]
 
 

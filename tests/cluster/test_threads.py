@@ -9,6 +9,7 @@ def plan(cores, *overrides):
     return plan_threads(load_config(None, list(overrides)), cores)
 
 
+@pytest.mark.unit
 def test_sync_phases_share_the_node_cores():
     # default: one replica per pool, a reward function (no model): generator, reference and
     # learner each run alone in their phase, so each gets every core
@@ -17,38 +18,45 @@ def test_sync_phases_share_the_node_cores():
         {"generator": 4, "reference": 16, "reward": 1, "learner": 8}
 
 
+@pytest.mark.unit
 def test_reference_and_reward_model_score_together(tmp_path):
     cfg = plan(8, "reward.function=null", f"reward.model={tmp_path}", "reference.replicas=3")
     assert cfg["reference"] == cfg["reward"] == 2  # 8 cores over 3 + 1 scorers
 
 
+@pytest.mark.unit
 def test_async_and_reserved_keep_rays_rule():
     want = {"generator": 1, "reference": 1, "reward": 1, "learner": 3}
     assert plan(16, "run.mode=async", "learner.num_cpus=3") == want
     assert plan(16, "resources.cpu_threads=reserved", "learner.num_cpus=3") == want
 
 
+@pytest.mark.unit
 def test_never_below_the_reserved_cpus_nor_on_gpu_pools():
     assert plan(2, "learner.num_cpus=4")["learner"] == 4
     assert plan(64, "learner.num_gpus=1", "learner.num_cpus=2")["learner"] == 2
 
 
+@pytest.mark.unit
 def test_scoring_overlaps_generation_only_where_pools_run_at_once():
     one = lambda *o: chunks_per_generator(load_config(None, list(o)))  # noqa: E731
     assert one() == 1  # sync CPU pools take turns: one whole chunk per generator
     assert one("run.mode=async") == one("resources.cpu_threads=reserved") == one("generator.num_gpus=1") == 2
 
 
+@pytest.mark.unit
 def test_vllm_worker_threads_are_unbound():
     assert thread_env(3) == {"OMP_NUM_THREADS": "3"}
     assert thread_env(2, vllm=True) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
+@pytest.mark.unit
 def test_bad_setting_is_one_line():
     with pytest.raises(ConfigError, match="resources.cpu_threads='all' must be phase or reserved"):
         load_config(None, ["resources.cpu_threads=all"])
 
 
+@pytest.mark.integration
 def test_ray_actor_runs_the_planned_threads():
     """Ray sets OMP_NUM_THREADS = num_cpus only where it is unset: the plan's value must win,
     above and below the actor's num_cpus. (What a worker gets without a plan depends on the

@@ -257,6 +257,7 @@ def gpu_actors(ray_cluster, policy_path):
         ray.kill(actor)
 
 
+@pytest.mark.integration
 @pytest.mark.gpu
 @pytest.mark.parametrize("stage", [2, 3])
 def test_nccl_push_matches_learner_logprobs(gpu_actors, policy_path, stage):
