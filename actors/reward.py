@@ -87,7 +87,8 @@ def load_function(spec: str, key: str = "reward.function"):
 
 def probe_function(spec: str, prompts: list[str], responses: list[str], key: str = "reward.function") -> None:
     """Call the function once on example pairs, as the actors will; a ValueError naming
-    ``key`` (reward.function, reward.gold) if it raises or does not return one number per pair.
+    ``key`` (reward.function, reward.gold) if it raises, does not return one number per pair,
+    or returns no finite one.
 
     At run time such a function only invalidates every batch (the actor must keep
     serving), so a run would train on nothing; the driver asks first.
@@ -107,6 +108,10 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
     if len(scores) != n:
         raise ValueError(f"{key} {spec!r} returned {len(scores)} scores for {n} (prompt, response) "
                          "pairs on a probe; return one float per pair, in order")
+    if scores and not any(np.isfinite(scores)):  # each would be an invalid rollout: nothing to train on
+        raise ValueError(f"{key} {spec!r} returned non-finite scores ({', '.join(sorted(set(map(str, scores))))}) "
+                         f"for all {n} example (prompt, response) pairs on a probe; return finite floats (NaN or inf "
+                         "marks a pair invalid, and a run whose every pair is invalid trains on nothing)")
 
 
 def resolve_tokenizer_path(path: str) -> str:

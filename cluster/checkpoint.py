@@ -2,7 +2,7 @@
 
     <run>/checkpoints/resume/step-000010/
         learner/      DeepSpeed ZeRO state (weights, optimizer, scheduler) + the HF policy
-        state.json    the driver's: step, version, data position, unfinished prompts, KL beta
+        state.json    the driver's: step, version, data position, unfinished prompts, KL beta, pool sizes
 
 A checkpoint is written as ``.step-000010.partial`` and renamed once complete, so a
 folder a crash cut short is never loaded; only the newest ``run.keep_checkpoints`` stay.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +36,7 @@ class RunState:
     unfinished: tuple          # prompt indices issued but not trained on (async: in flight or buffered)
     kl_beta: float             # the KL controller's current beta
     pinned: dict               # PINNED_KEYS -> value at save time
+    pool_sizes: dict = field(default_factory=dict)  # role -> serving replicas (as cluster.scale left them)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "unfinished": list(self.unfinished)}, indent=1)
@@ -45,7 +46,7 @@ class RunState:
         d = json.loads(text)
         return cls(step=int(d["step"]), version=int(d["version"]), batches_issued=int(d["batches_issued"]),
                    unfinished=tuple(int(i) for i in d["unfinished"]), kl_beta=float(d["kl_beta"]),
-                   pinned=dict(d["pinned"]))
+                   pinned=dict(d["pinned"]), pool_sizes={str(k): int(n) for k, n in d.get("pool_sizes", {}).items()})
 
 
 def pinned_values(cfg) -> dict:

@@ -71,6 +71,7 @@ class RewardPoolConfig(PoolConfig):
     normalize: bool = False          # standardise reward-model scores with the reward_stats.json beside reward.model
     gold: Optional[str] = None       # eval only: a `module:function(prompts, responses) -> floats` scored on the
                                      # held-out prompts as eval/gold_score, never trained on (the true goal behind a proxy)
+    max_invalid_fraction: float = 0.5  # a step whose share of invalid scores (NaN/inf, or the reward raised) is above this stops the run, naming the reward; 1 = never
 
 
 @dataclass(frozen=True)
@@ -338,6 +339,9 @@ def validate(cfg: TetherConfig) -> None:
     if cfg.reward.normalize and cfg.reward.model is None:
         raise ConfigError("config: reward.normalize standardises reward-model scores; set reward.model "
                           "(a reward-model checkpoint with reward_stats.json) or reward.normalize=false")
+    if not 0 <= cfg.reward.max_invalid_fraction <= 1:
+        raise ConfigError(f"config: reward.max_invalid_fraction={cfg.reward.max_invalid_fraction} must be in [0, 1] "
+                          "(the share of a step's scores that may be invalid)")
     if cfg.run.mode not in ("sync", "async"):
         raise ConfigError(f"config: run.mode={cfg.run.mode!r} must be sync or async")
     if cfg.ppo.old_logprobs == "behaviour" and cfg.run.mode != "sync":

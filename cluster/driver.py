@@ -35,6 +35,7 @@ from cluster.checkpoint import RunState
 from cluster.config import TetherConfig
 from cluster.metrics import RayMetrics, RunMetrics, progress_line
 from cluster.pools import PlacementError, Pools, alive
+from cluster.reward_check import check_invalid_scores
 from cluster.rollouts import BackgroundProducer, Produced, ProducerStuck, RolloutProducer
 from cluster.threads import chunks_per_generator
 from core.annotate import RewardShaping
@@ -150,12 +151,14 @@ class Driver:
         with timer("step"):
             if producer is None:  # sync: this step's rollouts, from the current version
                 produced = self.rollouts.produce(self.issue(), self.shaping())
+                check_invalid_scores(produced, cfg.reward, self.step_count + 1)
                 min_version = self.version
             else:
                 min_version = max(0, self.version - cfg.buffer.max_staleness)
             with timer("buffer_wait"):
                 shards, batch, regenerated = self._take(producer, min_version)
             produced = (producer.take() if producer is not None else produced).merge(regenerated)
+            check_invalid_scores(produced, cfg.reward, self.step_count + 1)  # async: what fed this step
             with timer("learn"), self._learner_lock:
                 learn = learner.train(shards, ptx_rows=self.ptx_rows(), kl_coef=self._kl_loss_coef())
             with timer("sync"), self._learner_lock:
@@ -248,7 +251,8 @@ class Driver:
         with self._issue_lock:
             return RunState(step=self.step_count, version=self.version, batches_issued=self.batches_issued,
                             unfinished=tuple(self.rollouts.ledger.unfinished_prompts()),
-                            kl_beta=self.kl_ctl.value, pinned=checkpoint.pinned_values(self.cfg))
+                            kl_beta=self.kl_ctl.value, pinned=checkpoint.pinned_values(self.cfg),
+                            pool_sizes=self.pools.sizes())
 
     def checkpoint(self) -> Path:
         """A resumable checkpoint of this step (learner + driver state), written atomically."""

@@ -4,7 +4,10 @@ how it stops on SIGTERM / SIGINT.
 Resume (``run.resume``):
     <run folder>   continue that run from its newest complete checkpoint
     auto           continue ``run.dir/run.name`` if it has a checkpoint, else start it
-A refused resume raises CheckpointError: one line naming the problem and the fix.
+A refused resume raises CheckpointError: one line naming the problem and the fix. A resumed
+run starts its pools at the sizes the checkpoint recorded (what ``python -m cluster.scale``
+last set: the operator's intent), except a pool whose ``<pool>.replicas`` the resume command
+line sets; it says so in one line.
 
 Stop: the first SIGTERM or SIGINT asks the driver to stop at the next step boundary
 (it then writes a checkpoint and status.json ``stopped``); a second one stops at once.
@@ -13,11 +16,13 @@ from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from cluster import checkpoint
-from cluster.checkpoint import CheckpointError
+from cluster.checkpoint import CheckpointError, RunState
+from cluster.control import POOLS
 
 log = logging.getLogger("tether")
 
@@ -52,6 +57,33 @@ def resume_source(cfg) -> tuple[Optional[Path], Optional[Path]]:
         raise CheckpointError(f"run.resume={target}: the run already trained {state.step} steps of "
                               f"run.steps={cfg.run.steps}; raise run.steps to train further")
     return run_dir, found
+
+
+def resume_pool_sizes(cfg, state: RunState, overrides: Sequence[str]) -> tuple:
+    """(cfg with the pools at the checkpoint's sizes, the line that says so or None): a pool
+    whose ``<pool>.replicas`` is among ``overrides`` (the command line's) keeps the config's."""
+    given = {o.partition("=")[0].strip() for o in overrides}
+    changed = {p: n for p, n in state.pool_sizes.items() if p in POOLS and n != getattr(cfg, p).replicas}
+    kept = {p: n for p, n in changed.items() if f"{p}.replicas" not in given}
+    overridden = {p: n for p, n in changed.items() if p not in kept}
+    sizes = lambda pools: " ".join(f"{p}={n}" for p, n in pools.items())  # noqa: E731
+    said = []
+    if kept:
+        said.append(f"pools at the sizes they were scaled to: {sizes(kept)} (the config says "
+                    f"{sizes({p: getattr(cfg, p).replicas for p in kept})}; set <pool>.replicas on the resume "
+                    "command line to choose)")
+    said += [f"{p}={getattr(cfg, p).replicas} from the command line (it was scaled to {n})"
+             for p, n in overridden.items()]
+    cfg = replace(cfg, **{p: replace(getattr(cfg, p), replicas=n) for p, n in kept.items()})
+    return cfg, ("resume: " + "; ".join(said)) if said else None
+
+
+def resumed_config(cfg, path: Path, overrides: Sequence[str]):
+    """``cfg`` for resuming from checkpoint ``path``: resume_pool_sizes(), its line logged."""
+    cfg, line = resume_pool_sizes(cfg, checkpoint.load_state(path), overrides)
+    if line:
+        log.info(line)
+    return cfg
 
 
 def resume_config_file(overrides: list[str]) -> Optional[Path]:

@@ -443,6 +443,8 @@ def progress_line(step: int, total_steps: int, metrics: dict, elapsed_s: float) 
         parts.append(f"eval {m['eval/score_mean']:.3f}")
     if "perf/tokens_per_s" in m:
         parts.append(f"{m['perf/tokens_per_s']:.0f} tok/s")
+    if m.get("rollouts/skipped_prompts"):  # the generator's own warning stays in its log (cluster/console.py)
+        parts.append(f"skipped {m['rollouts/skipped_prompts']:.0f} prompts (too long for the model, or empty)")
     phases = " ".join(f"{label} {m[f'perf/{k}_seconds']:.1f}"
                       for k, label in (("generate", "gen"), ("score", "score"), ("learn", "learn"),
                                        ("sync", "sync")) if f"perf/{k}_seconds" in m)

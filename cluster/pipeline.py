@@ -27,7 +27,8 @@ from typing import Optional
 from cluster.config import ConfigError, TetherConfig, _check_run_name, validate
 from cluster.stage import CONFIGS, run_stage, stage_main
 from cluster.stage_config import RMConfig, SFTConfig
-from cluster.train import UserError, connect_ray, make_run_dir, write_status
+from cluster.startup import check_fits, connect_ray
+from cluster.train import UserError, make_run_dir, write_status
 
 log = logging.getLogger("tether")
 PAIRS_FILE = "pairs.jsonl"
@@ -156,6 +157,10 @@ def run(cfg: PipelineConfig) -> str:
         load_function(cfg.pairs.gold)  # a bad gold spec fails now, not after SFT
     except ValueError as e:
         raise UserError(f"pairs.gold: {e}") from None
+    try:
+        check_fits(cfg.rl, None)  # the local Ray is sized for the largest stage, PPO
+    except ValueError as e:
+        raise UserError(f"[rl] {e}") from None
     root = make_run_dir(cfg)
     (root / "checkpoints").rmdir()  # make_run_dir's; the stages keep their checkpoints in their own folders
     dirs, seconds, summary = stage_dirs(root), {}, {}

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from cluster.startup import connect_ray
 from cluster.threads import node_cores, thread_env
-from cluster.train import (UserError, connect_ray, dependency_error, make_run_dir, missing_dependencies,
-                           one_line, parse_args, resolve_model, write_status)
+from cluster.train import (UserError, dependency_error, make_run_dir, missing_dependencies, one_line, parse_args,
+                           resolve_model, write_status)
 
 log = logging.getLogger("tether")
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -140,7 +141,10 @@ def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
     run_dir = make_run_dir(cfg)
     log.info("run folder: %s (resolved config in config.yaml)", run_dir)
     write_status(run_dir, "running")
-    connect_ray(cfg)
+    ray_logs = connect_ray(cfg)
+    if ray_logs and not cfg.run.library_logs:
+        log.info("library logs: the learner ranks' in Ray's worker logs under %s (run.library_logs=true shows "
+                 "them here)", ray_logs)
     lp, group, pg, metrics = cfg.learner, None, None, StageMetrics(run_dir)
     try:
         try:

@@ -57,6 +57,7 @@ def run_dirname(beta: float) -> str:
 def sweep(cfg: PipelineConfig, betas: list[float]) -> str:
     from cluster import train
     from cluster.config import validate
+    from cluster.startup import connect_ray
 
     if cfg.run.name is None:
         raise UserError("run.name must name the pipeline run folder to sweep (e.g. run.name=pipeline-cpu)")
@@ -67,7 +68,7 @@ def sweep(cfg: PipelineConfig, betas: list[float]) -> str:
     sft_final, rm_final = resolve_base(str(dirs["sft"])), resolve_base(str(dirs["rm"]))
     out = root / "sweep"
     out.mkdir(exist_ok=True)
-    train.connect_ray(cfg.rl)
+    connect_ray(cfg.rl)
     for beta in betas:
         run_dir = out / run_dirname(beta)
         if _state(run_dir) == "succeeded":

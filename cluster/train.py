@@ -11,10 +11,12 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
+
+from cluster.startup import StartupClock, check_fits, connect_ray
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
 log = logging.getLogger("tether")
@@ -72,24 +74,6 @@ def resolve_model(name: str, key: str = "model.policy") -> str:
     if not Path(name).exists():
         raise UserError(f"{key}={name!r} does not exist; point it at a Hugging Face model directory")
     return name
-
-
-def connect_ray(cfg) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = cfg.resources.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-        return
-    # A local cluster: logical CPUs cover every pool even on a 2-core machine.
-    pools = [getattr(cfg, name) for name in ("generator", "reference", "reward", "learner") if hasattr(cfg, name)]
-    need = sum(p.replicas * p.num_cpus for p in pools)
-    # address="local": a new cluster of our own, never an unrelated `ray start` head that
-    # happens to run on this machine (ray.init() with no address would join that one).
-    ray.init(address="local", num_cpus=cfg.resources.num_cpus or max(int(need + 0.999), os.cpu_count() or 1),
-             logging_level=logging.WARNING)
 
 
 def make_run_dir(cfg) -> Path:
@@ -227,33 +211,6 @@ def prepare_ptx(cfg, tokenizer_path: str):
     return ptx
 
 
-class StartupClock:
-    """Seconds from this process's start to a run ready to step, by phase: interpreter and
-    imports, prepare (models, tokenizer, data), ray (connect or start a local cluster),
-    pools (every engine and the learner ranks loaded), then the rest (run folder, control)."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self._last = psutil.Process().create_time()
-        self.seconds = {"imports": round(time.time() - self._last, 2)}
-        self._last = time.time()
-
-    def lap(self, phase: str) -> None:
-        now = time.time()
-        self.seconds[phase] = round(now - self._last, 2)
-        self._last = now
-
-    def metrics(self) -> dict:
-        self.lap("other")
-        total = sum(self.seconds.values())
-        return {"perf/startup_seconds": total, **{f"perf/startup_{k}_seconds": v for k, v in self.seconds.items()}}
-
-    def line(self) -> str:
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
-        return f"start-up: {sum(self.seconds.values()):.1f}s ({parts})"
-
-
 class Stopped(Exception):
     """The run stopped on SIGTERM/SIGINT (status.json says whether it can be resumed)."""
 
@@ -262,20 +219,29 @@ class Stopped(Exception):
         self.exit_code = exit_code
 
 
-def run(cfg) -> dict:
+def run(cfg, *, overrides: Sequence[str] = ()) -> dict:
+    """The job; ``overrides``: the command line's (they win over a resumed run's pool sizes)."""
+    from cluster.console import quiet_console
+
+    with quiet_console(cfg.run.library_logs) as library_log:
+        return _run(cfg, overrides, library_log)
+
+
+def _run(cfg, overrides: Sequence[str], library_log) -> dict:
     from cluster import checkpoint
     from cluster.driver import Driver
-    from cluster.lifecycle import StopSignals, resume_source
+    from cluster.lifecycle import StopSignals, resume_source, resumed_config
     from cluster.metrics import RunMetrics
-    from cluster.pools import PlacementError, create_pools, quiet_libraries
+    from cluster.pools import PlacementError, create_pools
 
-    if not cfg.run.library_logs:
-        quiet_libraries()
     startup = StartupClock()
     try:
         reused_dir, resume_from = resume_source(cfg)  # before loading anything it may refuse
+        if resume_from is not None:  # the pools as they were scaled, unless the command line says
+            cfg = resumed_config(cfg, resume_from, overrides)
         policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
         ptx = prepare_ptx(cfg, tokenizer_path)
+        check_fits(cfg, policy)  # a local Ray that cannot hold the pools: refused before it starts
     except (ValueError, OSError, ImportError) as e:  # bad data / model paths / checkpoint: the user's to fix
         raise UserError(one_line(e)) from None
     startup.lap("prepare")
@@ -287,7 +253,11 @@ def run(cfg) -> dict:
     log.info("run folder: %s (resolved config in config.yaml)", run_dir)
     log.info(startup_summary(cfg))
     write_status(run_dir, "running")
-    connect_ray(cfg)
+    if library_log is not None:
+        library_log.open(run_dir)
+    ray_logs = connect_ray(cfg)
+    if library_log is not None:
+        log.info(library_log.where(ray_logs))
     startup.lap("ray")
     pools = None
     try:
@@ -389,6 +359,7 @@ def main(argv=None) -> int:
         print(dependency_error(missing), file=sys.stderr)
         return 2
     from cluster.config import ConfigError, describe, load_config
+    from cluster.reward_check import InvalidScores
 
     if args.help_config:
         print(describe())
@@ -397,8 +368,8 @@ def main(argv=None) -> int:
 
     try:
         cfg = load_config(args.config or resume_config_file(args.overrides) or DEFAULT_CONFIG, args.overrides)
-        final = run(cfg)
-    except (ConfigError, UserError, FileNotFoundError) as e:
+        final = run(cfg, overrides=args.overrides)
+    except (ConfigError, UserError, InvalidScores, FileNotFoundError) as e:
         print(f"tether: error: {one_line(e)}", file=sys.stderr)
         return 2
     except Stopped as e:

@@ -29,6 +29,9 @@ def words(prompts, responses):
 
 def broken(prompts, responses):
     raise KeyError("answer")
+
+def non_finite(prompts, responses):
+    return [float("nan") if i % 2 else float("inf") for i in range(len(responses))]
 '''
 
 
@@ -82,14 +85,16 @@ def _old_runs(d: Path) -> None:
     """Run folders to resume from, as runs leave them: cut short, corrupted, made another way."""
     state = {"step": 2, "version": 2, "batches_issued": 2, "unfinished": [], "kl_beta": 0.05,
              "pinned": {"model.policy": "builtin:tiny-30m"}}
-    for name in ("incomplete", "corrupt", "other_model", "finished", "no_learner"):
+    for name in ("incomplete", "corrupt", "other_model", "finished", "no_learner", "scaled"):
         (d / name).mkdir()
         (d / name / "status.json").write_text(json.dumps({"state": "stopped"}))
     (d / "incomplete" / "checkpoints/resume/.step-000002.partial").mkdir(parents=True)  # a crash mid-write
     (d / "no_learner" / "checkpoints/resume/step-000002").mkdir(parents=True)  # learner state deleted by hand
     (d / "no_learner" / "checkpoints/resume/step-000002/state.json").write_text(json.dumps({**state, "pinned": {}}))
     for name, text in (("corrupt", '{"step": 2, "vers'), ("other_model", json.dumps(state)),
-                       ("finished", json.dumps({**state, "step": 20, "pinned": {}}))):
+                       ("finished", json.dumps({**state, "step": 20, "pinned": {}})),
+                       # cluster.scale grew the generators before the stop: the resume starts that many
+                       ("scaled", json.dumps({**state, "pinned": {}, "pool_sizes": {"generator": 1000}}))):
         (d / name / "checkpoints/resume/step-000002").mkdir(parents=True)
         (d / name / "checkpoints/resume/step-000002/state.json").write_text(text)
         (d / name / "checkpoints/resume/step-000002/learner").mkdir()
@@ -174,6 +179,10 @@ CASES = [
                  id="reward-wrong-count"),
     pytest.param(["reward.function=probe_rewards:words"], "not a list of numbers", id="reward-not-numbers"),
     pytest.param(["reward.function=probe_rewards:broken"], "raised on a probe", id="reward-raises"),
+    pytest.param(["reward.function=probe_rewards:non_finite"], "reward.function 'probe_rewards:non_finite' returned "
+                 "non-finite scores (inf, nan) for all 2 example (prompt, response) pairs", id="reward-non-finite"),
+    pytest.param(["reward.gold=probe_rewards:non_finite"], "reward.gold 'probe_rewards:non_finite' returned non-finite",
+                 id="gold-non-finite"),
     pytest.param(["reward.function=null", "reward.model=/nonexistent/rm"], "reward.model='/nonexistent/rm' does not exist",
                  id="reward-model-missing"),
     pytest.param(["reward.function=null", "reward.model={inputs}/rm_two_labels"], "has num_labels=2",
@@ -191,6 +200,13 @@ CASES = [
     pytest.param(["run.resume={inputs}/no_learner"], "step-000002 is incomplete (no learner/)",
                  id="resume-checkpoint-without-learner-state"),
     pytest.param(["run.checkpoint_every=-1"], "run.checkpoint_every must be >= 0", id="checkpoint-every-negative"),
+    pytest.param(["run.resume={inputs}/scaled"], "pool generator: 1000 replicas",
+                 id="resume-at-scaled-sizes-beyond-this-machine"),
+    # -- a local Ray that cannot hold the pools: refused before it starts --
+    pytest.param(["generator.replicas=1000"], "pool generator: 1000 replicas", id="pools-beyond-this-machine"),
+    pytest.param(["generator.replicas=3", "resources.num_cpus=2"],
+                 "pool generator: 3 replicas x 1 CPU bring the run to 6 CPUs, more than resources.num_cpus=2",
+                 id="pools-beyond-local-num-cpus"),
     # -- the run folder itself --
     pytest.param(["run.dir=/proc/tether-runs"], "set run.dir to a writable directory", id="run-dir-unwritable"),
 ]

@@ -152,6 +152,9 @@ def test_progress_line_partial():
     assert progress_line(0, 0, {"perf/step_seconds": 2.0}, elapsed_s=0.0) == "step 0 | 2.0s"
     assert progress_line(1, 2, {"reward/mean": float("nan")}, 1.0) == "step 1/2 | reward nan | eta 1s"
     assert progress_line(4, 4, {"version": 4}, 9.0) == "step 4/4 v4"  # the driver's plain key works too
+    assert progress_line(4, 4, {"rollouts/skipped_prompts": 0}, 9.0) == "step 4/4"
+    assert progress_line(4, 4, {"rollouts/skipped_prompts": 3}, 9.0) == \
+        "step 4/4 | skipped 3 prompts (too long for the model, or empty)"
 
 
 @pytest.mark.unit

@@ -5,6 +5,7 @@ driver is killed by the pid of the process the test started.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,18 @@ def status(run_dir: Path) -> dict:
     return json.loads((run_dir / "status.json").read_text())
 
 
+# What the console shows before the first step: tether's own start-up lines (the libraries'
+# go to the run folder's library.log and Ray's worker logs unless run.library_logs=true).
+TETHER_START_UP = re.compile(r"\d\d:\d\d:\d\d (run folder: |(sync|async) PPO, |library logs: |threads per actor: |"
+                             r"actors: |start-up: |step 0: )")
+
+
+def first_screen(console: str) -> list[str]:
+    lines = console.splitlines()
+    first_step = next(i for i, ln in enumerate(lines) if re.search(r"\bstep 1/\d+ ", ln))
+    return lines[:first_step]
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "baseline"
@@ -104,6 +117,8 @@ def test_sigterm_stops_async_run_with_a_checkpoint_and_resume_finishes(tmp_path)
     took = time.monotonic() - t0
     print(f"\nSIGTERM -> exit {rc} in {took:.1f}s")
     assert rc == 143 and took < 30
+    console = (tmp_path / "stopped.log").read_text(errors="replace")
+    assert [ln for ln in first_screen(console) if not TETHER_START_UP.match(ln)] == [], console[-6000:]
     st = status(run_dir)
     assert st["state"] == "stopped" and st["resumable"] is True
     stopped_at = st["step"]

@@ -98,6 +98,8 @@ def test_pools_scale_up_and_down_while_the_job_runs(running_job, tmp_path):
     assert all(m["ppo/logprob_gap_mean"] < 1e-3 for m in after)
     new = ray.get(driver.pools.generators.handles()["generator-1"].health.remote())
     assert new["generated_tokens"] > 0 and new["version"] == driver.version
+    # A checkpoint records the scaled sizes: a resume starts the pools there (tests/cluster/test_lifecycle.py).
+    assert driver.run_state().pool_sizes == {"generator": 2, "reference": 1, "reward": 2}
 
     r = scale_cli(tmp_path, "generator=1")
     assert r.returncode == 0, r.stderr

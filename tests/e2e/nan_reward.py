@@ -1,0 +1,13 @@
+"""A reward function that passes the start-up probe and then scores nearly everything NaN."""
+import math
+
+from actors.reward_functions import sentiment
+from cluster.train import PROBE_RESPONSES
+
+
+def nan_after_probe(prompts, responses):
+    """The probe's example pairs get real scores; one response in eight after that does too."""
+    scores = sentiment(prompts, responses)
+    if list(responses) == list(PROBE_RESPONSES[:len(responses)]):
+        return scores
+    return [s if i % 8 == 0 else math.nan for i, s in enumerate(scores)]

@@ -1,0 +1,21 @@
+"""A reward that turns non-finite during a run ends it in one line naming the reward."""
+import json
+
+import pytest
+
+from cluster import train
+
+pytestmark = pytest.mark.e2e
+
+
+def test_mostly_non_finite_scores_fail_the_run_naming_the_reward(cluster_with_test_rewards, tmp_path, capsys):
+    """7 of 8 scores NaN at step 1 is above reward.max_invalid_fraction (0.5 by default)."""
+    rc = train.main([f"run.dir={tmp_path}", "run.name=nan", "reward.function=nan_reward:nan_after_probe",
+                     "run.steps=2", "run.eval_every=0", "run.plot_every=0", "run.samples_every=0"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2, last
+    assert last.startswith("tether: error: reward function nan_reward:nan_after_probe: 56 of 64 scores at step 1 "
+                           "were invalid"), last
+    assert "reward.max_invalid_fraction=0.5" in last
+    status = json.loads((tmp_path / "nan" / "status.json").read_text())
+    assert status["state"] == "failed" and status["reason"] in last
