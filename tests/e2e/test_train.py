@@ -15,14 +15,6 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    # Logical CPUs: the scaling test runs 2+1+2+2 actors on this 2-core machine.
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture
 def driver_loads(monkeypatch):
     """Counts Rollout / ScoredRollout objects unpickled in THIS process (the driver's).
