@@ -1,4 +1,4 @@
-"""Tokens/s of one tether generator replica against a bare vllm.LLM (issue 14, item 2).
+"""Tokens/s of one tether generator replica against a bare vllm.LLM.
 
     .venv/bin/python -m bench.generation                          # 64 prompts x 128 tokens
     .venv/bin/python -m bench.generation --prompts 4 --new-tokens 8 --repeats 1   # smoke

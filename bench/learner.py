@@ -1,4 +1,4 @@
-"""The learner's PPO update against a plain-torch loop doing the same work (issue 14, item 4).
+"""The learner's PPO update against a plain-torch loop doing the same work.
 
     .venv/bin/python -m bench.learner                       # the workload's 31.7M policy, critic=separate
     .venv/bin/python -m bench.learner --critic shared --threads 1 --zero 0 2

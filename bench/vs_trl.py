@@ -1,4 +1,4 @@
-"""tether against Hugging Face TRL's PPO trainer on one workload (issue 14).
+"""tether against Hugging Face TRL's PPO trainer on one workload.
 
     .venv/bin/python -m bench.vs_trl                                   # the full workload
     .venv/bin/python -m bench.vs_trl --prompts 4 --new-tokens 8 --steps 1   # smoke: minutes
