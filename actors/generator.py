@@ -67,7 +67,7 @@ class SamplingConfig:
     max_new_tokens: int = 64
     n: int = 1                     # samples per prompt
     seed: int = 0                  # sampling seed; each prompt's is drawn from (seed, version, prompt index)
-    ignore_eos: bool = False       # run every response to max_new_tokens (fixed-length benchmarks); EOS is not masked, unlike min_tokens
+    ignore_eos: bool = False       # every response runs to max_new_tokens (fixed-length benchmarks); EOS is samplable
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:

@@ -198,7 +198,8 @@ class Reference:
         return [lp[row, :r.size].copy() for row, r in enumerate(responses)]
 
     def health(self) -> dict:
-        return {"role": "reference", "ok": True, "pid": os.getpid(), "model": self.model_path, "device": str(self.device),
+        return {"role": "reference", "ok": True, "pid": os.getpid(), "model": self.model_path,
+                "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "temperature": self.temperature,
                 "top_k": self.top_k, "top_p": self.top_p,
                 **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()}}

@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.reference import (as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id,
-                              resolve_model_path)
+from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
 from core.dtypes import torch_dtype
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ import ray
 import torch
 
 from actors.generator import actor_class
-from bench.procmem import tree_peak_rss_bytes
 from actors.reference import Reference
+from bench.procmem import tree_peak_rss_bytes
 from cluster.pretrain import build_pretrained_policy
 from cluster.tiny_models import SPEC_30M, build_policy
 

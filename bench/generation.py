@@ -183,7 +183,8 @@ def run_tether(wl: dict, prompts: list, args) -> dict:
 
 def summary(side: dict) -> dict:
     tps = [c["tokens"] / c["seconds"] for c in side["calls"]]
-    return {"tokens_per_s": statistics.median(tps), "seconds_per_call": statistics.median(c["seconds"] for c in side["calls"]),
+    return {"tokens_per_s": statistics.median(tps),
+            "seconds_per_call": statistics.median(c["seconds"] for c in side["calls"]),
             "tokens_per_call": side["calls"][0]["tokens"], "startup_seconds": side["startup_seconds"],
             "peak_rss_bytes": side["peak_rss_bytes"]}
 

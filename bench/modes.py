@@ -84,7 +84,8 @@ def main(argv=None) -> int:
         rows.append(f"{mode:12}{r['rollouts_per_s']:11.3f}{m['step']:8.1f}{m['generate']:7.1f}{m['score']:7.1f}"
                     f"{m['learn']:7.1f}{m['sync']:7.2f}{m['sync_wait']:10.2f}{m['buffer_wait']:9.1f}"
                     f"{m['partial_frac']:8.2f}")
-    ratios = {mode: r["rollouts_per_s"] / result["sync"]["rollouts_per_s"] for mode, r in result.items() if mode != "sync"}
+    sync = result["sync"]["rollouts_per_s"]
+    ratios = {mode: r["rollouts_per_s"] / sync for mode, r in result.items() if mode != "sync"}
     ratio = ratios.get("async", next(iter(ratios.values())))
     rows += [f"{mode}/sync throughput: {x:.2f}x" for mode, x in ratios.items()]
     rows.append(f"({args.steps} timed steps each, critic={args.critic})")

@@ -78,10 +78,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     from datasets import Dataset
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              TrainerCallback)
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
-    from trl.experimental.ppo import ppo_trainer as trainer_module
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer, ppo_trainer as trainer_module
 
     wl = json.loads(open(args.workload).read())
     torch.manual_seed(args.seed)
@@ -90,7 +88,8 @@ def main(argv=None) -> int:
     dataset = Dataset.from_dict({"input_ids": rows})
     load_lm = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
     load_rm = lambda p: AutoModelForSequenceClassification.from_pretrained(p, dtype=torch.float32, num_labels=1)
-    policy, ref, reward, value = load_lm(wl["policy"]), load_lm(wl["reference"]), load_rm(wl["reward"]), load_rm(wl["value"])
+    policy, ref = load_lm(wl["policy"]), load_lm(wl["reference"])
+    reward, value = load_rm(wl["reward"]), load_rm(wl["value"])
     for m in (policy, ref, reward, value):
         m.config.pad_token_id = tok.pad_token_id
     policy.generation_config.pad_token_id = tok.pad_token_id

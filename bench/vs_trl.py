@@ -208,8 +208,8 @@ def work_floor(trl: dict) -> dict:
     shared value head trains one, so half of l. Below these ratios tether must beat TRL's
     kernels on the same arithmetic, not skip work.
     """
-    g, s, l = (trl[f"{p}_seconds"] for p in ("generate", "score", "learn"))
-    return {"separate": 1.0, "shared": (g + s + l / 2) / (g + s + l)}
+    gen, score, learn = (trl[f"{p}_seconds"] for p in ("generate", "score", "learn"))
+    return {"separate": 1.0, "shared": (gen + score + learn / 2) / (gen + score + learn)}
 
 
 def report(summary: dict) -> str:

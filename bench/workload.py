@@ -18,8 +18,7 @@ import random
 import sys
 from pathlib import Path
 
-from cluster.tiny_models import (SPEC_BENCH_32M, _cached, build_policy, build_reward_model,
-                                 cache_root, corpus)
+from cluster.tiny_models import SPEC_BENCH_32M, _cached, build_policy, build_reward_model, cache_root, corpus
 
 FORMAT = 1  # bump when the recipe changes
 

@@ -303,7 +303,8 @@ def _read_parquet(path: Path, fields: list[str], skips: _Skips, section: str) ->
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"{section}.path: reading {path} needs pyarrow; pip install pyarrow (or use .jsonl)") from None
+        raise ImportError(f"{section}.path: reading {path} needs pyarrow; "
+                          "pip install pyarrow (or use .jsonl)") from None
     pf = pq.ParquetFile(path)
     present = [f for f in fields if f in pf.schema_arrow.names]  # absent ones: the row check counts them
     if len(present) < len(fields):

@@ -39,8 +39,8 @@ from cluster.reward_check import check_invalid_scores
 from cluster.rollouts import BackgroundProducer, Produced, ProducerStuck, RolloutProducer
 from cluster.threads import chunks_per_generator
 from core.annotate import RewardShaping
-from core.rollout import WEIGHT_UPDATE_GROUP
 from core.ppo import AdaptiveKLController, FixedKLController
+from core.rollout import WEIGHT_UPDATE_GROUP
 from learner.group import LearnerRankDied
 
 log = logging.getLogger("tether")

@@ -52,19 +52,23 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "ppo/returns_mean": ((), "token-mean GAE return"),
     "ppo/values_mean": ((), "token-mean value prediction"),
     "eval/gold_score": ((), "mean reward.gold score on the held-out prompts (evaluation only, never trained on)"),
-    "alarm/proxy_up_gold_down": ((), "1 when eval/score_mean rose and eval/gold_score fell over the last 3 evaluations"),
-    "alarm/kl_up_entropy_down": ((), "1 when KL to the reference climbed while entropy collapsed over run.alarm_window steps"),
+    "alarm/proxy_up_gold_down": ((), "1 when eval/score_mean rose and eval/gold_score fell over the last 3"
+                                     " evaluations"),
+    "alarm/kl_up_entropy_down": ((), "1 when KL to the reference climbed while entropy collapsed over run.alarm_window"
+                                     " steps"),
     "alarm/length_drift": ((), "1 when the response length moved > 50% from its first window's mean"),
     "off_policy/behaviour_kl": ((), "token-mean KL(behaviour || learner at the update's start), k3 estimate"),
     "off_policy/is_weight_mean": ((), "token-mean importance weight pi_learner / pi_behaviour, before the cap"),
     "off_policy/is_weight_max": ((), "largest importance weight pi_learner / pi_behaviour in the batch"),
-    "off_policy/capped_frac": ((), "fraction of tokens whose weight exceeds ppo.is_cap (tis truncates, decoupled drops)"),
+    "off_policy/capped_frac": ((), "fraction of tokens whose weight exceeds ppo.is_cap (tis truncates, decoupled"
+                                   " drops)"),
     "perf/step_seconds": ((), "wall time of the whole PPO step"),
     "perf/generate_seconds": ((), "time spent generating rollouts"),
     "perf/score_seconds": ((), "time spent on reference logprobs and reward scores"),
     "perf/learn_seconds": ((), "time spent in the learner group (PPO epochs)"),
     "perf/sync_seconds": ((), "time to broadcast weights learner -> generators"),
-    "perf/sync_wait_seconds": ((), "part of the sync a generator waited for its engine (a generate call, or with partial rollouts one engine step)"),
+    "perf/sync_wait_seconds": ((), "part of the sync a generator waited for its engine (a generate call, or with"
+                                   " partial rollouts one engine step)"),
     "perf/tokens_per_s": ((), "generated response tokens per second over all generators"),
     "perf/buffer_wait_seconds": ((), "time the learner side waited on the RolloutBuffer"),
     "perf/sync_bytes": ((), "bytes broadcast learner -> generators in the weight sync"),
@@ -82,8 +86,10 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "buffer/dropped_stale": ((), "rollouts dropped so far for exceeding max_staleness"),
     "buffer/staleness_mean": ((), "mean policy-version lag of rollouts handed to the learner"),
     "buffer/staleness_max": ((), "largest policy-version lag handed to the learner"),
-    "buffer/token_staleness_mean": ((), "mean policy-version lag of the tokens handed to the learner (each token's own version)"),
-    "rollouts/partial_frac": ((), "fraction of the batch's rollouts sampled by two or more policy versions (partial rollouts)"),
+    "buffer/token_staleness_mean": ((), "mean policy-version lag of the tokens handed to the learner (each token's own"
+                                        " version)"),
+    "rollouts/partial_frac": ((), "fraction of the batch's rollouts sampled by two or more policy versions (partial"
+                                  " rollouts)"),
     "response/length_mean": ((), "mean response length in tokens of the step's rollouts"),
     "response/truncated_frac": ((), "fraction of responses cut at max length"),
     "rollouts/used": ((), "scored rollouts in the step's learner batch"),
@@ -91,7 +97,8 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "rollouts/skipped_prompts": ((), "prompts skipped (too long, empty after templating)"),
     "rollouts/invalid_scores": ((), "rollouts dropped because the reward was invalid (NaN, error)"),
     "rollouts/empty_responses": ((), "rollouts with an empty response"),
-    "rollouts/duplicate_chunks": ((), "prompt chunks the buffer had stored already (a redispatch that raced its original)"),
+    "rollouts/duplicate_chunks": ((), "prompt chunks the buffer had stored already (a redispatch that raced its"
+                                      " original)"),
     "rollouts/redispatched_chunks": ((), "prompt chunks sent again because the replica holding them died"),
     "eval/score_mean": ((), "mean score on the held-out eval prompts (eval steps only)"),
     "eval/response_len": ((), "mean eval response length in tokens (eval steps only)"),
@@ -99,7 +106,8 @@ _DEFS: dict[str, tuple[tuple[str, ...], str]] = {
     "pool/generator_replicas": ((), "live generator replicas (cluster.scale changes it while the job runs)"),
     "pool/reference_replicas": ((), "live reference replicas"),
     "pool/reward_replicas": ((), "live reward replicas"),
-    "data/batches_issued": ((), "prompt batches drawn from the data stream so far (its position; a resume continues from it)"),
+    "data/batches_issued": ((), "prompt batches drawn from the data stream so far (its position; a resume continues"
+                                " from it)"),
     "learner/step": ((), "learner updates done"),
     "learner/optimizer_steps": ((), "optimiser steps done (DeepSpeed global_steps)"),
     "learner/tokens": ((), "response tokens in the last learner batch"),
@@ -166,7 +174,7 @@ class RayMetrics:
                 gauge.set(v, tags=dict(full))
                 with self._lock:
                     self._last[(metric_name(key), full)] = v
-            except Exception as e:  # metrics must never take the run down
+            except Exception as e:  # noqa: BLE001 - metrics must never take the run down
                 self._warn_once(key, f"could not record Ray metric {key!r}: {e}")
         self._start_keepalive()
 
@@ -357,7 +365,7 @@ class RunMetrics:
             if h["eval/score_mean"]:
                 self._draw("eval.png", "eval", "eval/score_mean", "eval score",
                            twin=("eval/response_len", "response length (tokens)"))
-        except Exception as e:  # plots are a convenience; never stop training for them
+        except Exception as e:  # noqa: BLE001 - plots are a convenience; never stop training for them
             if not self._plot_warned:
                 self._plot_warned = True
                 log.warning("plotting failed (further failures silent): %s", e)

@@ -20,11 +20,14 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from cluster.tiny_models import TinySpec, _cached, build_policy, cache_root, corpus
+
+if TYPE_CHECKING:
+    import torch
 
 RECIPE_VERSION = 2  # bump when the training recipe changes, so old caches are not reused
 DEFAULT_STEPS = 300
@@ -149,7 +152,7 @@ def _pretrain(base: Path, out: Path, *, steps: int, batch_size: int, lr: float, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     batches = ptx_batches(base, batch_size, DEFAULT_SEQ_LEN, seed)
     start, curve = time.perf_counter(), []
-    for step in range(steps):
+    for _ in range(steps):
         ids, mask = next(batches)
         keep = int(mask.sum(1).max())  # trim the all-padding tail columns: same loss, less work
         loss = lm_loss(model, ids[:, :keep], mask[:, :keep])
@@ -169,7 +172,7 @@ def _pretrain(base: Path, out: Path, *, steps: int, batch_size: int, lr: float, 
          "seconds": round(seconds, 2), "final_loss": round(final, 4), "loss_curve": curve}, indent=1))
 
 
-def build_pretrained_policy(spec: TinySpec = TinySpec(), steps: int = DEFAULT_STEPS, seed: int = 0, *,
+def build_pretrained_policy(spec: TinySpec = TinySpec(), steps: int = DEFAULT_STEPS, seed: int = 0, *,  # noqa: B008
                             batch_size: int = DEFAULT_BATCH_SIZE, lr: float = DEFAULT_LR) -> Path:
     """The tiny policy of `spec`, pre-trained on the corpus; HF format, tokenizer beside it.
 

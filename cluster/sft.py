@@ -44,7 +44,8 @@ def train(group, p: dict, metrics, run_dir) -> dict:
         losses += out["loss"]
         eval_loss = group.sft_evaluate(eval_shards)["loss"]
         seconds = time.perf_counter() - t0
-        metrics.log(step, {"sft/eval_loss": eval_loss, "sft/epoch": epoch, "sft/epoch_loss": float(np.mean(out["loss"])),
+        metrics.log(step, {"sft/eval_loss": eval_loss, "sft/epoch": epoch,
+                           "sft/epoch_loss": float(np.mean(out["loss"])),
                            "sft/tokens": out["tokens"], "sft/epoch_seconds": seconds})
         log_epoch("sft", epoch, t.epochs, seconds, loss=float(np.mean(out["loss"])), eval_loss=eval_loss)
     final = save_final(group, run_dir, p["tokenizer"], stage="sft", base=p["base"], base_name=cfg.model.base)

@@ -9,8 +9,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
-from cluster.config import (BUILTIN_POLICY, ConfigError, LearnerPoolConfig, ResourcesConfig, TetherConfig, _build,
-                            _check_run_name, read_config)
+from cluster.config import (
+    BUILTIN_POLICY,
+    ConfigError,
+    LearnerPoolConfig,
+    ResourcesConfig,
+    TetherConfig,
+    _build,
+    _check_run_name,
+    read_config,
+)
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
 

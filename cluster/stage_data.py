@@ -63,7 +63,8 @@ class StageRows:
             raise ValueError(f"data.eval_examples={n_eval} must be below the {len(self.rows)} usable rows of "
                              f"{self.source}; lower it or add rows")
         held = set(np.random.default_rng([seed, 0xE7A1]).permutation(len(self.rows))[:n_eval].tolist())
-        return ([r for i, r in enumerate(self.rows) if i not in held], [r for i, r in enumerate(self.rows) if i in held])
+        return ([r for i, r in enumerate(self.rows) if i not in held],
+                [r for i, r in enumerate(self.rows) if i in held])
 
 
 def load_rows(*, path, fields: dict[str, str], tokenizer, tokenizer_path, chat_template: bool,

@@ -1,4 +1,5 @@
-"""The KL-coefficient sweep: python -m cluster.sweep [--config configs/pipeline-cpu.yaml] [--betas 0 0.05 0.5] [key=value ...]
+"""The KL-coefficient sweep:
+python -m cluster.sweep [--config configs/pipeline-cpu.yaml] [--betas 0 0.05 0.5] [key=value ...]
 
 Reruns the PPO stage of a pipeline run folder (cluster/pipeline.py; the folder is the
 config's run.dir/run.name) once per beta, with the folder's SFT model and proxy reward

@@ -134,8 +134,7 @@ def _qwen2_config(spec: TinySpec, tokenizer, **extra):
 def _build_model(spec: TinySpec, kind: str) -> Path:
     def build(out: Path) -> None:
         import torch
-        from transformers import (AutoTokenizer, Qwen2ForCausalLM,
-                                  Qwen2ForSequenceClassification)
+        from transformers import AutoTokenizer, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
         tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(spec.vocab_size))
         torch.manual_seed(spec.seed)

@@ -334,7 +334,8 @@ def start_control(run_dir: Path, pools):
 
 def startup_summary(cfg) -> str:
     g, r, w, lp = cfg.generator, cfg.reference, cfg.reward, cfg.learner
-    pool = lambda name, p: f"{name} {p.replicas}x({p.num_cpus:g} CPU" + (f", {p.num_gpus:g} GPU)" if p.num_gpus else ")")
+    pool = lambda name, p: (f"{name} {p.replicas}x({p.num_cpus:g} CPU"
+                            + (f", {p.num_gpus:g} GPU)" if p.num_gpus else ")"))
     return (f"{cfg.run.mode} PPO, {cfg.run.steps} steps of {cfg.data.prompts_per_step} prompts x "
             f"{g.sampling.n} samples | policy {cfg.model.policy} | reward {w.function or w.model} | "
             f"{pool('generators', g)} {pool('references', r)} {pool('rewards', w)} "

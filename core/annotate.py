@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from core.rollout import Rollout, ScoredRollout
 from core.ppo import kl_estimate, per_token_rewards
+from core.rollout import Rollout, ScoredRollout
 
 log = logging.getLogger(__name__)
 

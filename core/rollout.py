@@ -122,7 +122,7 @@ class BatchSummary:
     response_lengths: np.ndarray  # [N] int64
     truncated: np.ndarray       # [N] bool: cut at max_new_tokens
     staleness: np.ndarray       # [N] int64: learner version - policy_version that sampled it
-    token_staleness: np.ndarray = None  # [N] float64: mean over each rollout's tokens of learner version - token version
+    token_staleness: np.ndarray = None  # [N] float64: per rollout, mean of learner version - token version
     partial: np.ndarray = None  # [N] bool: sampled by more than one version (partial rollout)
     dropped: int = 0            # rollouts left out so every learner rank got an equal shard
     # (chunk_id, prompt_index) of every rollout that left the buffer since the previous

@@ -6,7 +6,6 @@ import torch
 from learner.config import LearnerConfig
 from learner.policy import PolicyWithValueHead
 
-
 MODEL_KINDS = ("policy", "reward")  # what a rank trains: the policy (PPO, SFT) or a reward model
 
 

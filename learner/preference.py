@@ -88,10 +88,11 @@ class PreferenceStep(SupervisedStep):
             n_global = len(batch) * self.world_size
             sums = np.zeros(3)  # loss, correct, gap
 
-            def micro_loss(items):
+            def micro_loss(items, n_global=n_global, sums=sums):  # this batch's, bound now
                 chosen, rejected = self._scores(items)
                 loss = bradley_terry_loss(chosen, rejected, margin, normalizer=n_global)
-                sums[:] += [float(loss.detach()), float((chosen > rejected).sum()), float((chosen - rejected).detach().sum())]
+                sums[:] += [float(loss.detach()), float((chosen > rejected).sum()),
+                            float((chosen - rejected).detach().sum())]
                 return loss
 
             step = self._optimizer_step(self._micro_batches(batch), micro_loss)

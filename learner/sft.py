@@ -103,7 +103,7 @@ class SFTStep(SupervisedStep):
             (tokens,) = self.comm.sum([sum(len(r) for _, r in batch)])
             parts: list[float] = []
 
-            def micro_loss(items):
+            def micro_loss(items, tokens=tokens, parts=parts):  # this batch's, bound now
                 loss = self._loss(items, tokens)
                 parts.append(float(loss.detach()))
                 return loss

@@ -2,7 +2,6 @@
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from actors.engine_turns import EngineTurns

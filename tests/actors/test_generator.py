@@ -4,9 +4,9 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hf_reference import encode, hf_logprobs, perturbed_lm
 
 from actors.generator import Generator
-from hf_reference import encode, hf_logprobs, perturbed_lm
 from learner.weight_sync import policy_weights, to_buckets
 
 pytestmark = pytest.mark.integration

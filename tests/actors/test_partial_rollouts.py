@@ -11,11 +11,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hf_reference import encode, hf_logprobs
 
 from actors.engine_turns import EngineTurns
 from actors.generator import Generator
 from core.rollout import WEIGHT_UPDATE_GROUP
-from hf_reference import encode, hf_logprobs
 from learner.weight_sync import policy_weights, to_buckets
 
 pytestmark = pytest.mark.integration
@@ -94,7 +94,7 @@ def generator_plain(policy_path):
 def test_without_partial_rollouts_a_push_waits_for_the_whole_call(generator_plain, tokenizer, models):
     old, new = models
     gen = generator_plain
-    out, started = {}, threading.Event()
+    out = {}
     with gen._turns._cond:  # the call holds the engine's turn for its whole length
         call = threading.Thread(target=lambda: out.update(result=gen.generate(encode(tokenizer, PROMPTS))))
         call.start()

@@ -71,8 +71,9 @@ def test_exponent_without_a_dot_is_a_number():
     (["generator.replicas=0"], "generator.replicas=0 must be >= 1"),
     (["data.prompts_per_step=2", "ppo.minibatch_size=16"], "lower the minibatch"),
     (["buffer.capacity=4"], "buffer.capacity=4 is below"),
-    (["buffer.capacity=64", "run.mode=async", "generator.sampling.n=4"], "can stall async mode: the learner waits for a step's 64 rollouts "
-     "while the producer waits for room for a chunk of up to 32; raise it to at least 95"),
+    (["buffer.capacity=64", "run.mode=async", "generator.sampling.n=4"],
+     "can stall async mode: the learner waits for a step's 64 rollouts while the producer waits for room "
+     "for a chunk of up to 32; raise it to at least 95"),
     (["generator.tensor_parallel=2"], "needs generator.num_gpus >= 2"),
     (["generator.engine.tensor_parallel=2"], "unknown key generator.engine.tensor_parallel"),
     (["generator.engine.weight_sync=nccl"], "unknown key generator.engine.weight_sync"),

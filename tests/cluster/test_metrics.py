@@ -277,7 +277,8 @@ def test_ray_metrics_exported(ray_with_metrics, tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow  # CI budget: steps must outlast Ray's ~20 s gauge expiry; tests/e2e/test_observability scrapes a live job
+# CI budget: steps must outlast Ray's ~20 s gauge expiry; tests/e2e/test_observability scrapes a live job
+@pytest.mark.slow
 def test_ray_gauges_stay_exported_between_slow_steps(ray_with_metrics):
     """Ray drops a gauge ~20 s after its last set(); the keepalive thread must re-set it."""
     ray, port = ray_with_metrics

@@ -180,7 +180,8 @@ def assert_rolled_back_to(trail, driver, rows, ckpt_step: int, mode: str):
 
 
 # CI budget: the sync/train kill is slow; the async kill during the weight push stays in the default suite.
-@pytest.mark.parametrize("mode, phase", [pytest.param("sync", "train", marks=pytest.mark.slow), ("async", "push_weights")])
+@pytest.mark.parametrize("mode, phase", [pytest.param("sync", "train", marks=pytest.mark.slow),
+                                         ("async", "push_weights")])
 def test_learner_rank_killed_mid_step_rolls_back_and_finishes(cluster, tmp_path, mode, phase):
     # max_staleness=0: async mode then trains only on rollouts of the learner's current weights,
     # so the log-prob gap checks the generators' weights in both modes.

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.rollout import ScoredRollout
 from core import ppo
+from core.rollout import ScoredRollout
 from learner.batch import collate
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
 

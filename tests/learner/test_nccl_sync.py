@@ -11,14 +11,19 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from helpers import make_rollouts, sgd_config
-from learner.config import LearnerConfig
-from learner.nccl_sync import (GeneratorClient, NCCLWeightSync, _round_source, check_distinct_gpus,
-                               packing_plan, rank_layout)
-from learner.export import make_weight_sync
-from learner.weight_sync import CPUWeightSync
 
+from learner.config import LearnerConfig
+from learner.export import make_weight_sync
+from learner.nccl_sync import (
+    GeneratorClient,
+    NCCLWeightSync,
+    _round_source,
+    check_distinct_gpus,
+    packing_plan,
+    rank_layout,
+)
+from learner.weight_sync import CPUWeightSync
 
 # ------------------------------------------------------------------------------ pure
 

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 import torch
-
 from helpers import make_rollouts, model_logprobs
+
 from learner.batch import collate, collate_lm, response_slice
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
 from learner.policy import VALUE_HEAD_FILE, PolicyWithValueHead
@@ -52,7 +52,8 @@ def test_lr_schedule_warmup_then_linear_and_cosine_decay():
 
 def test_deepspeed_config_mirrors_ppo_sizes():
     ds = LearnerConfig(zero_stage=3, ppo=PPOConfig(minibatch_size=8, micro_batch_size=2)).deepspeed_config(2)
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 2, 2)
+    sizes = (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"])
+    assert sizes == (8, 2, 2)
     assert ds["zero_optimization"]["stage"] == 3
 
 

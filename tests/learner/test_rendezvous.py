@@ -7,11 +7,10 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from helpers import sgd_config
+
 from learner.group import RENDEZVOUS_ATTEMPTS, LearnerGroup
-from learner.rendezvous import (RendezvousError, StoreAddress, candidate_port, is_address_in_use, one_line,
-                                open_store)
+from learner.rendezvous import RendezvousError, StoreAddress, candidate_port, is_address_in_use, one_line, open_store
 
 CHEAPEST = sgd_config(zero_stage=0, epochs=1, minibatch=2, micro=1)  # 2 ranks x 1 micro-batch
 
@@ -61,7 +60,7 @@ def test_address_in_use_is_told_apart_from_other_failures():
 @pytest.mark.parametrize("starts", [3, pytest.param(20, marks=pytest.mark.slow)])
 def test_two_rank_group_starts_and_stops_repeatedly(ray_cluster, policy_path, starts):
     t0 = time.perf_counter()
-    for i in range(starts):
+    for _ in range(starts):
         group = LearnerGroup(model=policy_path, config=CHEAPEST, world_size=2, num_cpus_per_rank=0,
                              name_prefix="learner-start")  # reused at once, as a restart does
         try:

@@ -7,8 +7,8 @@ buckets -> Generator.load_weights); the Ray fan-out around them is tested in tes
 """
 import numpy as np
 import pytest
-
 from helpers import make_rollouts, sgd_config
+
 from learner.weight_sync import DEFAULT_BUCKET_BYTES, policy_weights, to_buckets
 from learner.worker import LearnerWorker
 

@@ -10,12 +10,12 @@ import time
 
 import numpy as np
 import pytest
-
 from helpers import make_rollouts, max_abs_diff, model_logprobs, reference_update, sgd_config
-from learner.config import LearnerConfig, OptimConfig, PPOConfig
-from learner.policy import PolicyWithValueHead
+
 from core.rollout import shard_rollouts
+from learner.config import LearnerConfig, OptimConfig, PPOConfig
 from learner.group import LearnerGroup
+from learner.policy import PolicyWithValueHead
 from learner.worker import LearnerWorker
 
 pytestmark = pytest.mark.integration
