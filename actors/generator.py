@@ -20,7 +20,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -327,7 +327,7 @@ class Generator:
         self._version = version
         self._llm.llm_engine.set_weight_version(str(version))
 
-    # ---- NCCL transport (learner/nccl_sync.py drives these; engine.weight_sync="nccl" only).
+    # ---- NCCL transport (learner/nccl_sync.py drives these; learner.weight_sync="nccl" only).
     # vLLM's weight-transfer engine lives in each vLLM worker; these forward to the
     # RLOfflineMixin methods of vllm.LLM (entrypoints/rl/offline.py), which fan out to the
     # workers with collective_rpc. Only metadata crosses Ray; the tensors arrive over NCCL.
@@ -398,11 +398,6 @@ class Generator:
                 "generated_tokens": self._generated_total, "engine_start_s": self.start_seconds,
                 "pushes_mid_generate": self._turns.updates_during_sampling,
                 "incomplete_kept_sets": self._incomplete_kept_sets}
-
-    def config(self) -> dict:
-        return {"sampling": asdict(self.sampling), "engine": asdict(self.engine),
-                "tensor_parallel": self.tensor_parallel, "weight_sync": self.weight_sync,
-                "partial_rollouts": self.partial_rollouts}
 
 
 def token_versions(spans, n_tokens: int, default: int) -> np.ndarray:

@@ -32,7 +32,6 @@ from cluster.train import UserError, make_run_dir, write_status
 
 log = logging.getLogger("tether")
 PAIRS_FILE = "pairs.jsonl"
-STAGES = ("sft", "pairs", "rm", "ppo")
 
 
 @dataclass(frozen=True)

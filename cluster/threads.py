@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 
-CPU_THREADS = ("phase", "reserved")
-
 
 def node_cores() -> int:
     """CPU cores of the largest alive node. On the driver's own node, at most the cores the

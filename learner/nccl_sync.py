@@ -9,7 +9,8 @@ Built on vLLM's weight-transfer engine (``vllm.distributed.weight_transfer``, ba
   ``finish_weight_update``. Tensors travel packed into uint8 buffers of ~``bucket_bytes``
   (``packed_nccl_broadcast_producer``), double-buffered on side streams.
 * generator side: the engine must be started with ``weight_transfer_config`` (backend "nccl"),
-  which ``actors.generator.Generator`` does when ``engine.weight_sync == "nccl"``; its
+  which ``actors.generator.Generator`` does when started with ``weight_sync="nccl"`` (the
+  pools pass ``learner.weight_sync``); its
   ``init_weight_transfer`` / ``start_weight_update`` / ``update_weights`` /
   ``finish_weight_update`` forward to vLLM's ``LLM`` methods of the same names.
 
@@ -154,8 +155,8 @@ class NCCLWeightSync:
     """Same interface as ``CPUWeightSync``; holds the NCCL group across pushes (``init`` once).
 
     generators: Ray actor handles of ``actors.generator.Generator`` started with
-    ``engine.weight_sync="nccl"``, in replica order. Runs in learner rank 0, which must own
-    a CUDA device.
+    ``weight_sync="nccl"`` (``learner.weight_sync``), in replica order. Runs in learner rank
+    0, which must own a CUDA device.
     """
 
     def __init__(self, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
