@@ -28,6 +28,7 @@ from actors import kept_set
 from actors.engine_turns import EngineTurns
 from actors.reference import resolve_model_path
 from core.rollout import WEIGHT_UPDATE_GROUP, Rollout
+from core.sampling import is_truncated
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ class Generator:
     def _to_rollout(self, prompt: list[int], prompt_index: int, completion) -> Rollout:
         token_ids = list(completion.token_ids)
         kept = None
-        if kept_set.is_truncated(self.sampling.top_k, self.sampling.top_p):
+        if is_truncated(self.sampling.top_k, self.sampling.top_p):
             logprobs, kept, incomplete = kept_set.read_completion(token_ids, completion.logprobs)
             self._incomplete_kept_sets += incomplete
         else:

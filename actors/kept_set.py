@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.sampling import is_truncated
+
 # top_p without top_k returns V log-probs per sampled token: ~8 bytes x V. At 4096 tokens
 # that is 32 KiB a token; a real vocabulary (32k-256k) would move megabytes per token.
 MAX_FULL_VOCAB = 4096
 # The kept tokens' renormalised probabilities sum to 1; less means the top-k read missed
 # some (exact ties at the k-th logit keep more than k tokens).
 _MASS_TOLERANCE = 1e-3
-
-
-def is_truncated(top_k: int, top_p: float) -> bool:
-    return top_k > 0 or top_p < 1
 
 
 def check_vocab(top_k: int, top_p: float, vocab_size: int, name: str) -> None:

@@ -118,11 +118,11 @@ def kept_entropy(scaled: Tensor, tokens: Tensor, kept_ids: Tensor) -> Tensor:
     return torch.logsumexp(z, dim=-1) - (probs * finite_z).sum(-1)
 
 
-def pad_kept_ids(per_row: list, width: int | None = None):
+def pad_kept_ids(per_row: list):
     """Stack per-rollout kept sets ([R_i, K_i] int arrays, -1 = padding) into one
     [B, max R, max K] int64 array padded with -1 (numpy, for the collating side)."""
     R = max((k.shape[0] for k in per_row), default=0)
-    K = width or max((k.shape[1] for k in per_row if k.size), default=1)
+    K = max((k.shape[1] for k in per_row if k.size), default=1)
     out = np.full((len(per_row), R, max(K, 1)), -1, dtype=np.int64)
     for row, k in enumerate(per_row):
         if k.size:

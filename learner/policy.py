@@ -125,8 +125,9 @@ class PolicyWithValueHead(nn.Module):
         entropy = (ppo.entropy_from_logits(logits, temperature, tokens=tokens, **truncation)
                    if with_entropy else None)
         values = self._values(hidden, input_ids, attention_mask, position_ids, cols)
-        if with_own_set:
-            own = ppo.logprobs_from_logits(logits, tokens, temperature, top_k=top_k, top_p=top_p)
+        if with_own_set:  # without the sampler's sets, logprobs are of the own set already
+            own = logprobs if kept_ids is None else ppo.logprobs_from_logits(
+                logits, tokens, temperature, top_k=top_k, top_p=top_p)
             return logprobs, values, entropy, own
         return logprobs, values, entropy
 
