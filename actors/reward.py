@@ -23,7 +23,7 @@ from core.dtypes import torch_dtype
 
 log = logging.getLogger(__name__)
 
-# Written by the reward-model stage (cluster/reward_model.py) beside its checkpoint: the mean
+# Written by the reward-model stage (cluster/recipes/reward_model.py) beside its checkpoint: the mean
 # and std of the model's scores over its training responses, for reward.normalize.
 REWARD_STATS_FILE = "reward_stats.json"
 
@@ -67,7 +67,7 @@ def load_function(spec: str, key: str = "reward.function"):
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{key} {spec!r} must look like 'module:function' "
-                         "(e.g. actors.reward_functions:sentiment)")
+                         "(e.g. cluster.demo.sentiment:sentiment)")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - import errors of user code come in every flavour

@@ -19,8 +19,8 @@ import torch
 from actors.generator import actor_class
 from actors.reference import Reference
 from bench.procmem import tree_peak_rss_bytes
-from cluster.pretrain import build_pretrained_policy
-from cluster.tiny_models import SPEC_30M, build_policy
+from cluster.demo.pretrain import build_pretrained_policy
+from cluster.demo.tiny_models import SPEC_30M, build_policy
 
 
 def model_path(name: str) -> str:
@@ -105,7 +105,7 @@ def main() -> None:
     print(f"model: {args.model} ({n_params / 1e6:.1f}M parameters) at {path}")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
-    from cluster.data import builtin_prompts
+    from cluster.data.prompts import builtin_prompts
     prompts = [np.asarray(tok(p)["input_ids"]) for p in builtin_prompts()[:args.prompts]]
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     torch.set_num_threads(1)

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.vs_trl import ROOT, BenchError, _run, tether_command
+from bench.vs_trl import ROOT, BenchError, run_command, tether_command
 
 MODES = {"sync": ["run.mode=sync"], "async": ["run.mode=async", "buffer.max_staleness=1"],
          "async-whole": ["run.mode=async", "buffer.max_staleness=1", "generator.partial_rollouts=false"]}
@@ -49,7 +49,7 @@ def parse_args(argv):
 
 def run_mode(wl: dict, args, mode: str, run_dir: Path) -> dict:
     cmd = tether_command(wl, args, args.critic, {}, 1 + args.steps, run_dir) + MODES[mode]
-    _, mem, wall = _run(cmd, {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}, mode)
+    _, mem, wall = run_command(cmd, {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}, mode)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [m for m in lines if m["step"] >= 1]
     timed = steps[1:]

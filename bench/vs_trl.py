@@ -65,7 +65,7 @@ def parse_args(argv):
 
 def parse_pool_cpus(text: str | None) -> dict[str, int]:
     """Pool CPU overrides; none by default: tether runs as shipped (bench-30m.yaml, and in sync
-    mode the running phase gets the machine's cores: cluster/threads.py)."""
+    mode the running phase gets the machine's cores: cluster/runtime/threads.py)."""
     cpus, pools = {}, ("generator", "reference", "reward", "learner")
     for item in (text or "").split(","):
         if not item.strip():
@@ -101,7 +101,7 @@ def run_trl(workload: Path, args, n_steps: int) -> dict:
     cmd = [str(trl_python()), str(ROOT / "bench" / "trl_ppo_step.py"), "--workload", str(workload),
            "--steps", str(n_steps), "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens)]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    out, mem, wall = _run(cmd, env, "TRL")
+    out, mem, wall = run_command(cmd, env, "TRL")
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{\"")]
     steps = [r for r in records if "step" in r]
     done = next((r for r in records if r.get("done")), {})
@@ -132,7 +132,7 @@ def _pow2(n: int) -> int:
 def run_tether(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: Path) -> dict:
     cmd = tether_command(wl, args, critic, cpus, n_steps, run_dir)
     t_launch = time.time()
-    _, mem, wall = _run(cmd, {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")},
+    _, mem, wall = run_command(cmd, {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")},
                         f"tether critic={critic}")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     first = next(m for m in lines if m["step"] == 0)
@@ -151,7 +151,7 @@ def run_tether(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: P
 
 
 # ---------------------------------------------------------------------------- shared
-def _run(cmd: list[str], env: dict, what: str) -> tuple[str, dict, float]:
+def run_command(cmd: list[str], env: dict, what: str) -> tuple[str, dict, float]:
     """Run a side to completion, sampling its process tree's peak RSS; its log goes to stderr."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

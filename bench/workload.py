@@ -18,7 +18,7 @@ import random
 import sys
 from pathlib import Path
 
-from cluster.tiny_models import SPEC_BENCH_32M, _cached, build_policy, build_reward_model, cache_root, corpus
+from cluster.demo.tiny_models import SPEC_BENCH_32M, build_policy, build_reward_model, cache_root, cached_build, corpus
 
 FORMAT = 1  # bump when the recipe changes
 
@@ -64,8 +64,8 @@ def build_workload(*, prompts: int = 256, prompt_tokens: int = 16, seed: int = 0
             "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}, indent=None))
 
     final = cache_root() / f"bench-workload-{key}"
-    if not (final / "workload.json").exists():  # _cached keys on config.json, which this folder lacks
-        _cached(final, build)
+    if not (final / "workload.json").exists():  # cached_build keys on config.json, which this folder lacks
+        cached_build(final, build)
     return final / "workload.json"
 
 

@@ -20,7 +20,7 @@ class ScaleError(Exception):
 
 
 def parse_targets(items: list[str]) -> dict:
-    from cluster.control import POOLS
+    from cluster.runtime.control import POOLS
 
     targets = {}
     for item in items:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         print(f"tether: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a Ray or timeout failure, in one line
-        from cluster.train import one_line
+        from cluster.job.errors import one_line
         print(f"tether: scale failed: {one_line(e)}", file=sys.stderr)
         return 1
     print(f"tether: pools now {', '.join(f'{p}={n}' for p, n in sizes.items())}")

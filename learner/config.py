@@ -1,6 +1,6 @@
 """Typed configuration of the learner: optimiser, PPO update, DeepSpeed engine.
 
-Each setting is declared once, here: cluster/config.py builds its ``learner`` and
+Each setting is declared once, here: cluster/config/ppo.py builds its ``learner`` and
 ``ppo`` sections from these classes instead of repeating them. Every dataclass is
 frozen and has ``validate(world_size)`` raising a one-line ValueError that names
 the field and the fix, so a bad YAML fails at start-up, not mid-run inside
@@ -191,7 +191,7 @@ class TrainerConfig:
 class LearnerConfig(TrainerConfig):
     """Everything a LearnerWorker needs: the trainer settings plus the PPO update and
     values owned by other sections of a run's config (the run seed, the sampling
-    temperature and truncation), filled in by cluster.config.TetherConfig.learner_config()."""
+    temperature and truncation), filled in by cluster.config.ppo.TetherConfig.learner_config()."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     seed: int = 0                        # seeds minibatch shuffling and value-head init
     temperature: float = 1.0             # the sampling temperature: logits are divided by it (as in vLLM)

@@ -143,13 +143,13 @@ def pytest_runtest_teardown(item, nextitem):
 # Tiny offline models (cached on disk by content): one build serves every test session.
 @pytest.fixture(scope="session")
 def policy_path():
-    from cluster.tiny_models import build_policy
+    from cluster.demo.tiny_models import build_policy
     return str(build_policy())
 
 
 @pytest.fixture(scope="session")
 def reward_path():
-    from cluster.tiny_models import build_reward_model
+    from cluster.demo.tiny_models import build_reward_model
     return str(build_reward_model())
 
 

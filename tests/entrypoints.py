@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 PRELOAD = ("torch", "numpy", "yaml", "ray", "tokenizers", "transformers", "transformers.models.auto.auto_factory",
            "transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto",
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.gpt2.modeling_gpt2",
-           "cluster.train", "cluster.sft", "cluster.reward_model", "cluster.config", "cluster.stage_config",
-           "cluster.data", "cluster.driver", "cluster.lifecycle", "actors.reward", "actors.reference")
+           "cluster.train", "cluster.sft", "cluster.reward_model", "cluster.config.ppo", "cluster.config.stages",
+           "cluster.data.prompts", "cluster.runtime.driver", "cluster.runtime.resume", "actors.reward",
+           "actors.reference")
 
 
 @dataclass

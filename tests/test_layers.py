@@ -1,11 +1,18 @@
-"""The import graph of the project: layers point downward and no module cycle exists.
+"""The import graph of the project: layers point downward, no module cycle exists, and no
+module imports another's private (_underscore) names.
 
-    core      the shared vocabulary (rollout data units, PPO math); imports nothing of ours
-    actors    the rollout side        learner   the training side   (neither imports the other)
-    cluster   pools, driver, entrypoints
-    bench     benchmarks
+    core              the shared vocabulary (rollout data units, PPO math); imports nothing of ours
+    actors, learner   the rollout side, the training side (neither imports the other)
+    cluster.config    the typed configs          cluster.demo   the built-in demo (tiny models, task)
+    cluster.data      prompts, PTX text, stage rows
+    cluster.job       the job lifecycle every entrypoint shares
+    cluster.runtime   the PPO service: pools, driver, rollouts, ledger, checkpoints, metrics
+    cluster.recipes   SFT, reward model, pipeline, sweep
+    cluster.*         the entrypoints (cluster.train, cluster.sft, ...): nothing imports them
+    bench             benchmarks
 
-Imports inside functions count too: a lazy import is still a dependency.
+A module's layer is that of the longest prefix listed in LAYER. Imports inside functions
+count too: a lazy import is still a dependency.
 """
 import ast
 from pathlib import Path
@@ -15,7 +22,18 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER = {"core": 0, "actors": 1, "learner": 1, "cluster": 2, "bench": 3}
+LAYER = {"core": 0, "actors": 1, "learner": 1, "cluster.config": 2, "cluster.demo": 2, "cluster.data": 3,
+         "cluster.job": 4, "cluster.runtime": 5, "cluster.recipes": 6, "cluster": 7, "bench": 8}
+PACKAGES = ("core", "actors", "learner", "cluster", "bench")
+
+
+def layer_of(module: str) -> str:
+    """The LAYER key that owns ``module``: its longest listed prefix."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYER:
+            return ".".join(parts[:n])
+    raise KeyError(module)
 
 
 def _module_name(path: Path) -> str:
@@ -41,7 +59,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    files = [p for pkg in LAYER for p in (ROOT / pkg).rglob("*.py")]
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
     modules = {_module_name(p) for p in files}
     graph = {}
     for p in files:
@@ -53,11 +71,23 @@ def import_graph() -> dict[str, set[str]]:
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     bad = []
     for mod, deps in graph.items():
-        pkg = mod.split(".")[0]
+        pkg = layer_of(mod)
         for dep in deps:
-            dep_pkg = dep.split(".")[0]
+            dep_pkg = layer_of(dep)
             if dep_pkg != pkg and LAYER[dep_pkg] >= LAYER[pkg]:
                 bad.append(f"{mod} -> {dep}")
+    return sorted(bad)
+
+
+def private_imports() -> list[str]:
+    """``from X import _name`` where X is another project module: a private name used outside."""
+    bad = []
+    for p in (p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.split(".")[0] in PACKAGES:
+                bad += [f"{_module_name(p)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
     return sorted(bad)
 
 
@@ -97,13 +127,27 @@ def test_checker_sees_a_planted_cycle_and_upward_import():
     assert upward_imports(g) == ["core.a -> learner.b"]
     assert cycles(g) == [["learner.b", "learner.c"]]
     assert upward_imports({"actors.x": {"learner.y"}}) == ["actors.x -> learner.y"]  # sideways
+    assert upward_imports({"cluster.runtime.x": {"cluster.recipes.y"}}) == ["cluster.runtime.x -> cluster.recipes.y"]
+    assert upward_imports({"cluster.recipes.x": {"cluster.train"}}) == ["cluster.recipes.x -> cluster.train"]
+    assert upward_imports({"cluster.demo.x": {"cluster.config.y"}}) == ["cluster.demo.x -> cluster.config.y"]
 
 
 def test_no_upward_or_sideways_import():
     graph = import_graph()
-    assert "core.ppo" in graph and "cluster.driver" in graph  # the walk found the project
+    assert "core.ppo" in graph and "cluster.runtime.driver" in graph  # the walk found the project
     assert upward_imports(graph) == []
 
 
 def test_no_import_cycle():
     assert cycles(import_graph()) == []
+
+
+def test_no_private_name_imported_across_modules():
+    assert private_imports() == []
+
+
+def test_every_cluster_module_has_a_layer():
+    """A new subpackage of cluster/ must be placed in LAYER, not fall to the entrypoints' layer."""
+    unplaced = [p.relative_to(ROOT).as_posix() for p in (ROOT / "cluster").iterdir()
+                if p.is_dir() and (p / "__init__.py").exists() and f"cluster.{p.name}" not in LAYER]
+    assert unplaced == []

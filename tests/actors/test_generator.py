@@ -188,15 +188,15 @@ def test_two_generators_as_ray_actors(policy_path, tokenizer):
 
 @pytest.mark.slow  # CI budget: every e2e run hosts a CPU generator actor this way
 def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer):
-    """As cluster/pools.py starts it on CPU: vLLM's engine core and worker run inside the
+    """As cluster/runtime/pools.py starts it on CPU: vLLM's engine core and worker run inside the
     actor's process (no helper processes to start, or to outlive a kill of the actor), and
     a weight push still reaches the model through collective_rpc."""
     import psutil
     import ray
 
     from actors.generator import engine_process_env
-    from cluster.config import load_config
-    from cluster.pools import pool_env
+    from cluster.config.ppo import load_config
+    from cluster.runtime.pools import pool_env
 
     assert engine_process_env(num_gpus=1, tensor_parallel=1) == {}  # GPU engines keep vLLM's layout
     assert engine_process_env(num_gpus=0, tensor_parallel=2) == {}
@@ -252,7 +252,7 @@ def test_lm_head_repack_is_gated_on_the_vllm_release(monkeypatch, caplog):
 def test_ignore_eos_gives_every_response_max_new_tokens(tokenizer):
     """The pre-trained tiny policy ends most sentences with EOS within 24 tokens; with
     sampling.ignore_eos every response runs to max_new_tokens (fixed-length benchmarks)."""
-    from cluster.pretrain import build_pretrained_policy
+    from cluster.demo.pretrain import build_pretrained_policy
 
     gen = Generator(model=str(build_pretrained_policy()), sampling={"max_new_tokens": 24, "n": 4},
                     engine={"max_model_len": 64, "kv_cache_bytes": 16 << 20})

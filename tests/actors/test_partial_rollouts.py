@@ -112,8 +112,8 @@ def test_generator_actor_takes_a_push_mid_generate(policy_path, tokenizer, model
     updates in their concurrency group, and pushes from the learner's side of Ray."""
     import ray
 
-    from cluster.config import load_config
-    from cluster.pools import pool_env
+    from cluster.config.ppo import load_config
+    from cluster.runtime.pools import pool_env
 
     class MidCallPushGenerator(Generator):  # local: Ray ships it by value to the worker
         def land_next_update_after(self, steps: int) -> None:

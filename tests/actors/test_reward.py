@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from actors.reward import Reward, ScoreResult
-from actors.reward_functions import SENTIMENT_SCALE, sentiment
+from cluster.demo.sentiment import SENTIMENT_SCALE, sentiment
 
 sys.path.insert(0, str(Path(__file__).parent))  # makes tests/actors/bad_rewards.py importable
 
-SENTIMENT = "actors.reward_functions:sentiment"
+SENTIMENT = "cluster.demo.sentiment:sentiment"
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_broken_function_invalidates_batch_without_crashing(policy_path, name, n
 @pytest.mark.unit
 def test_construction_errors():
     policy_path = "/never-read"  # every check below fires before the tokenizer is loaded
-    for bad in ("no_such_module_xyz:f", "bad_rewards:missing", "bad_rewards", "actors.reward_functions:"):
+    for bad in ("no_such_module_xyz:f", "bad_rewards:missing", "bad_rewards", "cluster.demo.sentiment:"):
         with pytest.raises(ValueError) as e:
             Reward(function=bad, tokenizer=policy_path)
         assert "\n" not in str(e.value) and bad.split(":")[0] in str(e.value)

@@ -14,7 +14,7 @@ from bench.workload import _prompts
 def bench_tokenizer():
     from transformers import AutoTokenizer
 
-    from cluster.tiny_models import SPEC_BENCH_32M, build_tokenizer
+    from cluster.demo.tiny_models import SPEC_BENCH_32M, build_tokenizer
     return AutoTokenizer.from_pretrained(build_tokenizer(SPEC_BENCH_32M.vocab_size))
 
 
@@ -30,7 +30,7 @@ def test_workload_prompts_are_seeded_fixed_length_and_round_trip(bench_tokenizer
 
 @pytest.mark.unit
 def test_bench_model_has_the_issue_shape():
-    from cluster.tiny_models import SPEC_BENCH_32M as s
+    from cluster.demo.tiny_models import SPEC_BENCH_32M as s
     assert (s.vocab_size, s.hidden_size, s.intermediate_size, s.num_hidden_layers, s.num_attention_heads,
             s.num_key_value_heads, s.tie_word_embeddings) == (512, 512, 2048, 8, 8, 4, True)
 

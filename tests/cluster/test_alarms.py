@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from cluster.alarms import OveroptimizationAlarm, alarm_words
-from cluster.metrics import progress_line
+from cluster.runtime.alarms import OveroptimizationAlarm, alarm_words
+from cluster.runtime.metrics import progress_line
 
 pytestmark = pytest.mark.unit
 

@@ -41,7 +41,7 @@ def _tokenizers(inputs: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from cluster.tiny_models import build_tokenizer
+    from cluster.demo.tiny_models import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(build_tokenizer())
     tok.add_tokens([f"<extra_{i}>" for i in range(600)])
@@ -140,8 +140,8 @@ CASES = [
                  "data.max_prompt_tokens=120 + generator.sampling.max_new_tokens=16 exceed", id="prompt-plus-response"),
     pytest.param(["generator.sampling.top_p=1.5"], "sampling.top_p must be in (0, 1] (got 1.5)", id="top-p-above-1"),
     pytest.param(["generator.sampling.top_k=-5"], "top_k >= 0", id="top-k-negative"),
-    pytest.param(["reward.gold=actors.reward_functions:nothing"],
-                 "reward.gold 'actors.reward_functions:nothing': module 'actors.reward_functions' has no callable",
+    pytest.param(["reward.gold=cluster.demo.sentiment:nothing"],
+                 "reward.gold 'cluster.demo.sentiment:nothing': module 'cluster.demo.sentiment' has no callable",
                  id="gold-function-missing"),
     pytest.param(["ppo.off_policy=is"], "ppo.off_policy='is' is unknown; use one of ('none', 'tis', 'decoupled')",
                  id="off-policy-unknown"),

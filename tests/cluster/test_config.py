@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, describe, load_config
+from cluster.config.ppo import ConfigError, describe, load_config
 
 pytestmark = pytest.mark.unit
 # PPO configs; the SFT and reward-model stages' own (sft-*, rm-*) are checked in test_stage_cli_errors.py,
@@ -15,7 +15,7 @@ CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[2] / "configs").gl
 def test_defaults_and_overrides():
     cfg = load_config(None, ["ppo.kl.beta=0.02", "generator.sampling.temperature=0.7",
                              "learner.optim.betas=[0.9, 0.99]", "reward.model=null",
-                             "reward.function=actors.reward_functions:sentiment"])
+                             "reward.function=cluster.demo.sentiment:sentiment"])
     assert cfg.ppo.kl.beta == 0.02
     assert cfg.learner.optim.betas == (0.9, 0.99)
     # The learner's logprobs always use the sampling temperature.
@@ -30,12 +30,12 @@ def test_shipped_configs_validate(path):
 
 
 def test_shipped_pipeline_config_validates():
-    from cluster.pipeline import PipelineConfig
-    from cluster.stage_config import load_stage_config
+    from cluster.config.stages import load_stage_config
+    from cluster.recipes.pipeline import PipelineConfig
 
     path = Path(__file__).resolve().parents[2] / "configs" / "pipeline-cpu.yaml"
     cfg = load_stage_config(PipelineConfig, path)
-    assert cfg.rl.run.steps >= 1 and cfg.pairs.gold == "cluster.pipeline_data:gold"
+    assert cfg.rl.run.steps >= 1 and cfg.pairs.gold == "cluster.demo.sentiment:gold"
 
 
 def test_yaml_roundtrip_of_resolved_config(tmp_path):

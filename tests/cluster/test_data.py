@@ -4,8 +4,8 @@ import sys
 import numpy as np
 import pytest
 
-from cluster.data import PromptDataset, builtin_prompts
-from cluster.tiny_models import build_tokenizer
+from cluster.data.prompts import PromptDataset, builtin_prompts
+from cluster.demo.tiny_models import build_tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.train import missing_dependencies
+from cluster.job.command import missing_dependencies
 
 REPO = Path(__file__).resolve().parents[2]
 # The probe: Python >= 3.9 (parses cluster/train.py) and no importable torch.

@@ -3,7 +3,7 @@ import collections
 
 import pytest
 
-from cluster.ledger import ChunkState, Ledger
+from cluster.runtime.ledger import ChunkState, Ledger
 
 pytestmark = pytest.mark.unit
 
@@ -148,7 +148,7 @@ def test_a_take_that_would_split_a_prompt_then_rollback_and_resume_lose_no_sampl
     import numpy as np
 
     from actors.buffer import RolloutBuffer
-    from cluster import checkpoint
+    from cluster.runtime import checkpoint
     from core.rollout import ScoredRollout
 
     ledger, buf, z = Ledger(), RolloutBuffer(capacity=64), np.zeros(2, np.float32)

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from cluster import checkpoint
-from cluster.checkpoint import RunState
-from cluster.config import load_config
+from cluster.config.ppo import load_config
+from cluster.runtime import checkpoint
+from cluster.runtime.checkpoint import RunState
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +24,7 @@ def test_the_checkpoint_keeps_the_pool_sizes_and_reads_older_ones_without():
 
 
 def test_a_resume_starts_the_pools_at_the_scaled_sizes():
-    from cluster.lifecycle import resume_pool_sizes
+    from cluster.runtime.resume import resume_pool_sizes
     cfg, line = resume_pool_sizes(load_config(None, []), state(generator=3, reference=1, reward=2), [])
     assert (cfg.generator.replicas, cfg.reference.replicas, cfg.reward.replicas) == (3, 1, 2)
     assert line == ("resume: pools at the sizes they were scaled to: generator=3 reward=2 (the config says "
@@ -32,7 +32,7 @@ def test_a_resume_starts_the_pools_at_the_scaled_sizes():
 
 
 def test_the_resume_command_line_wins_over_the_scaled_sizes():
-    from cluster.lifecycle import resume_pool_sizes
+    from cluster.runtime.resume import resume_pool_sizes
     overrides = ["run.resume=runs/x", "generator.replicas=1"]
     cfg, line = resume_pool_sizes(load_config(None, overrides), state(generator=3, reference=1, reward=2), overrides)
     assert (cfg.generator.replicas, cfg.reward.replicas) == (1, 2)
@@ -42,7 +42,7 @@ def test_the_resume_command_line_wins_over_the_scaled_sizes():
 
 
 def test_nothing_to_say_when_the_sizes_were_never_changed():
-    from cluster.lifecycle import resume_pool_sizes
+    from cluster.runtime.resume import resume_pool_sizes
     cfg = load_config(None, [])
     assert resume_pool_sizes(cfg, state(generator=1, reference=1, reward=1), []) == (cfg, None)
     assert resume_pool_sizes(cfg, state(), []) == (cfg, None)  # an older checkpoint: the config's sizes

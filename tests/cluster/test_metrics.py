@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.metrics import METRICS, TAG_KEYS, RayMetrics, RunMetrics, metric_name, progress_line
+from cluster.runtime.metrics import METRICS, TAG_KEYS, RayMetrics, RunMetrics, metric_name, progress_line
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -239,7 +239,7 @@ def test_ray_metrics_exported(ray_with_metrics, tmp_path):
     @ray.remote(num_cpus=0)
     class Probe:
         def record(self, replica: str):
-            from cluster.metrics import RayMetrics
+            from cluster.runtime.metrics import RayMetrics
             RayMetrics().record({"generator/tokens_per_s": 123.5}, tags={"pool": "generator", "replica": replica})
             RayMetrics().record({"score/seconds": 0.25}, tags={"pool": "reward"})
             return True

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.pipeline import has_gold_key
-from cluster.pipeline_data import gold
+from cluster.demo.sentiment import gold
+from cluster.recipes.pipeline import has_gold_key
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_pipeline_short_stages_feed_each_other(short_run):
     rows = read_jsonl(ppo / "metrics.jsonl")
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
     if has_gold_key():
-        assert ppo_cfg["reward"]["gold"] == "cluster.pipeline_data:gold"
+        assert ppo_cfg["reward"]["gold"] == "cluster.demo.sentiment:gold"
         assert sum(isinstance(r.get("eval/gold_score"), float) for r in rows) >= 2
 
 

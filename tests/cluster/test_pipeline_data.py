@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from cluster.pipeline_data import gold, label_pairs, repeated_fraction
-from cluster.sweep import samples_table, series, split_betas
-from cluster.train import UserError
+from cluster.demo.sentiment import gold, label_pairs, repeated_fraction
+from cluster.job.errors import UserError
+from cluster.recipes.sweep import samples_table, series, split_betas
 
 pytestmark = pytest.mark.unit
 
@@ -90,5 +90,5 @@ def test_series_and_samples_table():
 
 
 def test_running_mean():
-    from cluster.sweep import running_mean
+    from cluster.recipes.sweep import running_mean
     assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]

@@ -4,8 +4,8 @@ import time
 import pytest
 import torch
 
-from cluster.pretrain import build_pretrained_policy, corpus_loss, ptx_batches
-from cluster.tiny_models import TinySpec, build_policy, build_tokenizer
+from cluster.demo.pretrain import build_pretrained_policy, corpus_loss, ptx_batches
+from cluster.demo.tiny_models import TinySpec, build_policy, build_tokenizer
 
 
 @pytest.mark.unit
@@ -73,7 +73,7 @@ def test_pretraining_lowers_corpus_loss(pretrained):
 def test_pretrained_policy_ends_sentences_with_eos(pretrained):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cluster.data import builtin_prompts
+    from cluster.data.prompts import builtin_prompts
 
     tok = AutoTokenizer.from_pretrained(pretrained)
     tok.padding_side = "left"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import ray
 
-from cluster.rollouts import BackgroundProducer, RolloutProducer
+from cluster.runtime.rollouts import BackgroundProducer, RolloutProducer
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
 
@@ -27,10 +27,10 @@ class Gate:
 
 def _driver(tmp_path):
     """A real async-mode Driver without pools: nothing these tests run reaches an actor."""
-    from cluster.config import load_config
-    from cluster.data import PromptDataset
-    from cluster.driver import Driver
-    from cluster.metrics import RunMetrics
+    from cluster.config.ppo import load_config
+    from cluster.data.prompts import PromptDataset
+    from cluster.runtime.driver import Driver
+    from cluster.runtime.metrics import RunMetrics
 
     cfg = load_config(CONFIG, ["run.mode=async"])
     n = cfg.data.prompts_per_step
@@ -104,7 +104,7 @@ def cluster():
 
 @pytest.mark.integration
 def test_the_stop_does_not_wait_for_a_generate_call_in_flight(cluster):
-    from cluster.pools import Pool
+    from cluster.runtime.pools import Pool
 
     generators = Pool("generator", start=lambda rid, index, options: StuckGenerator.remote(), num_cpus=0,
                       num_gpus=0, placement_timeout_s=10)

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from cluster.ptx import PTXData, pack
+from cluster.data.ptx import PTXData, pack
 from learner.group import split_rows
 
 pytestmark = pytest.mark.unit

@@ -1,14 +1,14 @@
 """A step whose share of invalid scores is above reward.max_invalid_fraction stops the run."""
 import pytest
 
-from cluster.config import ConfigError, load_config
-from cluster.rollouts import Produced
+from cluster.config.ppo import ConfigError, load_config
+from cluster.runtime.rollouts import Produced
 
 pytestmark = pytest.mark.unit
 
 
 def check(produced, *overrides, step=3):
-    from cluster.reward_check import check_invalid_scores
+    from cluster.runtime.reward_check import check_invalid_scores
     check_invalid_scores(produced, load_config(None, list(overrides)).reward, step)
 
 
@@ -19,17 +19,17 @@ def test_a_share_at_or_below_the_threshold_passes():
 
 
 def test_a_share_above_it_names_the_reward_function():
-    from cluster.reward_check import InvalidScores
+    from cluster.runtime.reward_check import InvalidScores
     with pytest.raises(InvalidScores) as e:
         check(Produced(stored=20, invalid_scores=40, empty_responses=4))
     assert str(e.value) == (
-        "reward function actors.reward_functions:sentiment: 40 of 64 scores at step 3 were invalid (NaN or inf, "
+        "reward function cluster.demo.sentiment:sentiment: 40 of 64 scores at step 3 were invalid (NaN or inf, "
         "or the reward raised; the log's 'reward:' lines say why), above reward.max_invalid_fraction=0.5; fix the "
         "reward, or raise reward.max_invalid_fraction to train on the rest")
 
 
 def test_a_reward_model_is_named_by_its_path(tmp_path):
-    from cluster.reward_check import InvalidScores
+    from cluster.runtime.reward_check import InvalidScores
     with pytest.raises(InvalidScores, match=f"^reward model {tmp_path}: 64 of 64 scores at step 3"):
         check(Produced(invalid_scores=64), "reward.function=null", f"reward.model={tmp_path}")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from entrypoints import assert_one_line_error
 
-from cluster.lineage import tether_warning, write_stage
+from cluster.runtime.lineage import tether_warning, write_stage
 
 pytestmark = pytest.mark.integration  # each case runs an entrypoint in a child process
 REPO = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ def test_tether_warning_from_stage_files(tmp_path):
 
 @pytest.mark.parametrize("name, cls", [("sft-tiny.yaml", "SFTConfig"), ("rm-tiny.yaml", "RMConfig")])
 def test_shipped_stage_configs_validate(name, cls):
-    import cluster.stage_config as sc
+    import cluster.config.stages as sc
 
     cfg = sc.load_stage_config(getattr(sc, cls), REPO / "configs" / name)
     assert cfg.train.epochs >= 1 and cfg.learner_config().ppo.minibatch_size == cfg.train.batch_size

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.stage_data import builtin_rows
+from cluster.data.rows import builtin_rows
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -69,9 +69,9 @@ def check_sft(run_dir: Path) -> None:
 def test_sft_one_rank(sft_run):
     check_sft(sft_run)
     # cluster.train takes the checkpoint as model.policy as it is (everything short of starting actors)
-    from cluster import train
-    from cluster.config import load_config
-    policy, *_ = train.prepare(load_config(train.DEFAULT_CONFIG, [f"model.policy={sft_run}/checkpoints/final"]))
+    from cluster.config.ppo import DEFAULT_CONFIG, load_config
+    from cluster.runtime.prepare import prepare
+    policy, *_ = prepare(load_config(DEFAULT_CONFIG, [f"model.policy={sft_run}/checkpoints/final"]))
     assert policy == f"{sft_run}/checkpoints/final"
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import load_config
+from cluster.config.ppo import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -25,19 +25,19 @@ def test_start_up_is_timed_from_the_python_entrypoint_not_the_shell_before_it():
 
 
 def this_machine():
-    from cluster.startup import Machine
+    from cluster.job.startup import Machine
     return Machine(ram_bytes=24 * GIB, cores=2)  # the machine tether is developed on
 
 
 def problem(*overrides, machine=None):
-    from cluster.startup import fit_problem
+    from cluster.job.startup import fit_problem
     return fit_problem(load_config(None, list(overrides)), machine or this_machine())
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("name", CPU_CONFIGS)
 def test_shipped_cpu_configs_fit_the_development_machine(name):
-    from cluster.startup import Machine, fit_problem
+    from cluster.job.startup import Machine, fit_problem
     cfg = load_config(REPO / "configs" / name)
     assert fit_problem(cfg, Machine(ram_bytes=24 * GIB, cores=2)) is None
 
@@ -62,7 +62,7 @@ def test_forty_generators_need_more_memory_than_the_machine_has():
 
 @pytest.mark.unit
 def test_cpus_far_beyond_the_cores_are_refused_even_with_memory_to_spare():
-    from cluster.startup import Machine
+    from cluster.job.startup import Machine
     roomy = Machine(ram_bytes=1024 * GIB, cores=2)
     assert problem("generator.replicas=13", machine=roomy) is None  # 16 CPUs: 8 per core
     message = problem("generator.replicas=14", machine=roomy)
@@ -80,7 +80,7 @@ def test_an_explicit_local_cluster_size_bounds_the_pools():
 
 @pytest.mark.unit
 def test_the_estimate_grows_with_the_model_and_shrinks_with_zero_sharding(tmp_path):
-    from cluster.startup import BASE_BYTES, replica_bytes
+    from cluster.job.startup import BASE_BYTES, replica_bytes
     model = tmp_path / "policy"
     model.mkdir()
     with open(model / "model.safetensors", "wb") as f:
@@ -99,7 +99,7 @@ def test_the_estimate_grows_with_the_model_and_shrinks_with_zero_sharding(tmp_pa
 
 @pytest.mark.unit
 def test_only_a_ray_of_our_own_is_checked(monkeypatch):
-    from cluster.startup import starts_local_ray
+    from cluster.job.startup import starts_local_ray
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert starts_local_ray(load_config(None, []))
     assert not starts_local_ray(load_config(None, ["resources.address=10.0.0.1:6379"]))

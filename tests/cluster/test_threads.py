@@ -1,8 +1,8 @@
-"""The thread plan: in sync mode the phase that runs gets the node's cores (cluster/threads.py)."""
+"""The thread plan: in sync mode the phase that runs gets the node's cores (cluster/runtime/threads.py)."""
 import pytest
 
-from cluster.config import ConfigError, load_config
-from cluster.threads import chunks_per_generator, plan_threads, thread_env
+from cluster.config.ppo import ConfigError, load_config
+from cluster.runtime.threads import chunks_per_generator, plan_threads, thread_env
 
 
 def plan(cores, *overrides):

@@ -1,8 +1,8 @@
 """A reward function that passes the start-up probe and then scores nearly everything NaN."""
 import math
 
-from actors.reward_functions import sentiment
-from cluster.train import PROBE_RESPONSES
+from cluster.demo.sentiment import sentiment
+from cluster.runtime.prepare import PROBE_RESPONSES
 
 
 def nan_after_probe(prompts, responses):

@@ -1,7 +1,7 @@
 """A reward function slow enough that a test can kill the reward actor while it scores."""
 import time
 
-from actors.reward_functions import sentiment
+from cluster.demo.sentiment import sentiment
 
 SECONDS = 0.5
 

@@ -15,8 +15,9 @@ import time
 import pytest
 import ray
 
-from cluster import train
-from cluster.ledger import ChunkState
+from cluster.config.ppo import DEFAULT_CONFIG
+from cluster.runtime.ledger import ChunkState
+from cluster.runtime.prepare import prepare
 
 pytestmark = pytest.mark.e2e
 SAMPLES = 4  # generator.sampling.n of the default config
@@ -64,15 +65,15 @@ class Chaos(threading.Thread):
 # sync, which also proves replacements serve the learner's weights (logprob gap), is slow.
 @pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
 def test_kill_every_rollout_role_once(cluster_with_test_rewards, tmp_path, mode):
-    from cluster.config import load_config
-    from cluster.driver import Driver
-    from cluster.metrics import RunMetrics
-    from cluster.pools import create_pools
+    from cluster.config.ppo import load_config
+    from cluster.runtime.driver import Driver
+    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.pools import create_pools
 
-    cfg = load_config(train.DEFAULT_CONFIG, [
+    cfg = load_config(DEFAULT_CONFIG, [
         "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "run.steps=12", f"run.mode={mode}",
         "reward.replicas=2", "reward.function=slow_reward:slow_sentiment"])  # scoring lasts long enough to be hit
-    policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
+    policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
     metrics = RunMetrics(run_dir=tmp_path, plot_every=0)
     driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer, metrics=metrics)

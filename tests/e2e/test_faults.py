@@ -14,8 +14,9 @@ import time
 import pytest
 import ray
 
-from cluster import train
-from cluster.ledger import ChunkState
+from cluster.config.ppo import DEFAULT_CONFIG
+from cluster.runtime.ledger import ChunkState
+from cluster.runtime.prepare import prepare
 
 # The chaos test (test_chaos.py) kills each role in the default suite; these pin each case alone.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -23,14 +24,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.fixture
 def driver(cluster_with_test_rewards, tmp_path):
-    from cluster.config import load_config
-    from cluster.driver import Driver
-    from cluster.metrics import RunMetrics
-    from cluster.pools import create_pools
+    from cluster.config.ppo import load_config
+    from cluster.runtime.driver import Driver
+    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.pools import create_pools
 
-    cfg = load_config(train.DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "generator.replicas=2",
+    cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "generator.replicas=2",
                                              "reward.function=slow_reward:slow_sentiment"])
-    policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
+    policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
     try:
         with RunMetrics(run_dir=tmp_path, plot_every=0) as metrics:

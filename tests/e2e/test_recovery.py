@@ -17,21 +17,22 @@ import time
 import pytest
 import ray
 
-from cluster import train
+from cluster.config.ppo import DEFAULT_CONFIG
+from cluster.runtime.prepare import prepare
 from core.ppo import AdaptiveKLController
 
 pytestmark = pytest.mark.e2e
 
 
 def make_driver(tmp_path, *overrides):
-    from cluster.config import load_config
-    from cluster.driver import Driver
-    from cluster.metrics import RunMetrics
-    from cluster.pools import create_pools
+    from cluster.config.ppo import load_config
+    from cluster.runtime.driver import Driver
+    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.pools import create_pools
 
-    cfg = load_config(train.DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.plot_every=0",
+    cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.plot_every=0",
                                              *overrides])
-    policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
+    policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
     metrics = RunMetrics(run_dir=tmp_path, plot_every=0)
     return Driver(cfg, pools=pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer,
@@ -119,7 +120,7 @@ class Trail:
             return shards, batch, regenerated
 
         def restore_and_note(path):
-            from cluster import checkpoint
+            from cluster.runtime import checkpoint
             self.restored.append(checkpoint.load_state(path))
             return restore(path)
 

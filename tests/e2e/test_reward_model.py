@@ -2,7 +2,7 @@
 standardised with the reward_stats.json beside it (reward.normalize), and the run trains on
 those scores.
 
-The model is the tiny built one (cluster/tiny_models.py build_reward_model), copied so that
+The model is the tiny built one (cluster/demo/tiny_models.py build_reward_model), copied so that
 its stats file is this test's: mean and std chosen far from its raw scores, so a run that
 trained on raw scores, or standardised with other numbers, cannot pass.
 """
@@ -24,7 +24,7 @@ STATS = {"mean": 2.0, "std": 0.25}  # the tiny untrained model's raw scores lie 
 def taken(monkeypatch):
     """The summary of every batch the learner trained on, as the driver took it from the buffer
     (its sample rows carry the token ids and the score the buffer stored)."""
-    from cluster.driver import Driver
+    from cluster.runtime.driver import Driver
 
     batches, take = [], Driver._take
 

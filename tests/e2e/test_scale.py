@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster import train
+from cluster.config.ppo import DEFAULT_CONFIG
+from cluster.job.folder import write_status
+from cluster.runtime.prepare import prepare
+from cluster.runtime.service import start_control
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -43,18 +46,18 @@ def test_scale_refuses_a_folder_that_is_not_a_running_job(tmp_path):
 @pytest.fixture
 def running_job(tmp_path):
     """The default job, driven in a thread of this process, with its control actor and status.json."""
-    from cluster.config import load_config
-    from cluster.driver import Driver
-    from cluster.metrics import RunMetrics
-    from cluster.pools import create_pools
+    from cluster.config.ppo import load_config
+    from cluster.runtime.driver import Driver
+    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.pools import create_pools
 
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    cfg = load_config(train.DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.steps=10000",
+    cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.steps=10000",
                                              "run.checkpoint_every=0"])
-    policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
+    policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
-    control, info = train.start_control(tmp_path, pools)
-    train.write_status(tmp_path, "running", control=info)
+    control, info = start_control(tmp_path, pools)
+    write_status(tmp_path, "running", control=info)
     metrics = RunMetrics(run_dir=tmp_path, plot_every=0)
     driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer,
                     metrics=metrics, control=control)

@@ -10,6 +10,8 @@ import pytest
 import ray
 
 from cluster import train
+from cluster.config.ppo import DEFAULT_CONFIG
+from cluster.runtime.prepare import prepare, prepare_ptx
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +62,7 @@ def run(tmp_path, name, *overrides):
 
 def test_sync_default_learns(cluster, tmp_path):
     run_dir, steps = run(tmp_path, "sync", "run.steps=12", "run.eval_every=6",
-                         "reward.gold=actors.reward_functions:sentiment")
+                         "reward.gold=cluster.demo.sentiment:sentiment")
     assert [m["policy/version"] for m in steps] == list(range(1, 13))
     step0 = read_metrics(run_dir)[0]  # start-up is timed by phase, and the phases add up
     phases = [step0[f"perf/startup_{p}_seconds"] for p in ("imports", "prepare", "ray", "pools", "other")]
@@ -99,20 +101,20 @@ def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_
     PPO-ptx from a user's text file, sampling with top-p and top-k: rollouts travel by
     reference only, each rank trains on its own rows of that text, the PTX loss falls, and
     behaviour, reference and learner score one truncated distribution (KL 0 at step 1)."""
-    from cluster.config import load_config
-    from cluster.driver import Driver
-    from cluster.metrics import RunMetrics
-    from cluster.pools import create_pools
+    from cluster.config.ppo import load_config
+    from cluster.runtime.driver import Driver
+    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.pools import create_pools
 
     text = tmp_path / "ptx.jsonl"
     text.write_text("".join(json.dumps({"text": t}) + "\n" for t in PTX_TEXTS * 30))
-    cfg = load_config(train.DEFAULT_CONFIG, [
+    cfg = load_config(DEFAULT_CONFIG, [
         "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "run.steps=4", "learner.replicas=2",
         "generator.replicas=2", "reward.replicas=2",
         "ppo.ptx_coef=0.5", f"ptx.path={text}", "ptx.seq_len=24", "ptx.batch_size=4",
         "generator.sampling.top_p=0.9", "generator.sampling.top_k=50"])
-    policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
-    ptx = train.prepare_ptx(cfg, tokenizer_path)
+    policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
+    ptx = prepare_ptx(cfg, tokenizer_path)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
     try:
         with RunMetrics(run_dir=tmp_path, plot_every=0) as metrics:
@@ -147,13 +149,13 @@ def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_
 @pytest.mark.slow  # tests/e2e/test_scale.py grows and shrinks pools of a running job through the CLI
 def test_pools_change_while_running(cluster, tmp_path, driver_loads):
     """A generator joins mid-run with the current weights and serves; another leaves; nothing restarts."""
-    from cluster.config import load_config
-    from cluster.driver import Driver
-    from cluster.metrics import RunMetrics
-    from cluster.pools import create_pools
+    from cluster.config.ppo import load_config
+    from cluster.runtime.driver import Driver
+    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.pools import create_pools
 
-    cfg = load_config(train.DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0"])
-    policy, tokenizer_path, tokenizer, train_set, _ = train.prepare(cfg)
+    cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0"])
+    policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
     try:
         with RunMetrics(run_dir=tmp_path, plot_every=0) as metrics:

@@ -273,8 +273,8 @@ def test_value_head_trains_explained_variance_rises(policy_path, rollouts):
 
 
 def test_ptx_loss_falls(policy_path, rollouts):
-    from cluster.ptx import pack, tokenize
-    from cluster.tiny_models import corpus
+    from cluster.data.ptx import pack, tokenize
+    from cluster.demo.tiny_models import corpus
     rows = pack(tokenize(corpus(40, seed=5), policy_path), 24)[:6]  # 6 packed rows, 3 per optimizer step
     cfg = LearnerConfig(optim=OptimConfig(lr=3e-3), ppo=PPOConfig(minibatch_size=4, micro_batch_size=2,
                                                                   ptx_coef=1.0))

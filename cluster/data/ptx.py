@@ -24,7 +24,7 @@ import numpy as np
 
 log = logging.getLogger("tether")
 
-BUILTIN_DOCUMENTS = 2000  # sentences of the built-in corpus (cluster.tiny_models.corpus)
+BUILTIN_DOCUMENTS = 2000  # sentences of the built-in corpus (cluster.demo.tiny_models.corpus)
 
 
 @dataclass
@@ -45,10 +45,10 @@ class PTXData:
                 raise ValueError("ppo.ptx_coef > 0 needs pretraining text for this policy: set ptx.path to a "
                                  ".jsonl/.parquet/saved dataset with a text column (the built-in corpus is "
                                  "only the built-in model's)")
-            from cluster.tiny_models import corpus
+            from cluster.demo.tiny_models import corpus
             texts, source = corpus(BUILTIN_DOCUMENTS), "builtin corpus"
         else:
-            from cluster.data import read_texts
+            from cluster.data.prompts import read_texts
             found, skips = read_texts(path, field, "ptx")
             if skips.counts:
                 log.warning("ptx: skipped %d rows %s, e.g. %s", sum(skips.counts.values()), dict(skips.counts),

@@ -1,7 +1,7 @@
 """A briefly pre-trained tiny policy, and corpus batches for the learner's PTX loss.
 
 A randomly initialised policy emits noise: RL on it mostly teaches it to stop. The demo
-instead starts from the tiny Qwen2 of `cluster.tiny_models` trained for a few hundred
+instead starts from the tiny Qwen2 of `cluster.demo.tiny_models` trained for a few hundred
 steps (plain torch AdamW, causal LM loss, CPU) on the built-in corpus with EOS appended
 to every sentence, so it writes corpus-like sentences, ends them with EOS, and picks
 positive and negative words about equally often: the sentiment reward starts near 0 and
@@ -10,7 +10,7 @@ RL has room to push it up.
 The result is cached on disk under a key covering the base model, the recipe and its
 hyperparameters, so only the first call pays (~tens of seconds on 2 CPU cores).
 
-    python -m cluster.pretrain          # build (or find) the default, print its path and stats
+    python -m cluster.demo.pretrain          # build (or find) the default, print its path and stats
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from cluster.tiny_models import TinySpec, _cached, build_policy, cache_root, corpus
+from cluster.demo.tiny_models import TinySpec, build_policy, cache_root, cached_build, corpus
 
 if TYPE_CHECKING:
     import torch
@@ -192,7 +192,7 @@ def build_pretrained_policy(spec: TinySpec = TinySpec(), steps: int = DEFAULT_ST
         with _one_thread() if small else contextlib.nullcontext():
             _pretrain(base, out, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
 
-    return _cached(cache_root() / f"policy-pretrained-{_key(spec, steps, batch_size, lr, seed)}", build)
+    return cached_build(cache_root() / f"policy-pretrained-{_key(spec, steps, batch_size, lr, seed)}", build)
 
 
 if __name__ == "__main__":

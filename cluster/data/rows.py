@@ -1,10 +1,10 @@
-"""Rows for the SFT and reward-model stages: read (cluster/data.py's readers), tokenized,
+"""Rows for the SFT and reward-model stages: read (cluster/data/prompts.py's readers), tokenized,
 split into training and held-out rows, and cut into per-rank shards.
 
     SFT rows   (prompt_ids, response_ids)
     RM rows    (prompt_ids, chosen_ids, rejected_ids)
 
-Prompts are tokenized as PPO's prompts are (cluster/data.py: the tokenizer's defaults, or
+Prompts are tokenized as PPO's prompts are (cluster/data/prompts.py: the tokenizer's defaults, or
 the chat template's user turn with no added special tokens), responses without special
 tokens and, by default, with EOS appended, so the models learn from token sequences laid
 out as the generator will produce them. Rows longer than ``data.max_seq_len`` are
@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.data import _Skips, chat_prompts, read_records
-from cluster.tiny_models import _PLACES, _SUBJECTS, _VERBS, NEGATIVE_WORDS, POSITIVE_WORDS
+from cluster.data.prompts import Skips, chat_prompts, read_records
+from cluster.demo.sentiment import NEGATIVE_WORDS, PLACES, POSITIVE_WORDS, SUBJECTS, VERBS
 
 
 def _completion(rng: random.Random, words) -> str:
     s = f" {rng.choice(words)}"
     if rng.random() < 0.6:
-        s += f" {rng.choice(_PLACES)}"
+        s += f" {rng.choice(PLACES)}"
     return s + "."
 
 
@@ -36,7 +36,7 @@ def builtin_rows(kind: str, n: int = 384, seed: int = 0) -> list[dict]:
     "chosen", "rejected"}: a positive completion preferred to a negative one.
     """
     rng = random.Random(seed)
-    starts = [f"{s} {v}" for s in _SUBJECTS for v in _VERBS]
+    starts = [f"{s} {v}" for s in SUBJECTS for v in VERBS]
     rows = []
     for _ in range(n):
         prompt = rng.choice(starts)
@@ -73,7 +73,7 @@ def load_rows(*, path, fields: dict[str, str], tokenizer, tokenizer_path, chat_t
     "data.response_field": "response"}). ``path=None``: ``builtin_rows(builtin)``."""
     columns = list(fields.values())
     if path is None:
-        rows, skips, source = [(f"row {i}", r) for i, r in enumerate(builtin_rows(builtin))], _Skips(), "builtin"
+        rows, skips, source = [(f"row {i}", r) for i, r in enumerate(builtin_rows(builtin))], Skips(), "builtin"
         rows = [(w, {c: r[k] for c, k in zip(columns, r)}) for w, r in rows]  # builtin names -> configured columns
     else:
         rows, skips = read_records(path, fields, "data")

@@ -8,7 +8,7 @@ Unless run.library_logs is true:
   the run folder's ``library.log``; those from before the folder exists are held until it does.
 * The actors' console output (vLLM, DeepSpeed and torch: their log lines, warnings and
   progress bars) stays in Ray's worker logs (``<session>/logs/worker-*.out|err``): Ray does
-  not forward it to the driver (cluster/startup.py ``connect_ray``). What an actor has to
+  not forward it to the driver (cluster/job/startup.py ``connect_ray``). What an actor has to
   tell the user reaches the console through the driver, in tether's words: a reward's
   errors, a replica that died, prompts skipped as too long for the model.
 
@@ -98,7 +98,7 @@ def quiet_console(library_logs: bool):
     if library_logs:
         yield None
         return
-    from cluster.pools import quiet_libraries
+    from cluster.runtime.pools import quiet_libraries
 
     quiet_libraries()
     library, console = LibraryLog(), ConsoleFilter()

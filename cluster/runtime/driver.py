@@ -12,7 +12,7 @@ learner trains; the buffer drops rollouts more than `buffer.max_staleness` versi
 The driver holds object references and small summaries only; rollouts never pass through it.
 
 Failures (docs/design.md, "Failure semantics"): a dead rollout-side replica or buffer is
-handled where the rollouts are made (cluster/rollouts.py); a dead learner rank rolls the
+handled where the rollouts are made (cluster/runtime/rollouts.py); a dead learner rank rolls the
 whole run back to its last checkpoint (``_rollback``), in the same job.
 """
 from __future__ import annotations
@@ -29,15 +29,15 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from cluster import checkpoint
-from cluster.alarms import OveroptimizationAlarm
-from cluster.checkpoint import RunState
-from cluster.config import TetherConfig
-from cluster.metrics import RayMetrics, RunMetrics, progress_line
-from cluster.pools import PlacementError, Pools, alive
-from cluster.reward_check import check_invalid_scores
-from cluster.rollouts import BackgroundProducer, Produced, ProducerStuck, RolloutProducer
-from cluster.threads import chunks_per_generator
+from cluster.config.ppo import TetherConfig
+from cluster.runtime import checkpoint
+from cluster.runtime.alarms import OveroptimizationAlarm
+from cluster.runtime.checkpoint import RunState
+from cluster.runtime.metrics import RayMetrics, RunMetrics, progress_line
+from cluster.runtime.pools import PlacementError, Pools, alive
+from cluster.runtime.reward_check import check_invalid_scores
+from cluster.runtime.rollouts import BackgroundProducer, Produced, ProducerStuck, RolloutProducer
+from cluster.runtime.threads import chunks_per_generator
 from core.annotate import RewardShaping
 from core.ppo import AdaptiveKLController, FixedKLController
 from core.rollout import WEIGHT_UPDATE_GROUP
@@ -65,9 +65,9 @@ class Driver:
     def __init__(self, cfg: TetherConfig, *, pools: Pools, dataset, eval_dataset, tokenizer,
                  metrics: RunMetrics, ptx=None, control=None) -> None:
         self.cfg, self.pools, self.tokenizer, self.metrics = cfg, pools, tokenizer, metrics
-        self.control = control  # a RunControl actor (cluster/control.py), or None
+        self.control = control  # a RunControl actor (cluster/runtime/control.py), or None
         self.dataset, self.eval_dataset = dataset, eval_dataset
-        self.ptx = ptx  # cluster.ptx.PTXData when ppo.ptx_coef > 0
+        self.ptx = ptx  # cluster.data.ptx.PTXData when ppo.ptx_coef > 0
         kl = cfg.ppo.kl
         self.kl_ctl = (AdaptiveKLController(kl.beta, kl.target, kl.horizon) if kl.target
                        else FixedKLController(kl.beta))

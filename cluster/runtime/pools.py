@@ -24,8 +24,8 @@ from actors.buffer import RolloutBuffer
 from actors.generator import actor_class as generator_actor, engine_process_env
 from actors.reference import Reference
 from actors.reward import Reward
-from cluster.config import TetherConfig
-from cluster.threads import node_cores, plan_threads, thread_env
+from cluster.config.ppo import TetherConfig
+from cluster.runtime.threads import node_cores, plan_threads, thread_env
 from learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def actor_env(cfg: TetherConfig) -> dict:
 
 def pool_env(cfg: TetherConfig, pool: str, threads: int) -> dict:
     """Environment variables of one actor of a rollout-side pool: every actor's, its planned
-    threads (cluster/threads.py) and, for a generator, where vLLM runs its engine."""
+    threads (cluster/runtime/threads.py) and, for a generator, where vLLM runs its engine."""
     env = {**actor_env(cfg), **thread_env(threads, vllm=pool == "generator")}
     if pool == "generator":
         env.update(engine_process_env(num_gpus=cfg.generator.num_gpus, tensor_parallel=cfg.generator.tensor_parallel))

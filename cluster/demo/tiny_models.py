@@ -5,7 +5,7 @@ and cached on disk under a key derived from everything that shapes it (sizes,
 seed, corpus, this file's format version), so tests and the demo build it once
 and every loader in the project takes it like a real checkpoint.
 
-    python -m cluster.tiny_models            # build the defaults, print their paths
+    python -m cluster.demo.tiny_models            # build the defaults, print their paths
 """
 from __future__ import annotations
 
@@ -18,19 +18,13 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# The demo corpus is built from the reward function's own vocabulary (a downward import).
-from actors.reward_functions import NEGATIVE_WORDS, POSITIVE_WORDS
+# The demo corpus is built from the sentiment task's own vocabulary.
+from cluster.demo.sentiment import LINKS, NEGATIVE_WORDS, PLACES, POSITIVE_WORDS, SUBJECTS, VERBS
 
 FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
-_SUBJECTS = ("the cat", "a dog", "my friend", "the old man", "the child", "a bird", "the town",
-             "our teacher", "the river", "the garden", "a sailor", "the queen", "the baker")
-_VERBS = ("was", "seemed", "felt", "looked", "became", "stayed")
-_PLACES = ("in the morning", "by the sea", "at night", "after the rain", "in the park",
-           "near the hill", "on the road", "at home", "in winter", "in spring")
-_LINKS = ("and", "but", "so", "because", "while")
 
 
 def corpus(n_sentences: int = 2000, seed: int = 0) -> list[str]:
@@ -39,12 +33,12 @@ def corpus(n_sentences: int = 2000, seed: int = 0) -> list[str]:
     words = POSITIVE_WORDS + NEGATIVE_WORDS
     lines = []
     for _ in range(n_sentences):
-        clause = lambda: f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(words)}"
+        clause = lambda: f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(words)}"
         s = clause()
         if rng.random() < 0.5:
-            s += f" {rng.choice(_PLACES)}"
+            s += f" {rng.choice(PLACES)}"
         if rng.random() < 0.4:
-            s += f" {rng.choice(_LINKS)} {clause()}"
+            s += f" {rng.choice(LINKS)} {clause()}"
         lines.append(s[0].upper() + s[1:] + ".")
     return lines
 
@@ -79,7 +73,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether"))
 
 
-def _cached(path: Path, build) -> Path:
+def cached_build(path: Path, build) -> Path:
     """Build into a temp dir beside `path`, then rename: readers never see half a model."""
     if (path / "config.json").exists() or (path / "tokenizer.json").exists():
         return path
@@ -115,7 +109,7 @@ def build_tokenizer(vocab_size: int = 1024) -> Path:
                                        pad_token=PAD_TOKEN, model_max_length=512)
         fast.save_pretrained(out)
 
-    return _cached(cache_root() / f"tokenizer-{key}", build)
+    return cached_build(cache_root() / f"tokenizer-{key}", build)
 
 
 def _qwen2_config(spec: TinySpec, tokenizer, **extra):
@@ -145,7 +139,7 @@ def _build_model(spec: TinySpec, kind: str) -> Path:
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
 
-    return _cached(cache_root() / f"{kind}-{spec.key(kind)}", build)
+    return cached_build(cache_root() / f"{kind}-{spec.key(kind)}", build)
 
 
 def build_policy(spec: TinySpec = TinySpec()) -> Path:

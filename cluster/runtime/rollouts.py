@@ -26,8 +26,8 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from cluster.ledger import ChunkState, Ledger
-from cluster.pools import alive
+from cluster.runtime.ledger import ChunkState, Ledger
+from cluster.runtime.pools import alive
 
 log = logging.getLogger("tether")
 

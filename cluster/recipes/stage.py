@@ -15,21 +15,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from cluster.startup import connect_ray
-from cluster.threads import node_cores, thread_env
-from cluster.train import (
-    UserError,
-    dependency_error,
-    make_run_dir,
-    missing_dependencies,
-    one_line,
-    parse_args,
-    resolve_model,
-    write_status,
-)
+from cluster.job.command import dependency_error, missing_dependencies, parse_args
+from cluster.job.errors import UserError, one_line
+from cluster.job.folder import make_run_dir, write_status
+from cluster.job.startup import connect_ray
+from cluster.runtime.prepare import resolve_model
+from cluster.runtime.threads import node_cores, thread_env
 
 log = logging.getLogger("tether")
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def stage_threads(lp) -> dict:
@@ -45,8 +39,8 @@ def stage_main(argv, *, prog: str, config_cls, default_config: Path, run: Callab
     if missing:
         print(dependency_error(missing), file=sys.stderr)
         return 2
-    from cluster.config import ConfigError, describe
-    from cluster.stage_config import load_stage_config
+    from cluster.config.ppo import ConfigError, describe
+    from cluster.config.stages import load_stage_config
 
     if args.help_config:
         print(describe(config_cls))
@@ -87,7 +81,7 @@ def prepare_model(cfg):
     """(base model path, tokenizer path, tokenizer), checked before anything starts."""
     from transformers import AutoTokenizer
 
-    from cluster.train import check_vocabulary
+    from cluster.runtime.prepare import check_vocabulary
 
     base = resolve_base(cfg.model.base)
     tokenizer_path = cfg.model.tokenizer or base
@@ -99,7 +93,7 @@ def prepare_model(cfg):
 def prepare_rows(cfg, *, fields: dict, builtin: str, noun: str) -> dict:
     """The base model, tokenizer and tokenized rows (training, held out) of a stage;
     ``fields``: config key -> column, the prompt's first; ``noun``: what a row is, for messages."""
-    from cluster.stage_data import load_rows
+    from cluster.data.rows import load_rows
 
     base, tokenizer_path, tokenizer = prepare_model(cfg)
     d = cfg.data
@@ -123,12 +117,12 @@ class StageMetrics:
     """metrics.jsonl of a stage: one JSON object per line, ``step`` = optimizer steps so far."""
 
     def __init__(self, run_dir: Path) -> None:
-        from cluster.metrics import _dumps
-        self._dumps = _dumps
+        from cluster.runtime.metrics import json_line
+        self.json_line = json_line
         self._f = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict) -> None:
-        self._f.write(self._dumps({"step": int(step), "time": time.time(), **metrics}) + "\n")
+        self._f.write(self.json_line({"step": int(step), "time": time.time(), **metrics}) + "\n")
         self._f.flush()
 
     def close(self) -> None:
@@ -138,7 +132,7 @@ class StageMetrics:
 def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
     """``prepare(cfg)`` (user input; its ValueErrors are the user's), a run folder, a
     learner group of ``kind``, then ``train(group, prepared, metrics, run_dir) -> final``."""
-    from cluster.pools import PlacementError, actor_env, quiet_libraries, reserve
+    from cluster.runtime.pools import PlacementError, actor_env, quiet_libraries, reserve
     from learner.group import LearnerGroup
 
     if not cfg.run.library_logs:
@@ -183,7 +177,7 @@ def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
 
 def save_final(group, run_dir: Path, tokenizer, *, stage: str, base: str, base_name: str) -> Path:
     """The final HF checkpoint: the model, the run's tokenizer, and tether_stage.json."""
-    from cluster.lineage import write_stage
+    from cluster.runtime.lineage import write_stage
     from learner.policy import VALUE_HEAD_FILE
 
     out = run_dir / "checkpoints" / "final"

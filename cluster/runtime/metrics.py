@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from cluster.alarms import alarm_words
+from cluster.runtime.alarms import alarm_words
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class RayMetrics:
             if gauge is None:
                 from ray.util.metrics import Gauge
                 if name not in METRICS:
-                    cls._warn_once(name, f"metric {name} is not listed in cluster.metrics.METRICS")
+                    cls._warn_once(name, f"metric {name} is not listed in cluster.runtime.metrics.METRICS")
                 tag_keys = TAG_KEYS.get(name, unlisted_tags)
                 gauge = cls._gauges[name] = Gauge(name, METRICS.get(name, "unlisted"), tag_keys=tag_keys)
             return gauge
@@ -232,7 +232,7 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)  # paths, enums, ...
 
 
-def _dumps(obj: Any) -> str:
+def json_line(obj: Any) -> str:
     return json.dumps(_jsonable(obj), allow_nan=False, ensure_ascii=False)
 
 
@@ -302,7 +302,7 @@ class RunMetrics:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         with self._lock:
-            self._metrics_f.write(_dumps({"step": int(step), "time": time.time(), **metrics}) + "\n")
+            self._metrics_f.write(json_line({"step": int(step), "time": time.time(), **metrics}) + "\n")
             self._metrics_f.flush()
             self._remember(int(step), metrics)
             self._logged += 1
@@ -332,7 +332,7 @@ class RunMetrics:
     def samples(self, step: int, rows: list[dict]) -> None:
         with self._lock:
             for row in rows:
-                self._samples_f.write(_dumps({"step": int(step), **row}) + "\n")
+                self._samples_f.write(json_line({"step": int(step), **row}) + "\n")
             self._samples_f.flush()
 
     def close(self) -> None:
@@ -451,7 +451,7 @@ def progress_line(step: int, total_steps: int, metrics: dict, elapsed_s: float) 
         parts.append(f"eval {m['eval/score_mean']:.3f}")
     if "perf/tokens_per_s" in m:
         parts.append(f"{m['perf/tokens_per_s']:.0f} tok/s")
-    if m.get("rollouts/skipped_prompts"):  # the generator's own warning stays in its log (cluster/console.py)
+    if m.get("rollouts/skipped_prompts"):  # the generator's own warning stays in its log (cluster/runtime/console.py)
         parts.append(f"skipped {m['rollouts/skipped_prompts']:.0f} prompts (too long for the model, or empty)")
     phases = " ".join(f"{label} {m[f'perf/{k}_seconds']:.1f}"
                       for k, label in (("generate", "gen"), ("score", "score"), ("learn", "learn"),

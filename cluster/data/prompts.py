@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from cluster.tiny_models import _LINKS, _PLACES, _SUBJECTS, _VERBS, NEGATIVE_WORDS, POSITIVE_WORDS
+from cluster.demo.sentiment import LINKS, NEGATIVE_WORDS, PLACES, POSITIVE_WORDS, SUBJECTS, VERBS
 
 SUPPORTED = ".jsonl, .parquet, or a directory saved with datasets.Dataset.save_to_disk"
 MAX_REASONS = 1000  # skipped rows whose reason is kept verbatim; skip_counts stays exact
@@ -41,17 +41,17 @@ def builtin_prompts(n: int = 320, seed: int = 0) -> list[str]:
     if n < 1:
         raise ValueError(f"builtin_prompts: n must be >= 1, got {n}")
     cap = lambda s: s[0].upper() + s[1:]
-    out = [cap(f"{s} {v}") for s in _SUBJECTS for v in _VERBS]
+    out = [cap(f"{s} {v}") for s in SUBJECTS for v in VERBS]
     seen = set(out)
     rng = random.Random(seed)
     words = POSITIVE_WORDS + NEGATIVE_WORDS
     while len(out) < n:
-        s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(words)}"
+        s = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(words)}"
         if rng.random() < 0.5:
-            s += f" {rng.choice(_PLACES)}"
-        s += f" {rng.choice(_LINKS)}"
+            s += f" {rng.choice(PLACES)}"
+        s += f" {rng.choice(LINKS)}"
         if rng.random() < 0.6:
-            s += f" {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)}"
+            s += f" {rng.choice(SUBJECTS)} {rng.choice(VERBS)}"
         s = cap(s)
         if s not in seen:
             seen.add(s)
@@ -104,7 +104,7 @@ class PromptDataset:
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {max_prompt_tokens}")
         if path is None:
-            skips, source = _Skips(), "builtin"
+            skips, source = Skips(), "builtin"
             texts = [(f"prompt {i}", p) for i, p in enumerate(builtin_prompts())]
         else:
             texts, skips = read_texts(path, field, "data")
@@ -184,7 +184,7 @@ def chat_prompts(tok, prompts: list[str], tokenizer_path) -> list[str]:
             for p in prompts]
 
 
-def read_texts(path: str | Path, field: str, section: str) -> tuple[list[tuple[str, str]], "_Skips"]:
+def read_texts(path: str | Path, field: str, section: str) -> tuple[list[tuple[str, str]], "Skips"]:
     """`([(where, text)], skips)`: the non-blank strings in column `field` of a .jsonl, .parquet
     or saved-dataset `path`. Unusable rows are skipped and counted; none usable is a
     ValueError naming `section` (the config section: "data", "ptx")."""
@@ -192,11 +192,11 @@ def read_texts(path: str | Path, field: str, section: str) -> tuple[list[tuple[s
     return [(where, row[field]) for where, row in rows], skips
 
 
-def read_records(path: str | Path, fields: dict[str, str], section: str) -> tuple[list[tuple[str, dict]], "_Skips"]:
+def read_records(path: str | Path, fields: dict[str, str], section: str) -> tuple[list[tuple[str, dict]], "Skips"]:
     """`([(where, {column: text})], skips)`: rows of `path` whose every column in `fields`
     (config key -> column name, e.g. {"data.prompt_field": "prompt"}) holds a non-blank
     string. Other rows are skipped and counted; none usable is a ValueError naming the key."""
-    skips = _Skips()
+    skips = Skips()
     out = []
     columns = list(fields.values())
     for where, row in _read_rows(Path(path), columns, skips, section):
@@ -224,7 +224,7 @@ def read_records(path: str | Path, fields: dict[str, str], section: str) -> tupl
     return out, skips
 
 
-class _Skips:
+class Skips:
     def __init__(self):
         self.counts, self.reasons = Counter(), []
         self.fields_seen = Counter()  # the fields of rows that lack data.field: the likely fix
@@ -236,7 +236,7 @@ class _Skips:
             self.reasons.append(reason)
 
 
-def _empty_message(source: str, fields: str | dict[str, str], skips: _Skips, section: str = "data") -> str:
+def _empty_message(source: str, fields: str | dict[str, str], skips: Skips, section: str = "data") -> str:
     """Why nothing usable was read. ``fields``: the column (key ``{section}.field``), or
     config key -> column when a row needs several."""
     if isinstance(fields, str):
@@ -258,7 +258,7 @@ def _empty_message(source: str, fields: str | dict[str, str], skips: _Skips, sec
             f"({kinds}; first: {skips.reasons[0]}); check {now}")
 
 
-def _read_rows(path: Path, fields: list[str], skips: _Skips, section: str) -> list[tuple[str, object]]:
+def _read_rows(path: Path, fields: list[str], skips: Skips, section: str) -> list[tuple[str, object]]:
     """`(where, row)` pairs; malformed JSON lines are recorded in `skips` and left out."""
     if not path.exists():
         raise FileNotFoundError(f"{section}.path: {path} does not exist; point it at a file ({SUPPORTED})"
@@ -273,7 +273,7 @@ def _read_rows(path: Path, fields: list[str], skips: _Skips, section: str) -> li
     raise ValueError(f"{section}.path: unsupported file type '{path.suffix}' for {path}; supported: {SUPPORTED}")
 
 
-def _read_jsonl(path: Path, skips: _Skips, section: str) -> list[tuple[str, object]]:
+def _read_jsonl(path: Path, skips: Skips, section: str) -> list[tuple[str, object]]:
     rows = []
     # Split on newlines only: str.splitlines() would also cut at U+2028 etc., legal inside JSON strings.
     lines = _utf8_text(path, section).replace("\r\n", "\n").replace("\r", "\n").split("\n")
@@ -299,7 +299,7 @@ def _utf8_text(path: Path, section: str) -> str:
                          "re-save it as UTF-8") from None
 
 
-def _read_parquet(path: Path, fields: list[str], skips: _Skips, section: str) -> list[tuple[str, object]]:
+def _read_parquet(path: Path, fields: list[str], skips: Skips, section: str) -> list[tuple[str, object]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -317,7 +317,7 @@ def _columns_to_rows(n: int, columns: dict[str, list]) -> list[tuple[str, dict]]
     return [(f"row {i}", {f: values[i] for f, values in columns.items()}) for i in range(n)]
 
 
-def _read_saved_dataset(path: Path, fields: list[str], skips: _Skips, section: str) -> list[tuple[str, object]]:
+def _read_saved_dataset(path: Path, fields: list[str], skips: Skips, section: str) -> list[tuple[str, object]]:
     try:
         import datasets
     except ImportError:

@@ -20,9 +20,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from cluster import checkpoint
-from cluster.checkpoint import CheckpointError, RunState
-from cluster.control import POOLS
+from cluster.runtime import checkpoint
+from cluster.runtime.checkpoint import CheckpointError, RunState
+from cluster.runtime.control import POOLS
 
 log = logging.getLogger("tether")
 

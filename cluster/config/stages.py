@@ -1,5 +1,5 @@
-"""Typed configs of the two stages PPO starts from: SFT (cluster/sft.py) and the reward
-model (cluster/reward_model.py). Same conventions as cluster/config.py: YAML + dotted
+"""Typed configs of the two stages PPO starts from: SFT (cluster/recipes/sft.py) and the reward
+model (cluster/recipes/reward_model.py). Same conventions as cluster/config/ppo.py: YAML + dotted
 overrides, frozen dataclasses, every mistake one line naming the key; the learner, run
 folder and Ray sections are the PPO config's own classes.
 """
@@ -9,14 +9,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
-from cluster.config import (
+from cluster.config.ppo import (
     BUILTIN_POLICY,
     ConfigError,
     LearnerPoolConfig,
     ResourcesConfig,
     TetherConfig,
-    _build,
-    _check_run_name,
+    build_section,
+    check_run_name,
     read_config,
 )
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
@@ -103,7 +103,7 @@ class StageConfig:
         if d.eval_examples < lp.replicas:
             raise ConfigError(f"config: data.eval_examples={d.eval_examples} must be >= learner.replicas="
                               f"{lp.replicas} (each rank evaluates a share of the held-out rows)")
-        _check_run_name(self.run.name)
+        check_run_name(self.run.name)
         try:
             self.learner_config().validate(world_size=lp.replicas)
         except ValueError as e:
@@ -124,6 +124,6 @@ class RMConfig(StageConfig):
 
 def load_stage_config(cls, path: str | Path | None, overrides: list[str] = ()):
     """``cls`` (SFTConfig or RMConfig) from YAML + overrides, validated once and frozen."""
-    cfg = _build(cls, read_config(path, overrides), "", root=cls)
+    cfg = build_section(cls, read_config(path, overrides), "", root=cls)
     cfg.validate()
     return cfg

@@ -25,9 +25,10 @@ from actors.generator import EngineConfig, SamplingConfig
 from core.ppo import kl_placement_error
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
 BUILTIN_POLICY = "builtin:tiny"        # the offline tiny model, pre-trained on the built-in corpus
 BUILTIN_POLICY_30M = "builtin:tiny-30m"
-BUILTIN_REWARD = "actors.reward_functions:sentiment"
+BUILTIN_REWARD = "cluster.demo.sentiment:sentiment"
 
 
 class ConfigError(ValueError):
@@ -115,7 +116,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class PTXConfig:
-    """Pretraining text for the PTX loss, used when ppo.ptx_coef > 0 (cluster/ptx.py)."""
+    """Pretraining text for the PTX loss, used when ppo.ptx_coef > 0 (cluster/data/ptx.py)."""
     path: Optional[str] = None       # .jsonl / .parquet / saved HF dataset of text; null = built-in corpus (built-in policy only)
     field: str = "text"              # the text column
     seq_len: Optional[int] = None    # tokens per packed row; null = generator.engine.max_model_len
@@ -140,7 +141,7 @@ class RunConfig:
     plot_every: int = 1              # steps between redraws of plots/*.png (0 = no plots)
     tensorboard: bool = False        # also write TensorBoard event files (pip install tensorboard)
     library_logs: bool = False       # show vLLM / Hugging Face / DeepSpeed console logs (off: tether's own lines only)
-    alarm_window: int = 10           # steps the over-optimisation alarms look back over (cluster/alarms.py); 0 = off
+    alarm_window: int = 10           # steps the over-optimisation alarms look back over (cluster/runtime/alarms.py); 0 = off
     seed: int = 0
 
 
@@ -149,7 +150,7 @@ class ResourcesConfig:
     address: Optional[str] = None    # Ray cluster to join; null = RAY_ADDRESS / the job's cluster / local
     num_cpus: Optional[int] = None   # CPUs of a local cluster started by the entrypoint
     placement_timeout_s: float = 60.0  # how long a pool waits for resources before failing
-    cpu_threads: str = "phase"       # phase: in sync mode the running phase's actors share the node's cores; reserved: num_cpus each (cluster/threads.py)
+    cpu_threads: str = "phase"       # phase: in sync mode the running phase's actors share the node's cores; reserved: num_cpus each (cluster/runtime/threads.py)
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ def _coerce(value, tp, key: str):
                       f"({type(value).__name__})")
 
 
-def _build(cls, data, prefix: str, root=None):
+def build_section(cls, data, prefix: str, root=None):
     """``cls`` from the nested dict ``data``; ``root``: the top-level class (for key hints)."""
     root = root or TetherConfig
     if not isinstance(data, dict):
@@ -234,7 +235,7 @@ def _build(cls, data, prefix: str, root=None):
             raise ConfigError(f"config: unknown key {full}{_unknown_key_hint(str(key), prefix, names, root)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, full, root)
+            kwargs[key] = build_section(tp, value or {}, full, root)
         else:
             kwargs[key] = _coerce(value, tp, full)
     try:
@@ -295,7 +296,7 @@ def apply_override(data: dict, override: str) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TetherConfig:
-    cfg = _build(TetherConfig, read_config(path, overrides), "")
+    cfg = build_section(TetherConfig, read_config(path, overrides), "")
     validate(cfg)
     return cfg
 
@@ -357,7 +358,7 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError("config: run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
     if cfg.run.steps < 1:
         raise ConfigError(f"config: run.steps={cfg.run.steps} must be >= 1")
-    _check_run_name(cfg.run.name)
+    check_run_name(cfg.run.name)
     if cfg.buffer.max_staleness < 0 or cfg.buffer.capacity < 1 or cfg.buffer.timeout_s <= 0:
         raise ConfigError("config: buffer.max_staleness must be >= 0, buffer.capacity >= 1 and "
                           "buffer.timeout_s > 0")
@@ -385,7 +386,7 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} is below the "
                           f"{rollouts} rollouts of one step; raise it")
     # Async: the learner waits for a step's rollouts while the producer waits for room to store
-    # a whole chunk; with one generator a chunk is half a step's prompts (cluster/rollouts.py).
+    # a whole chunk; with one generator a chunk is half a step's prompts (cluster/runtime/rollouts.py).
     chunk = -(-cfg.data.prompts_per_step // 2) * cfg.generator.sampling.n
     if cfg.run.mode == "async" and cfg.buffer.capacity < rollouts + chunk - 1:
         raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} can stall async mode: the learner "
@@ -413,7 +414,7 @@ def _check_ptx(cfg: TetherConfig) -> None:
                           f"learner.replicas={cfg.learner.replicas} (every rank trains on an equal share)")
 
 
-def _check_run_name(name: Optional[str]) -> None:
+def check_run_name(name: Optional[str]) -> None:
     """run.name is one folder under run.dir: a path in it would write the run elsewhere."""
     if name is None:
         return

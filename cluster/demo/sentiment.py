@@ -1,0 +1,121 @@
+"""The built-in demo's task: say something positive. Its vocabulary, its reward and its hidden preferences.
+
+Everything the demo's sentiment task knows lives here, so the corpus, the prompts, the reward
+and the labeller agree on one vocabulary:
+- the vocabulary: the sentiment lexicon and the sentence parts the corpus and the built-in
+  prompts are made of (cluster/demo/tiny_models.py, cluster/data/prompts.py, cluster/data/rows.py);
+- ``sentiment``: the lexicon reward, usable as ``reward.function: cluster.demo.sentiment:sentiment``;
+- ``gold``: the hidden labeller of the miniature RLHF recipe (cluster/recipes/pipeline.py).
+  It labels pairs of the SFT model's samples, the proxy reward model learns from those few
+  labels, and PPO optimises the proxy while the gold score is tracked on held-out prompts
+  (``reward.gold``), never trained on.
+
+Gold = the lexicon sentiment minus a penalty for repeated words. The SFT model's samples
+("happy in the park.") hardly ever repeat a word, so a proxy fitted to a few dozen of their
+pairs learns "positive words are good" and nothing about repetition: the feature the proxy
+misses, and the one a policy pushed too far from the SFT model finds ("happy happy glad happy").
+
+Every scorer has the reward-function signature
+``fn(prompts: list[str], responses: list[str]) -> list[float]``.
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+
+# The sentiment lexicon: the scorer's words, and the corpus's.
+POSITIVE_WORDS = ("good", "great", "happy", "kind", "bright", "warm", "lovely", "calm",
+                  "brave", "joyful", "gentle", "wonderful", "sweet", "fine", "glad")
+NEGATIVE_WORDS = ("bad", "sad", "dark", "cold", "angry", "grim", "awful", "cruel",
+                  "dull", "bitter", "gloomy", "harsh", "weak", "sour", "lonely")
+_POSITIVE = frozenset(POSITIVE_WORDS)
+_NEGATIVE = frozenset(NEGATIVE_WORDS)
+WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
+
+# The tiny corpus has clauses of ~4 words with one sentiment word each, so a scale of 4
+# puts a typical clause at about +-1, the range PPO's default hyperparameters expect.
+SENTIMENT_SCALE = 4.0
+
+
+def sentiment(prompts: list[str], responses: list[str]) -> list[float]:
+    """Lexicon sentiment of each response (its prompt is ignored).
+
+    score = (#positive words - #negative words) / max(1, #words) * SENTIMENT_SCALE,
+    with words lower-cased and matched against the lexicon above. Dividing by length means
+    padding a reply with neutral words does not pay, and repeating one positive word earns at
+    most SENTIMENT_SCALE.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"sentiment: {len(prompts)} prompts but {len(responses)} responses")
+    scores = []
+    for text in responses:
+        words = WORD.findall(text.lower())
+        pos = sum(w in _POSITIVE for w in words)
+        neg = sum(w in _NEGATIVE for w in words)
+        scores.append((pos - neg) / max(1, len(words)) * SENTIMENT_SCALE)
+    return scores
+
+
+# Sentence parts of the demo corpus and prompts; each clause carries one lexicon word.
+SUBJECTS = ("the cat", "a dog", "my friend", "the old man", "the child", "a bird", "the town",
+             "our teacher", "the river", "the garden", "a sailor", "the queen", "the baker")
+VERBS = ("was", "seemed", "felt", "looked", "became", "stayed")
+PLACES = ("in the morning", "by the sea", "at night", "after the rain", "in the park",
+           "near the hill", "on the road", "at home", "in winter", "in spring")
+LINKS = ("and", "but", "so", "because", "while")
+
+
+# Weight of the repeated-word fraction, in units of SENTIMENT_SCALE: with 2, four copies of
+# one positive word (repeated fraction 3/4) score 4 - 6 = -2, below any neutral sentence (0).
+REPEAT_PENALTY = 2.0
+
+
+def repeated_fraction(text: str) -> float:
+    """Share of the words that repeat an earlier word of the text (0 when all differ)."""
+    words = WORD.findall(text.lower())
+    return 1.0 - len(set(words)) / len(words) if words else 0.0
+
+
+def gold(prompts: list[str], responses: list[str]) -> list[float]:
+    """sentiment(response) - REPEAT_PENALTY * SENTIMENT_SCALE * repeated_fraction(response).
+
+    The reward-function signature (usable as ``reward.gold`` or ``reward.function``); the
+    prompt is ignored, as sentiment ignores it.
+    """
+    base = sentiment(prompts, responses)  # also checks the lengths match
+    return [s - REPEAT_PENALTY * SENTIMENT_SCALE * repeated_fraction(r) for s, r in zip(base, responses)]
+
+
+def label_pairs(prompt: str, responses: list[str], scores: list[float], *, max_pairs: int, labels: str,
+                rng: random.Random) -> tuple[list[dict], int]:
+    """Preference pairs among one prompt's sampled responses, labelled by their gold scores.
+
+    Candidate pairs are the unordered pairs of distinct response texts whose gold scores
+    differ (a tie or a duplicate says nothing about preference); ``max_pairs`` of them are
+    drawn at random. ``labels="hard"``: the higher gold score is chosen. ``labels=
+    "bradley_terry"``: the first is chosen with probability sigmoid(gold_a - gold_b), a noisy
+    labeller. Returns (rows {"prompt", "chosen", "rejected", "gold_chosen", "gold_rejected"},
+    number of candidate pairs skipped as ties or duplicates).
+    """
+    if len(responses) != len(scores):
+        raise ValueError(f"label_pairs: {len(responses)} responses but {len(scores)} scores")
+    if labels not in ("hard", "bradley_terry"):
+        raise ValueError(f"label_pairs: labels={labels!r} is unknown; use 'hard' or 'bradley_terry'")
+    candidates, skipped = [], 0
+    for i in range(len(responses)):
+        for j in range(i + 1, len(responses)):
+            if responses[i] == responses[j] or scores[i] == scores[j]:
+                skipped += 1
+            else:
+                candidates.append((i, j))
+    rows = []
+    for i, j in rng.sample(candidates, min(max_pairs, len(candidates))):
+        if labels == "hard":
+            first = scores[i] > scores[j]
+        else:
+            first = rng.random() < 1.0 / (1.0 + math.exp(scores[j] - scores[i]))
+        a, b = (i, j) if first else (j, i)
+        rows.append({"prompt": prompt, "chosen": responses[a], "rejected": responses[b],
+                     "gold_chosen": scores[a], "gold_rejected": scores[b]})
+    return rows, skipped

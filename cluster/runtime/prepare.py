@@ -1,0 +1,143 @@
+"""Everything about a PPO job that can fail on user input, checked before any actor starts:
+the models and their vocabularies, the reward, the prompts and the PTX corpus."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from cluster.job.errors import UserError
+
+log = logging.getLogger("tether")
+
+
+def resolve_model(name: str, key: str = "model.policy") -> str:
+    """builtin:* names build the offline tiny models (cached); anything else is a path."""
+    from cluster.config.ppo import BUILTIN_POLICY, BUILTIN_POLICY_30M
+
+    if name == BUILTIN_POLICY:
+        from cluster.demo.pretrain import build_pretrained_policy
+        return str(build_pretrained_policy())
+    if name == BUILTIN_POLICY_30M:  # randomly initialised: for throughput, not for learning
+        from cluster.demo.tiny_models import SPEC_30M, build_policy
+        return str(build_policy(SPEC_30M))
+    if name.startswith("builtin:"):
+        raise UserError(f"{key}={name!r} is not a built-in model; use {BUILTIN_POLICY} "
+                        f"or {BUILTIN_POLICY_30M} or a model directory")
+    if not Path(name).exists():
+        raise UserError(f"{key}={name!r} does not exist; point it at a Hugging Face model directory")
+    return name
+
+
+def check_vocabulary(tokenizer, tokenizer_path: str, model_dir: str, key: str):
+    """The model must have an embedding for every id the tokenizer makes; returns its config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab_size and len(tokenizer) > vocab_size:
+        raise UserError(f"the tokenizer at {tokenizer_path} has {len(tokenizer)} tokens but {key}={model_dir!r} "
+                        f"has vocab_size={vocab_size} (ids from {vocab_size} on have no embedding); set "
+                        "model.tokenizer to the tokenizer the model was trained with")
+    return config
+
+
+def check_same_vocabulary(tokenizer, tokenizer_path: str, policy: str) -> None:
+    """A model.tokenizer other than the policy's own must give every token of the policy's own
+    tokenizer the same id (it may add tokens): otherwise ids mean other words, silently."""
+    from transformers import AutoTokenizer
+
+    own_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if Path(tokenizer_path).resolve() == Path(policy).resolve() or \
+            not any((Path(policy) / f).exists() for f in own_files):
+        return
+    own, given = AutoTokenizer.from_pretrained(policy).get_vocab(), tokenizer.get_vocab()
+    moved = [t for t, i in own.items() if given.get(t) != i]
+    if moved:
+        t = moved[0]
+        raise UserError(f"model.tokenizer={tokenizer_path!r} does not match the policy's vocabulary: {len(moved)} "
+                        f"of the {len(own)} tokens of {policy}'s own tokenizer are missing or have other ids (e.g. "
+                        f"{t!r}: {own[t]} vs {given.get(t)}); leave model.tokenizer null or use the policy's tokenizer")
+
+
+def check_reward_model(path: str, tokenizer, tokenizer_path: str) -> None:
+    """The reward model scores the policy's token ids with one output: check both from its config."""
+    from actors.reference import resolve_model_path
+
+    try:
+        path = resolve_model_path(path, "reward.model")
+    except FileNotFoundError:
+        raise UserError(f"reward.model={path!r} does not exist; point it at a sequence-classification model "
+                        "directory, or set reward.model=null and name a reward.function") from None
+    config = check_vocabulary(tokenizer, tokenizer_path, path, "reward.model")
+    if getattr(config, "num_labels", 1) != 1:
+        raise UserError(f"reward.model={path!r} has num_labels={config.num_labels}; a reward model outputs one "
+                        "score (num_labels=1): use a reward checkpoint, or a reward.function")
+
+
+# Example pairs for the reward probe: short, plain, what any reward should score.
+PROBE_RESPONSES = (" It was a good day.", " No.")
+
+
+def prepare(cfg):
+    """Everything that can fail on user input, before any actor starts."""
+    from transformers import AutoTokenizer
+
+    from cluster.data.prompts import PromptDataset
+
+    if cfg.run.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError("run.tensorboard is true but the tensorboard package is missing; "
+                            "pip install tensorboard (or set run.tensorboard=false)") from None
+    policy = resolve_model(cfg.model.policy)
+    # Reward problems surface here, in the driver, not as a dead actor a minute later.
+    from actors.reward import load_function, probe_function
+    for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
+        if spec:
+            load_function(spec, key)
+    tokenizer_path = cfg.model.tokenizer or policy
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    check_same_vocabulary(tokenizer, tokenizer_path, policy)
+    check_vocabulary(tokenizer, tokenizer_path, policy, "model.policy")
+    if cfg.reward.model:
+        check_reward_model(cfg.reward.model, tokenizer, tokenizer_path)
+        if cfg.reward.normalize:  # the actors would fail on it one by one: refuse here, in one line
+            from actors.reward import load_reward_stats
+            load_reward_stats(cfg.reward.model)
+    if cfg.reference.model:
+        from cluster.runtime.lineage import check_reference
+        check_reference(cfg.reference.model, tokenizer, tokenizer_path, policy)
+    d = cfg.data
+    dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
+                                 chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                                 seed=d.seed)
+    if dataset.num_skipped:
+        log.warning("data: skipped %d rows %s, e.g. %s", dataset.num_skipped, dataset.skip_counts,
+                    dataset.skipped[0])
+    train_set, eval_set = dataset.split_eval(d.eval_prompts)
+    if len(train_set) < d.prompts_per_step:  # else the first step fails, after the run folder exists
+        raise UserError(f"data: {len(train_set)} training prompts in {dataset.source} (after holding out "
+                        f"data.eval_prompts={d.eval_prompts}) are fewer than data.prompts_per_step="
+                        f"{d.prompts_per_step}; lower prompts_per_step or eval_prompts, or add prompts")
+    prompts = train_set.texts[:len(PROBE_RESPONSES)]
+    for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
+        if spec:  # with real prompts: a function that cannot score them would void every batch (or eval)
+            probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key)
+    return policy, tokenizer_path, tokenizer, train_set, eval_set
+
+
+def prepare_ptx(cfg, tokenizer_path: str):
+    """The packed PTX rows when ppo.ptx_coef > 0 (cluster/data/ptx.py), else None."""
+    p = cfg.ptx
+    if cfg.ppo.ptx_coef == 0:
+        if p.path is not None:
+            log.warning("ptx.path is set but ppo.ptx_coef=0: the PTX loss is off (set ppo.ptx_coef > 0 to use it)")
+        return None
+    from cluster.data.ptx import PTXData
+    ptx = PTXData.load(path=p.path, field=p.field, tokenizer_path=tokenizer_path,
+                       seq_len=p.tokens_per_row(cfg.generator.engine.max_model_len),
+                       builtin_policy=cfg.model.policy.startswith("builtin:"), seed=cfg.run.seed)
+    log.info("ptx: %d rows of %d tokens from %s, %d per optimizer step, coefficient %g", len(ptx),
+             ptx.rows.shape[1], ptx.source, p.batch_size, cfg.ppo.ptx_coef)
+    return ptx
