@@ -81,7 +81,8 @@ def child_vllm(wl: dict, prompts: list, args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from actors.generator import EngineConfig, SamplingConfig, request_seed
+    from actors.config import EngineConfig, SamplingConfig
+    from actors.generator import request_seed
 
     sampling, engine = settings(wl, args)
     s, e = SamplingConfig(**sampling), EngineConfig(**engine)

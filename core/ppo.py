@@ -17,13 +17,10 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 from core import sampling
+from core.choices import AGG_MODES, KL_ESTIMATORS, KL_PLACEMENTS, OFF_POLICY_MODES, kl_placement_error  # noqa: F401
 
 Tensor = torch.Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_PLACEMENTS = ("reward", "loss")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-OFF_POLICY_MODES = ("none", "tis", "decoupled")
 
 
 # --------------------------------------------------------------------------- validation
@@ -213,28 +210,6 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -
     # expm1 keeps precision for small r; the clamp removes rounding below the true
     # minimum of 0 (k3 is non-negative mathematically).
     return (torch.expm1(-log_ratio) + log_ratio).clamp_min(0.0)
-
-
-def kl_placement_error(placement: str, estimator: str) -> Optional[str]:
-    """Why ``estimator`` cannot serve at ``placement``, or None when it can.
-
-    In the reward PPO treats the penalty as a constant, so only k1's expectation has the KL's
-    gradient (k2 and k3 there pull with a fraction of it, k3 away from the reference when
-    far). In the loss the gradient flows through log pi: k1 has zero expected gradient there,
-    k2 gives grad KL(pi || ref) and k3 grad KL(ref || pi) (the GRPO family's low-variance KL).
-    """
-    if placement not in KL_PLACEMENTS:
-        return f"ppo.kl.placement={placement!r} is unknown; use one of {', '.join(KL_PLACEMENTS)}"
-    if estimator not in KL_ESTIMATORS:
-        return f"ppo.kl.estimator={estimator!r} is unknown; use one of {', '.join(KL_ESTIMATORS)}"
-    if placement == "reward" and estimator != "k1":
-        return (f"ppo.kl.estimator={estimator} in the reward does not give the KL's gradient (PPO treats "
-                "rewards as constants); use k1 there, or ppo.kl.placement=loss to train on "
-                f"{estimator} as a loss term")
-    if placement == "loss" and estimator == "k1":
-        return ("ppo.kl.estimator=k1 in the loss has zero expected gradient; use k3 (the low-variance "
-                "KL of the GRPO family) or k2 with ppo.kl.placement=loss, or placement=reward for k1")
-    return None
 
 
 def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k3",

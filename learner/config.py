@@ -13,8 +13,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
+from core.choices import AGG_MODES, OFF_POLICY_MODES, kl_placement_error
 from core.dtypes import TRAINABLE_DTYPES
-from core.ppo import AGG_MODES, OFF_POLICY_MODES, kl_placement_error
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_DECAYS = ("linear", "cosine", "constant")

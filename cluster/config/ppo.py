@@ -21,8 +21,8 @@ from typing import Optional
 
 import yaml
 
-from actors.generator import EngineConfig, SamplingConfig
-from core.ppo import kl_placement_error
+from actors.config import EngineConfig, SamplingConfig
+from core.choices import kl_placement_error
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
