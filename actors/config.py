@@ -2,18 +2,20 @@
 with no torch or vLLM import, so a run's config can be built and checked without either."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from core.schema import config_class, setting
 
 
-@dataclass(frozen=True)
+@config_class
 class SamplingConfig:
-    temperature: float = 1.0       # behaviour logprobs are of the tempered distribution
-    top_p: float = 1.0             # nucleus sampling; reference and learner score the same truncation
-    top_k: int = 0                 # 0 disables top-k; truncation is scored alike everywhere (core/sampling.py)
-    max_new_tokens: int = 64
-    n: int = 1                     # samples per prompt
-    seed: int = 0                  # sampling seed; each prompt's is drawn from (seed, version, prompt index)
-    ignore_eos: bool = False       # every response runs to max_new_tokens (fixed-length benchmarks); EOS is samplable
+    """How the generator samples: temperature, truncation, length, samples per prompt."""
+    temperature: float = setting(1.0, "sampling temperature; behaviour logprobs are of the tempered distribution")
+    top_p: float = setting(1.0, "nucleus sampling; reference and learner score the same truncation")
+    top_k: int = setting(0, "0 disables top-k; truncation is scored alike everywhere (core/sampling.py)")
+    max_new_tokens: int = setting(64, "response length cap in tokens")
+    n: int = setting(1, "samples per prompt")
+    seed: int = setting(0, "sampling seed; each prompt's is drawn from (seed, version, prompt index)")
+    ignore_eos: bool = setting(False, "every response runs to max_new_tokens (fixed-length benchmarks); "
+                                      "EOS is samplable")
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -25,14 +27,16 @@ class SamplingConfig:
             raise ValueError("sampling.max_new_tokens and sampling.n must be >= 1, top_k >= 0")
 
 
-@dataclass(frozen=True)
+@config_class
 class EngineConfig:
-    dtype: str = "float32"
-    max_model_len: int = 512
-    kv_cache_bytes: int = 64 << 20  # explicit size: the fraction-of-memory knob breaks a 2nd engine on CPU
-    max_num_seqs: int = 64
-    enforce_eager: bool = True      # no torch.compile: engine start dominates at tiny sizes
-    gpu_memory_utilization: float = 0.5  # GPU only: fraction of the device vLLM may take
+    """How the generator's vLLM engine is sized."""
+    dtype: str = setting("float32", "vLLM's weight and activation dtype (e.g. float32, bfloat16)")
+    max_model_len: int = setting(512, "context length: prompt + response tokens")
+    kv_cache_bytes: int = setting(64 << 20, "KV cache size in bytes; explicit: the fraction-of-memory knob "
+                                            "breaks a 2nd engine on CPU")
+    max_num_seqs: int = setting(64, "sequences the engine schedules at once")
+    enforce_eager: bool = setting(True, "no torch.compile: engine start dominates at tiny sizes")
+    gpu_memory_utilization: float = setting(0.5, "GPU only: fraction of the device vLLM may take")
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -1,8 +1,9 @@
 """Generator: one vLLM engine sampling responses under the current policy version.
 
-Weight updates run in their own Ray concurrency group (``actor_class``), so a push reaches
-the actor while a generate call runs; ``EngineTurns`` keeps the two off the engine at the
-same time. With ``partial_rollouts`` (async mode) a generate call steps the engine itself
+Weight updates (``core.weights.WeightReceiver``, received by ``EngineWeights`` in
+actors/weight_receiver.py) run in their own Ray concurrency group (``actor_class``), so a
+push reaches the actor while a generate call runs; ``EngineTurns`` keeps the two off the
+engine at the same time. With ``partial_rollouts`` (async mode) a generate call steps the engine itself
 and a push goes in between two engine steps instead of after the call:
 
 * the requests in flight are preempted and recomputed from their tokens so far under the
@@ -28,8 +29,10 @@ from actors import kept_set
 from actors.config import EngineConfig, SamplingConfig
 from actors.engine_turns import EngineTurns
 from actors.reference import resolve_model_path
-from core.rollout import WEIGHT_UPDATE_GROUP, Rollout
+from actors.weight_receiver import EngineWeights
+from core.rollout import Rollout
 from core.sampling import is_truncated
+from core.weights import WEIGHT_UPDATE_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,6 @@ class Generator:
         self.name, self.tensor_parallel, self.weight_sync = name, int(tensor_parallel), weight_sync
         self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**(sampling or {}))
         self.engine = engine if isinstance(engine, EngineConfig) else EngineConfig(**(engine or {}))
-        self._version = 0
         self.partial_rollouts = bool(partial_rollouts)
         self._turns = EngineTurns()
         self._request_ids = itertools.count()
@@ -120,7 +122,8 @@ class Generator:
                              "vLLM's GPU workers); this generator has no GPU: use 'cpu' or give it num_gpus")
         t0 = time.perf_counter()
         self._llm = self._start_engine(model)
-        self._llm.llm_engine.set_weight_version(str(self._version))  # vLLM labels each token with it
+        self.weights = EngineWeights(llm=self._llm, turns=self._turns, name=name, weight_sync=weight_sync,
+                                     partial_rollouts=self.partial_rollouts)
         self.start_seconds = time.perf_counter() - t0
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         kept_set.check_vocab(self.sampling.top_k, self.sampling.top_p, self._vocab_size, name)
@@ -158,7 +161,7 @@ class Generator:
         kept_set.check_vocab(s.top_k, s.top_p, self._vocab_size, self.name)
         return [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                max_tokens=s.max_new_tokens, n=s.n, ignore_eos=s.ignore_eos,
-                               seed=request_seed(s.seed, self._version, idx),
+                               seed=request_seed(s.seed, self.weights.version(), idx),
                                output_kind=RequestOutputKind.FINAL_ONLY, **kept_set.logprob_request(s.top_k, s.top_p))
                 for idx in prompt_indices]
 
@@ -189,7 +192,7 @@ class Generator:
             log.warning("%s: skipped %d prompts longer than max_model_len=%d (or empty)",
                         self.name, len(skipped), self.engine.max_model_len)
         if not keep:
-            return GenerationResult(rollouts=[], skipped_prompts=skipped, version=self._version)
+            return GenerationResult(rollouts=[], skipped_prompts=skipped, version=self.weights.version())
 
         t0 = time.perf_counter()
         if self.partial_rollouts:
@@ -204,7 +207,7 @@ class Generator:
         tokens = sum(len(r.response_ids) for r in rollouts)
         self._generated_total += tokens
         return GenerationResult(rollouts=rollouts, skipped_prompts=skipped,
-                                generated_tokens=tokens, seconds=seconds, version=self._version)
+                                generated_tokens=tokens, seconds=seconds, version=self.weights.version())
 
     def _step_engine(self, prompts: list[list[int]], prompt_indices: list[int]) -> list:
         """LLM.generate, stepping the engine here so that a weight push can take its turn
@@ -245,131 +248,55 @@ class Generator:
             self._incomplete_kept_sets += incomplete
         else:
             logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
-        versions = token_versions(completion.weight_versions, len(token_ids), self._version)
+        version = self.weights.version()
+        versions = token_versions(completion.weight_versions, len(token_ids), version)
         return Rollout(prompt_ids=np.asarray(prompt, dtype=np.int64),
                        response_ids=np.asarray(token_ids, dtype=np.int64),
                        behaviour_logprobs=np.asarray(logprobs, dtype=np.float32),
                        finish_reason="stop" if completion.finish_reason == "stop" else "length",
-                       policy_version=int(versions[0]) if len(versions) else self._version,
+                       policy_version=int(versions[0]) if len(versions) else version,
                        prompt_index=prompt_index, sample_index=completion.index, token_versions=versions,
                        kept_ids=kept)
 
-    def rewind(self, version: int) -> None:
-        """A rollback to a checkpoint: the next weights pushed are that (older) version's."""
-        with self._turns.updating():
-            self._set_version(int(version))
-
+    # ---- weight updates: core.weights.WeightReceiver, received by EngineWeights (actors/weight_receiver.py).
+    # Ray calls them on this actor; load_weights, rewind and the NCCL round run in WEIGHT_UPDATE_GROUP.
     def load_weights(self, version: int, buckets: list[bytes]) -> dict:
-        """Reload the policy in place from safetensors-serialised buckets; record `version`.
-        Waits for the engine's turn: the end of a generate call, or with partial rollouts
-        the end of the current engine step."""
-        if version < self._version:
-            raise ValueError(f"{self.name}.load_weights: version {version} is older than the "
-                             f"loaded version {self._version}")
-        waited = time.perf_counter()
-        with self._turns.updating():
-            t0 = time.perf_counter()
-            self._pause()
-            counts = self._llm.collective_rpc("tether_reload_buckets", args=(buckets,))
-            self._after_update(version)
-        return {"seconds": time.perf_counter() - t0, "wait_seconds": t0 - waited, "tensors": counts[0],
-                "bytes": sum(len(b) for b in buckets), "version": version}
+        return self.weights.load_weights(version, buckets)
 
-    def _pause(self) -> None:
-        """Stop the engine stepping with requests kept. An in-process engine steps only when
-        called, and the turn already holds it; vLLM's own engine process steps on its own."""
-        if self.partial_rollouts:
-            self._llm.sleep(level=0, mode="keep")
-
-    def _after_update(self, version: int) -> None:
-        """New weights are in: drop every KV block the old weights computed, label the next tokens."""
-        # Cached prompt blocks would make the new policy's logprobs silently wrong; requests in
-        # flight (partial rollouts) are preempted and recomputed from their tokens so far.
-        self._llm.reset_prefix_cache(reset_running_requests=self.partial_rollouts)
-        self._set_version(version)
-        if self.partial_rollouts:
-            self._llm.wake_up(tags=["scheduling"])
-
-    def _set_version(self, version: int) -> None:
-        self._version = version
-        self._llm.llm_engine.set_weight_version(str(version))
-
-    # ---- NCCL transport (learner/nccl_sync.py drives these; learner.weight_sync="nccl" only).
-    # vLLM's weight-transfer engine lives in each vLLM worker; these forward to the
-    # RLOfflineMixin methods of vllm.LLM (entrypoints/rl/offline.py), which fan out to the
-    # workers with collective_rpc. Only metadata crosses Ray; the tensors arrive over NCCL.
-
-    def _require_nccl(self, what: str) -> None:
-        if self.weight_sync != "nccl":
-            raise ValueError(f"{self.name}.{what}: this generator was started with weight_sync="
-                             f"{self.weight_sync!r}; the learner's 'nccl' transport needs 'nccl' here too")
-
-    def weight_transfer_gpus(self) -> list[str]:
-        """UUID of the GPU of each vLLM worker, in worker-rank order (its length = NCCL ranks needed)."""
-        self._require_nccl("weight_transfer_gpus")
-        return [str(u) for u in self._llm.collective_rpc("tether_device_uuid")]
-
-    def init_weight_transfer(self, init_info: dict) -> None:
-        """Join the learner's NCCL group (blocks until every rank has joined).
-
-        init_info: vLLM's NCCLWeightTransferInitInfo as a dict (master_address, master_port,
-        rank_offset, world_size, packed, packed_buffer_size_bytes, packed_num_buffers).
-        """
-        self._require_nccl("init_weight_transfer")
-        self._llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self, version: int) -> None:
-        """Open an update round (vLLM: layerwise reload set up); refuses an older version.
-        Holds the engine's turn until finish_weight_update (or a failure) releases it."""
-        self._require_nccl("start_weight_update")
-        if version < self._version:
-            raise ValueError(f"{self.name}.start_weight_update: version {version} is older than the "
-                             f"loaded version {self._version}")
-        self._turns.claim()
-        try:
-            self._pause()
-            self._llm.start_weight_update()
-        except BaseException:
-            self._turns.release()
-            raise
-
-    def update_weights(self, update_info: dict) -> None:
-        """Receive every tensor named in update_info (names, dtype_names, shapes) over NCCL,
-        packed chunk by chunk, loading each into the model. Blocks until the broadcast ends."""
-        try:
-            self._llm.update_weights({"update_info": update_info})
-        except BaseException:
-            self._turns.release()
-            raise
-
-    def finish_weight_update(self, version: int) -> dict:
-        """Close the round (vLLM: finalize layerwise reload), drop stale KV, record `version`."""
-        t0 = time.perf_counter()
-        try:
-            self._llm.finish_weight_update()
-            self._after_update(version)
-        finally:
-            self._turns.release()
-        return {"seconds": time.perf_counter() - t0, "version": version}
-
-    def shutdown_weight_transfer(self) -> None:
-        """Leave the NCCL group; inference goes on."""
-        if self.weight_sync == "nccl":
-            self._llm.shutdown_weight_transfer_engine()
+    def rewind(self, version: int) -> None:
+        self.weights.rewind(version)
 
     def version(self) -> int:
-        return self._version
+        return self.weights.version()
+
+    def weight_transfer_gpus(self) -> list[str]:
+        return self.weights.weight_transfer_gpus()
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        self.weights.init_weight_transfer(init_info)
+
+    def start_weight_update(self, version: int) -> None:
+        self.weights.start_weight_update(version)
+
+    def update_weights(self, update_info: dict) -> None:
+        self.weights.update_weights(update_info)
+
+    def finish_weight_update(self, version: int) -> dict:
+        return self.weights.finish_weight_update(version)
+
+    def shutdown_weight_transfer(self) -> None:
+        self.weights.shutdown_weight_transfer()
 
     def health(self) -> dict:
-        return {"name": self.name, "pid": os.getpid(), "version": self._version, "skipped_prompts": self._skipped_total,
-                "generated_tokens": self._generated_total, "engine_start_s": self.start_seconds,
-                "pushes_mid_generate": self._turns.updates_during_sampling,
+        return {"name": self.name, "pid": os.getpid(), "version": self.weights.version(),
+                "skipped_prompts": self._skipped_total, "generated_tokens": self._generated_total,
+                "engine_start_s": self.start_seconds, "pushes_mid_generate": self._turns.updates_during_sampling,
                 "incomplete_kept_sets": self._incomplete_kept_sets}
 
 
 def token_versions(spans, n_tokens: int, default: int) -> np.ndarray:
     """[n_tokens] int64 version of each output token, from vLLM's WeightVersionSpan list
-    (labels are our version numbers, set by _set_version); ``default`` where vLLM gave none."""
+    (labels are our version numbers, set by EngineWeights); ``default`` where vLLM gave none."""
     out = np.full(n_tokens, default, dtype=np.int64)
     for span in spans or ():
         out[span.start:span.end] = int(span.version)

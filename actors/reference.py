@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from core.dtypes import torch_dtype
-from core.ppo import logprobs_from_logits
+from core.layout import pad_prompt_response, position_ids
+from core.logprobs import logprobs_from_logits
 from core.sampling import check_truncation, is_truncated, pad_kept_ids
 
 log = logging.getLogger(__name__)
@@ -173,21 +174,14 @@ class Reference:
     @torch.inference_mode()
     def _forward(self, prompts: list[np.ndarray], responses: list[np.ndarray],
                  kept: list[np.ndarray] | None = None) -> list[np.ndarray]:
-        # Left-pad prompts and right-pad responses: every response then starts at column P,
-        # so one slice of the logits serves the whole batch.
+        # Every response starts at column P (core.layout), so one slice of the logits serves the batch.
         P = max(p.size for p in prompts)
         R = max(r.size for r in responses)
-        ids = np.full((len(prompts), P + R), self.pad_id, dtype=np.int64)
-        mask = np.zeros_like(ids)
-        for row, (p, r) in enumerate(zip(prompts, responses)):
-            ids[row, P - p.size:P] = p
-            ids[row, P:P + r.size] = r
-            mask[row, P - p.size:P + r.size] = 1
+        ids, mask = pad_prompt_response(prompts, responses, self.pad_id)
         ids_t = torch.from_numpy(ids).to(self.device)
         mask_t = torch.from_numpy(mask).to(self.device)
-        # Positions must count real tokens only, or left padding would shift every prompt.
-        positions = (mask_t.cumsum(-1) - 1).clamp_min(0)
-        kwargs = {"input_ids": ids_t, "attention_mask": mask_t, "position_ids": positions, "use_cache": False}
+        kwargs = {"input_ids": ids_t, "attention_mask": mask_t, "position_ids": position_ids(mask_t),
+                  "use_cache": False}
         if self._logits_to_keep:
             logits = self.model(**kwargs, logits_to_keep=R + 1).logits[:, :R]
         else:

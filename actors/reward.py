@@ -20,6 +20,8 @@ import torch
 
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
 from core.dtypes import torch_dtype
+from core.errors import type_and_first_line
+from core.layout import pad_right, pool_last_token
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ def load_reward_stats(model_dir: str) -> tuple[float, float]:
         raise ValueError(f"reward.normalize is true but {path} does not exist; train the reward model with "
                          "python -m cluster.reward_model (it writes the file), or set reward.normalize=false") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"reward.normalize: {path} is unusable ({_one_line(e)}); it needs numbers "
+        raise ValueError(f"reward.normalize: {path} is unusable ({type_and_first_line(e)}); it needs numbers "
                          "'mean' and 'std'") from None
     if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
         raise ValueError(f"reward.normalize: {path} has mean={mean}, std={std}; std must be a finite number > 0")
@@ -56,11 +58,6 @@ class ScoreResult:
         return int((~self.valid).sum())
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
 def load_function(spec: str, key: str = "reward.function"):
     """Import ``"package.module:function"``; any failure is a one-line ValueError naming the
     config ``key`` and the fix."""
@@ -75,7 +72,7 @@ def load_function(spec: str, key: str = "reward.function"):
             (module_name == e.name or module_name.startswith(e.name + "."))
         fix = ("run from the directory that holds it or add that directory to PYTHONPATH" if not_found
                else "fix the error in that module")
-        raise ValueError(f"{key} {spec!r}: cannot import module {module_name!r} ({_one_line(e)}); "
+        raise ValueError(f"{key} {spec!r}: cannot import module {module_name!r} ({type_and_first_line(e)}); "
                          f"{fix}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -98,12 +95,12 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
         out = fn(list(prompts), list(responses))
     except Exception as e:  # noqa: BLE001 - user code fails in every flavour
         raise ValueError(f"{key} {spec!r} raised on a probe with {n} example (prompt, response) "
-                         f"pairs: {_one_line(e)}; fix the function") from None
+                         f"pairs: {type_and_first_line(e)}; fix the function") from None
     try:
         scores = [float(x) for x in out]
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"{key} {spec!r} returned {type(out).__name__} on a probe, not a list of "
-                         f"numbers ({_one_line(e)}); return one float per (prompt, response) pair") from None
+                         f"numbers ({type_and_first_line(e)}); return one float per (prompt, response) pair") from None
     if len(scores) != n:
         raise ValueError(f"{key} {spec!r} returned {len(scores)} scores for {n} (prompt, response) "
                          "pairs on a probe; return one float per pair, in order")
@@ -172,7 +169,7 @@ class Reward:
             m = AutoModelForSequenceClassification.from_pretrained(self.model_path, dtype=dtype)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"Reward: cannot load a sequence classifier from {self.model_path!r}: "
-                             f"{_one_line(e)}") from None
+                             f"{type_and_first_line(e)}") from None
         if m.config.num_labels != 1:
             raise ValueError(f"Reward: {self.model_path!r} has num_labels={m.config.num_labels}; "
                              "a reward model needs exactly 1")
@@ -248,12 +245,12 @@ class Reward:
         try:
             out = fn(decode(prompts), decode(responses))
         except Exception as e:  # noqa: BLE001 - user code must not crash the actor
-            return self._invalid_batch(n, f"{name} raised {_one_line(e)}; all {n} items invalid")
+            return self._invalid_batch(n, f"{name} raised {type_and_first_line(e)}; all {n} items invalid")
         try:
             raw = np.array([float(x) for x in out], dtype=np.float64)
         except Exception as e:  # noqa: BLE001
             return self._invalid_batch(n, f"{name} returned something that is not a list of numbers "
-                                          f"({_one_line(e)}); all {n} items invalid")
+                                          f"({type_and_first_line(e)}); all {n} items invalid")
         if raw.shape != (n,):
             return self._invalid_batch(n, f"{name} returned {raw.size} scores for {n} items; all invalid")
         # float64 first, so an out-of-range float32 cast turns into an (invalid) inf, not silently
@@ -275,18 +272,11 @@ class Reward:
 
     @torch.inference_mode()
     def _forward(self, seqs: list[np.ndarray]) -> np.ndarray:
-        T = max(s.size for s in seqs)
-        ids = np.full((len(seqs), T), self.pad_id, dtype=np.int64)
-        mask = np.zeros_like(ids)
-        for row, s in enumerate(seqs):
-            ids[row, :s.size] = s
-            mask[row, :s.size] = 1
+        ids, mask = pad_right(seqs, self.pad_id)
         ids_t = torch.from_numpy(ids).to(self.device)
         mask_t = torch.from_numpy(mask).to(self.device)
         hidden = self.model.base_model(input_ids=ids_t, attention_mask=mask_t, use_cache=False).last_hidden_state
-        last = mask_t.sum(-1) - 1
-        pooled = hidden[torch.arange(len(seqs), device=self.device), last]
-        return self._head(pooled).float().squeeze(-1).cpu().numpy()
+        return self._head(pool_last_token(hidden, mask_t)).float().squeeze(-1).cpu().numpy()
 
     def stats(self) -> dict:
         return {**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()},

@@ -105,7 +105,7 @@ def main() -> None:
     print(f"model: {args.model} ({n_params / 1e6:.1f}M parameters) at {path}")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
-    from cluster.data.prompts import builtin_prompts
+    from cluster.demo.sentiment import builtin_prompts
     prompts = [np.asarray(tok(p)["input_ids"]) for p in builtin_prompts()[:args.prompts]]
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     torch.set_num_threads(1)

@@ -83,6 +83,8 @@ def torch_side(args, wl: dict, batch_rollouts: list):
     """The same update as a hand-written loop: AdamW, no DeepSpeed, no stats, no collectives.
     Returns a callable doing one update and returning its seconds."""
     from core import ppo
+    from core.advantages import gae
+    from core.masked import whiten
     from learner.batch import collate
     from learner.policy import PolicyWithValueHead
 
@@ -100,8 +102,8 @@ def torch_side(args, wl: dict, batch_rollouts: list):
         with torch.no_grad():
             old_lp, old_v, _ = model.response_logprobs_values(b, with_entropy=False)
             old_lp, old_v = old_lp * m, old_v * m
-            adv, ret = ppo.gae(b.rewards, old_v, m, 1.0, 0.95)
-            adv = ppo.whiten(adv.double(), m).float()
+            adv, ret = gae(b.rewards, old_v, m, 1.0, 0.95)
+            adv = whiten(adv.double(), m).float()
         n_tok = float(m.sum()) / args.minibatches
         for epoch in range(args.epochs):
             order = np.random.default_rng([0, epoch]).permutation(len(b))

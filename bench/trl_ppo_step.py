@@ -74,18 +74,11 @@ def bench_tokenizer(path: str, vocab_size: int):
     return tok
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def load_models(wl: dict, tok):
+    """(policy, reference, reward, value) from the workload's checkpoints, padding with ``tok``'s pad id."""
     import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
-    from trl.experimental.ppo import PPOConfig, PPOTrainer, ppo_trainer as trainer_module
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    wl = json.loads(open(args.workload).read())
-    torch.manual_seed(args.seed)
-    tok = bench_tokenizer(wl["tokenizer"], wl["vocab_size"])
-    rows = wl["prompt_ids"]
-    dataset = Dataset.from_dict({"input_ids": rows})
     load_lm = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
     load_rm = lambda p: AutoModelForSequenceClassification.from_pretrained(p, dtype=torch.float32, num_labels=1)
     policy, ref = load_lm(wl["policy"]), load_lm(wl["reference"])
@@ -93,9 +86,14 @@ def main(argv=None) -> int:
     for m in (policy, ref, reward, value):
         m.config.pad_token_id = tok.pad_token_id
     policy.generation_config.pad_token_id = tok.pad_token_id
+    return policy, ref, reward, value
 
-    out_dir = tempfile.mkdtemp(prefix="tether-bench-trl-")
-    config = PPOConfig(
+
+def ppo_config(args, out_dir: str):
+    """TRL's PPOConfig for the workload: the same hyperparameters as tether's side of the bench."""
+    from trl.experimental.ppo import PPOConfig
+
+    return PPOConfig(
         output_dir=out_dir, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
         use_cpu=True, bf16=False, fp16=False, seed=args.seed, data_seed=args.seed,
         # One rollout batch of `prompts`, cut into `minibatches` optimizer steps per epoch: TRL's
@@ -112,6 +110,11 @@ def main(argv=None) -> int:
         weight_decay=0.0, max_grad_norm=0.0,  # TRL's PPO loop never clips; 0 says so
         dataloader_num_workers=0)
 
+
+def instrument(trainer_module) -> tuple[Phases, dict]:
+    """Wrap the trainer module's helpers: (phase clock, the shapes of what it generated)."""
+    import torch
+
     phases = Phases()
     trainer_module.batch_generation = phases.wrap(trainer_module.batch_generation, "generate")
     trainer_module.get_reward = phases.wrap(trainer_module.get_reward, "score")
@@ -119,6 +122,12 @@ def main(argv=None) -> int:
     trainer_module.forward = phases.wrap(trainer_module.forward, "score", lambda: not torch.is_grad_enabled())
     shapes = {}
     trainer_module.batch_generation = _record_shape(trainer_module.batch_generation, shapes)
+    return phases, shapes
+
+
+def step_clock(phases: Phases, shapes: dict):
+    """A TrainerCallback that prints the startup line, then one JSON line per step."""
+    from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -137,9 +146,25 @@ def main(argv=None) -> int:
             phases.seconds = {"generate": 0.0, "score": 0.0}
             self.t = time.perf_counter()
 
+    return StepClock()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from datasets import Dataset
+    from trl.experimental.ppo import PPOTrainer, ppo_trainer as trainer_module
+
+    wl = json.loads(open(args.workload).read())
+    torch.manual_seed(args.seed)
+    tok = bench_tokenizer(wl["tokenizer"], wl["vocab_size"])
+    dataset = Dataset.from_dict({"input_ids": wl["prompt_ids"]})
+    policy, ref, reward, value = load_models(wl, tok)
+    config = ppo_config(args, tempfile.mkdtemp(prefix="tether-bench-trl-"))
+    phases, shapes = instrument(trainer_module)
     trainer = PPOTrainer(args=config, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=dataset, eval_dataset=dataset.select(range(2)),
-                         callbacks=[StepClock()])
+                         callbacks=[step_clock(phases, shapes)])
     shapes["eos_id"], shapes["pad_id"] = tok.eos_token_id, tok.pad_token_id
     trainer.train()
     print(json.dumps({"done": True, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -18,7 +18,8 @@ import random
 import sys
 from pathlib import Path
 
-from cluster.demo.tiny_models import SPEC_BENCH_32M, build_policy, build_reward_model, cache_root, cached_build, corpus
+from cluster.demo.sentiment import corpus
+from cluster.demo.tiny_models import SPEC_BENCH_32M, build_policy, build_reward_model, cache_root, cached_build
 
 FORMAT = 1  # bump when the recipe changes
 

@@ -3,15 +3,13 @@
 The entrypoint; the recipe is cluster/recipes/pipeline.py.
 """
 import sys
+from functools import partial
 
-from cluster.recipes.pipeline import PipelineConfig, run
-from cluster.recipes.stage import CONFIGS, stage_main
+from cluster.config.pipeline import PipelineConfig
+from cluster.recipes.pipeline import run
+from cluster.recipes.stage import stage_main
 
-
-def main(argv=None) -> int:
-    return stage_main(argv, prog="python -m cluster.pipeline", config_cls=PipelineConfig,
-                      default_config=CONFIGS / "pipeline-cpu.yaml", run=run)
-
+main = partial(stage_main, name="pipeline", config_cls=PipelineConfig, default_config="pipeline-cpu.yaml", run=run)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,16 +3,13 @@
 The entrypoint; the recipe is cluster/recipes/reward_model.py.
 """
 import sys
+from functools import partial
 
 from cluster.config.stages import RMConfig
 from cluster.recipes.reward_model import run
-from cluster.recipes.stage import CONFIGS, stage_main
+from cluster.recipes.stage import stage_main
 
-
-def main(argv=None) -> int:
-    return stage_main(argv, prog="python -m cluster.reward_model", config_cls=RMConfig,
-                      default_config=CONFIGS / "rm-tiny.yaml", run=run)
-
+main = partial(stage_main, name="reward_model", config_cls=RMConfig, default_config="rm-tiny.yaml", run=run)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,8 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.job.errors import EXIT_DONE, EXIT_FAILED, UserError, report, user_error
+from core.errors import one_line
 
-class ScaleError(Exception):
+
+class ScaleError(UserError):
     """A mistake in the request: one line, exit 2."""
 
 
@@ -90,14 +93,11 @@ def main(argv=None) -> int:
     try:
         sizes = scale(Path(args.run), parse_targets(args.targets), args.timeout)
     except ScaleError as e:
-        print(f"tether: error: {e}", file=sys.stderr)
-        return 2
+        return user_error(str(e))
     except Exception as e:  # noqa: BLE001 - a Ray or timeout failure, in one line
-        from cluster.job.errors import one_line
-        print(f"tether: scale failed: {one_line(e)}", file=sys.stderr)
-        return 1
+        return report(f"scale failed: {one_line(e)}", EXIT_FAILED)
     print(f"tether: pools now {', '.join(f'{p}={n}' for p, n in sizes.items())}")
-    return 0
+    return EXIT_DONE
 
 
 if __name__ == "__main__":

@@ -3,16 +3,13 @@
 The entrypoint; the recipe is cluster/recipes/sft.py.
 """
 import sys
+from functools import partial
 
 from cluster.config.stages import SFTConfig
 from cluster.recipes.sft import run
-from cluster.recipes.stage import CONFIGS, stage_main
+from cluster.recipes.stage import stage_main
 
-
-def main(argv=None) -> int:
-    return stage_main(argv, prog="python -m cluster.sft", config_cls=SFTConfig,
-                      default_config=CONFIGS / "sft-tiny.yaml", run=run)
-
+main = partial(stage_main, name="sft", config_cls=SFTConfig, default_config="sft-tiny.yaml", run=run)
 
 if __name__ == "__main__":
     sys.exit(main())

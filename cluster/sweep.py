@@ -4,22 +4,21 @@ python -m cluster.sweep [--config configs/pipeline-cpu.yaml] [--betas 0 0.05 0.5
 The entrypoint; the recipe is cluster/recipes/sweep.py.
 """
 import sys
+from functools import partial
 
-from cluster.job.errors import UserError
-from cluster.recipes.pipeline import PipelineConfig
-from cluster.recipes.stage import CONFIGS, stage_main
+from cluster.config.pipeline import PipelineConfig
+from cluster.job.errors import UserError, user_error
+from cluster.recipes.stage import stage_main
 from cluster.recipes.sweep import split_betas, sweep
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        betas, rest = split_betas(argv)
+    try:  # --betas first: the rest is a pipeline's command line
+        betas, rest = split_betas(list(sys.argv[1:] if argv is None else argv))
     except UserError as e:
-        print(f"tether: error: {e}", file=sys.stderr)
-        return 2
-    return stage_main(rest, prog="python -m cluster.sweep", config_cls=PipelineConfig,
-                      default_config=CONFIGS / "pipeline-cpu.yaml", run=lambda cfg: sweep(cfg, betas))
+        return user_error(str(e))
+    return stage_main(rest, name="sweep", config_cls=PipelineConfig, default_config="pipeline-cpu.yaml",
+                      run=partial(sweep, betas=betas))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """annotate: join a generator's Rollouts with reference log-probs and reward scores.
 
 Pure function (numpy in, numpy out, torch only for the shared PPO math), so the
-reward shaping the learner trains on is defined in exactly one place: learner/ppo.py.
+reward shaping the learner trains on is defined in exactly one place: core/advantages.py.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from core.ppo import kl_estimate, per_token_rewards
+from core.advantages import per_token_rewards
+from core.kl import kl_estimate
 from core.rollout import Rollout, ScoredRollout
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,27 @@ def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], sc
     scores = np.asarray(scores, dtype=np.float64).reshape(-1)
     if scores.shape != (n,):
         raise ValueError(f"annotate: {n} rollouts but {scores.size} scores")
+    keep, refs, kept_scores = _non_empty(rollouts, ref_logprobs, scores)
+    if len(keep) < n:
+        log.debug("annotate: skipped %d rollouts with empty responses", n - len(keep))
+    if not keep:
+        return []
+    lengths = [r.response_ids.size for r in keep]
+    kl_np, rewards_np = _kl_and_rewards(keep, refs, kept_scores, beta=beta, kl_estimator=kl_estimator,
+                                        truncation_penalty=truncation_penalty, reward_clip=reward_clip)
+    out = []
+    for row, (r, ref, R) in enumerate(zip(keep, refs, lengths)):
+        base = {name: getattr(r, name) for name in _ROLLOUT_FIELDS}
+        out.append(ScoredRollout(**base, reference_logprobs=ref, kl=kl_np[row, :R].copy(),
+                                 rewards=rewards_np[row, :R].copy(), score=float(kept_scores[row])))
+    return out
 
-    keep, refs = [], []
+
+def _non_empty(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray],
+               scores: np.ndarray) -> tuple[list[Rollout], list[np.ndarray], np.ndarray]:
+    """The rollouts with a response, their [R_i] float32 reference log-probs and their [N'] float64
+    scores; a ValueError for a length mismatch or a non-finite score or log-prob among them."""
+    keep, refs, kept_scores = [], [], []
     for r, ref, s in zip(rollouts, ref_logprobs, scores):
         ref = np.asarray(ref, dtype=np.float32).reshape(-1)
         if r.response_ids.size == 0:
@@ -94,13 +114,16 @@ def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], sc
             raise ValueError(f"annotate: {_name(r)} has non-finite behaviour or reference log-probs")
         keep.append(r)
         refs.append(ref)
-    if len(keep) < n:
-        log.debug("annotate: skipped %d rollouts with empty responses", n - len(keep))
-    if not keep:
-        return []
+        kept_scores.append(s)
+    return keep, refs, np.array(kept_scores)
 
-    lengths = [r.response_ids.size for r in keep]
-    B, T = len(keep), max(lengths)
+
+def _kl_and_rewards(keep: list[Rollout], refs: list[np.ndarray], scores: np.ndarray, *, beta: float,
+                    kl_estimator: str, truncation_penalty: float,
+                    reward_clip: Optional[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token KL and rewards, each [B, T] float32 (T = the longest response; 0 past a row's end),
+    of non-empty rollouts with their reference log-probs and [B] scores (see ``annotate``)."""
+    B, T = len(keep), max(r.response_ids.size for r in keep)
     behaviour = np.zeros((B, T), np.float32)
     reference = np.zeros((B, T), np.float32)
     mask = np.zeros((B, T), bool)
@@ -108,21 +131,12 @@ def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], sc
         behaviour[row, :r.response_ids.size] = r.behaviour_logprobs
         reference[row, :r.response_ids.size] = ref
         mask[row, :r.response_ids.size] = True
-    kept_scores = np.array([s for r, s in zip(rollouts, scores) if r.response_ids.size > 0])
-
     with torch.no_grad():
         mask_t = torch.from_numpy(mask)
         kl = kl_estimate(torch.from_numpy(behaviour), torch.from_numpy(reference), kl_estimator)
         kl = torch.where(mask_t, kl, torch.zeros(()))
         rewards = per_token_rewards(
-            kl, torch.from_numpy(kept_scores.astype(np.float32)), mask_t.float(), beta,
+            kl, torch.from_numpy(scores.astype(np.float32)), mask_t.float(), beta,
             truncated=torch.tensor([r.truncated for r in keep]),
             truncation_penalty=truncation_penalty, reward_clip=reward_clip)
-    kl_np, rewards_np = kl.numpy(), rewards.numpy()
-
-    out = []
-    for row, (r, ref, R) in enumerate(zip(keep, refs, lengths)):
-        base = {name: getattr(r, name) for name in _ROLLOUT_FIELDS}
-        out.append(ScoredRollout(**base, reference_logprobs=ref, kl=kl_np[row, :R].copy(),
-                                 rewards=rewards_np[row, :R].copy(), score=float(kept_scores[row])))
-    return out
+    return kl.numpy(), rewards.numpy()

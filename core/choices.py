@@ -1,5 +1,8 @@
-"""PPO's named choices (KL estimators and placements, loss aggregations, off-policy corrections)
-as Literal types, with the tuples of their names and the one cross-check between them.
+"""The named choices of the configs as Literal types: PPO's (KL estimators and placements, loss
+aggregations, off-policy corrections, where pi_old comes from), the learner's (optimizer, lr
+decay, dtype, critic, weight transport) and the run's (mode, CPU threads, pair labels), with
+the tuples of PPO's names and the one cross-check between them. A config key typed with one of
+these is checked against it by the loader (core/schema.py), never by a hand-written test.
 
 No torch here: the run's config validates against these without importing the math.
 """
@@ -7,10 +10,21 @@ from __future__ import annotations
 
 from typing import Literal, Optional, get_args
 
+from core.schema import choice_error
+
 KLEstimator = Literal["k1", "k2", "k3"]
 KLPlacement = Literal["reward", "loss"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 OffPolicyCorrection = Literal["none", "tis", "decoupled"]
+OldLogprobs = Literal["recompute", "behaviour"]  # where the PPO ratio's pi_old comes from (learner/update.py)
+Optimizer = Literal["adamw", "sgd"]
+LRDecay = Literal["linear", "cosine", "constant"]
+TrainableDType = Literal["float32", "bfloat16"]  # core.dtypes.TRAINABLE_DTYPES: fp16 would need loss scaling
+Critic = Literal["shared", "separate"]
+WeightSync = Literal["cpu", "nccl"]  # learner -> generator transports (learner/weight_sync.py, learner/nccl_sync.py)
+RunMode = Literal["sync", "async"]
+CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/threads.py
+PairLabels = Literal["hard", "bradley_terry"]  # cluster/demo/sentiment.py label_pairs
 
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 KL_PLACEMENTS: tuple[str, ...] = get_args(KLPlacement)
@@ -26,10 +40,10 @@ def kl_placement_error(placement: str, estimator: str) -> Optional[str]:
     far). In the loss the gradient flows through log pi: k1 has zero expected gradient there,
     k2 gives grad KL(pi || ref) and k3 grad KL(ref || pi) (the GRPO family's low-variance KL).
     """
-    if placement not in KL_PLACEMENTS:
-        return f"ppo.kl.placement={placement!r} is unknown; use one of {', '.join(KL_PLACEMENTS)}"
-    if estimator not in KL_ESTIMATORS:
-        return f"ppo.kl.estimator={estimator!r} is unknown; use one of {', '.join(KL_ESTIMATORS)}"
+    unknown = (choice_error("ppo.kl.placement", placement, KL_PLACEMENTS)
+               or choice_error("ppo.kl.estimator", estimator, KL_ESTIMATORS))
+    if unknown:
+        return unknown
     if placement == "reward" and estimator != "k1":
         return (f"ppo.kl.estimator={estimator} in the reward does not give the KL's gradient (PPO treats "
                 "rewards as constants); use k1 there, or ppo.kl.placement=loss to train on "

@@ -7,7 +7,7 @@ steps, learner/sft.py and learner/preference.py, call them).
     bradley_terry_loss    reward model: -log sigmoid(r_chosen - r_rejected - margin)
     pair_accuracy         reward model: how often the chosen response scores higher
 
-Conventions as in core/ppo.py: masks are 1 on counted positions and 0 elsewhere; shape
+Conventions as in core/masked.py: masks are 1 on counted positions and 0 elsewhere; shape
 mismatches raise ValueError instead of broadcasting.
 """
 from __future__ import annotations

@@ -12,11 +12,6 @@ import numpy as np
 
 FINISH_REASONS = ("stop", "length")
 
-# The Ray concurrency group in which a generator actor takes weight updates, so that a
-# push does not queue behind a generate call (actors/generator.py); the learner's weight
-# transports call into it. Shared here because actors and learner do not import each other.
-WEIGHT_UPDATE_GROUP = "weight_updates"
-
 
 @dataclass
 class Rollout:

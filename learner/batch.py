@@ -1,14 +1,9 @@
 """Padding ScoredRollouts into one batch of tensors the learner can run.
 
-Layout: prompts LEFT-padded to the batch's longest prompt P, responses RIGHT-padded
-to the longest response R, so every response starts at column P and one slice of
-the logits serves the whole batch:
-
-    row 0:  [pad pad p p p | r r r r pad]
-    row 1:  [p p p p p     | r r pad pad pad]
-             <---- P ----->  <----- R ----->
-
-Logits at columns P-1 .. P+R-2 predict the response tokens (see ``response_slice``).
+Layout (core.layout's prompt | response): prompts LEFT-padded to the batch's longest
+prompt P, responses RIGHT-padded to the longest response R, so every response starts at
+column P and one slice of the logits serves the whole batch. Logits at columns
+P-1 .. P+R-2 predict the response tokens (see ``response_slice``).
 """
 from __future__ import annotations
 
@@ -19,6 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from core.layout import pad_prompt_response, pad_right, position_ids
 from core.rollout import Rollout, ScoredRollout
 from core.sampling import pad_kept_ids
 
@@ -131,15 +127,11 @@ def collate(rollouts: Sequence[ScoredRollout | Rollout], pad_id: int) -> Batch:
         raise ValueError(f"collate: zero valid response tokens in a batch of {len(rollouts)} rollouts; "
                          "drop empty responses before training")
     B = len(rollouts)
-    ids = np.full((B, P + R), pad_id, dtype=np.int64)
-    attn = np.zeros((B, P + R), dtype=np.int64)
+    ids, attn = pad_prompt_response([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id)
     per_token = {k: np.zeros((B, R), dtype=np.float32)
                  for k in ("response_mask", "behaviour_logprobs", "reference_logprobs", "rewards")}
     for row, r in enumerate(rollouts):
-        p, n = r.prompt_ids.size, r.response_ids.size
-        ids[row, P - p:P] = r.prompt_ids
-        ids[row, P:P + n] = r.response_ids
-        attn[row, P - p:P + n] = 1
+        n = r.response_ids.size
         per_token["response_mask"][row, :n] = 1.0
         per_token["behaviour_logprobs"][row, :n] = r.behaviour_logprobs
         # Plain Rollouts (no reference / rewards yet) collate too: for scoring only.
@@ -158,20 +150,10 @@ def collate(rollouts: Sequence[ScoredRollout | Rollout], pad_id: int) -> Batch:
                  prompt_len=P, **{k: torch.from_numpy(v) for k, v in per_token.items()})
 
 
-def position_ids(attention_mask: Tensor) -> Tensor:
-    """Positions counting real tokens only; padding gets 0 (it is masked anyway)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-
-
 def collate_lm(sequences: Sequence, pad_id: int) -> tuple[Tensor, Tensor]:
     """Right-pad plain token sequences (PTX batch) -> (input_ids [B, T], attention_mask [B, T])."""
     seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
     if not seqs or max(s.size for s in seqs) < 2:
         raise ValueError("collate_lm: the PTX batch needs at least one sequence of >= 2 tokens")
-    T = max(s.size for s in seqs)
-    ids = np.full((len(seqs), T), pad_id, dtype=np.int64)
-    mask = np.zeros((len(seqs), T), dtype=np.int64)
-    for row, s in enumerate(seqs):
-        ids[row, :s.size] = s
-        mask[row, :s.size] = 1
+    ids, mask = pad_right(seqs, pad_id)
     return torch.from_numpy(ids), torch.from_numpy(mask)

@@ -15,7 +15,7 @@ class Collectives:
         self.device = device  # NCCL reduces on the GPU; gloo on the CPU
 
     def sum(self, values: Sequence) -> list[float]:
-        """Sums over the ranks, in order. Also the ``reduce=`` of core.ppo's whiten and
+        """Sums over the ranks, in order. Also the ``reduce=`` of core.masked's whiten and
         explained_variance, which then see the global batch."""
         return self._reduce(values, dist.ReduceOp.SUM)
 

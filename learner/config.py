@@ -1,26 +1,32 @@
 """Typed configuration of the learner: optimiser, PPO update, DeepSpeed engine.
 
 Each setting is declared once, here: cluster/config/ppo.py builds its ``learner`` and
-``ppo`` sections from these classes instead of repeating them. Every dataclass is
-frozen and has ``validate(world_size)`` raising a one-line ValueError that names
-the field and the fix, so a bad YAML fails at start-up, not mid-run inside
+``ppo`` sections from these classes instead of repeating them. Every class is a frozen
+config class (core/schema.py: each key's help is its field metadata, a named choice is a
+Literal type from core/choices.py) and has ``validate(world_size)`` raising a one-line
+ValueError that names the field and the fix, so a bad YAML fails at start-up, not mid-run inside
 DeepSpeed. ``from_dict`` accepts the nested plain dicts a YAML loader produces
 (and validates them, since nothing upstream has).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from typing import Optional
 
-from core.choices import AGG_MODES, OFF_POLICY_MODES, kl_placement_error
-from core.dtypes import TRAINABLE_DTYPES
-
-OPTIMIZERS = ("adamw", "sgd")
-LR_DECAYS = ("linear", "cosine", "constant")
-CRITICS = ("shared", "separate")
-OLD_LOGPROBS = ("recompute", "behaviour")  # where the PPO ratio's pi_old comes from (learner/update.py)
-WEIGHT_SYNCS = ("cpu", "nccl")  # learner -> generator transports (learner/weight_sync.py, learner/nccl_sync.py)
+from core.choices import (
+    Critic,
+    KLEstimator,
+    LossAggregation,
+    LRDecay,
+    OffPolicyCorrection,
+    OldLogprobs,
+    Optimizer,
+    TrainableDType,
+    WeightSync,
+    kl_placement_error,
+)
+from core.schema import check_choices, config_class, setting
 
 
 def _fail(message: str) -> None:
@@ -36,23 +42,24 @@ def _from_dict(cls, data: dict, where: str):
     return cls(**data)
 
 
-@dataclass(frozen=True)
+@config_class
 class OptimConfig:
-    optimizer: str = "adamw"        # "adamw" | "sgd" (sgd is scale-sensitive: used to test gradient sums)
-    lr: float = 1e-5                # peak learning rate, reached at the end of warm-up
-    weight_decay: float = 0.0       # decoupled (AdamW) / L2 (SGD) weight decay
-    betas: tuple = (0.9, 0.95)      # Adam moment decays
-    eps: float = 1e-8               # Adam denominator epsilon
-    warmup_steps: int = 0           # optimizer steps of linear warm-up from 0 to lr
-    total_steps: int = 0            # optimizer steps over which lr decays to min_lr_ratio*lr; 0 = constant after warm-up
-    decay: str = "linear"           # "linear" | "cosine" | "constant": shape of the decay after warm-up
-    min_lr_ratio: float = 0.0       # floor of the decay as a fraction of lr
-    grad_clip: float = 1.0          # max global gradient L2 norm; 0 disables clipping
+    """The optimizer and its learning-rate schedule."""
+    optimizer: Optimizer = setting("adamw", "adamw | sgd (sgd is scale-sensitive: used to test gradient sums)")
+    lr: float = setting(1e-5, "peak learning rate, reached at the end of warm-up")
+    weight_decay: float = setting(0.0, "decoupled (AdamW) / L2 (SGD) weight decay")
+    betas: tuple = setting((0.9, 0.95), "Adam moment decays")
+    eps: float = setting(1e-8, "Adam denominator epsilon")
+    warmup_steps: int = setting(0, "optimizer steps of linear warm-up from 0 to lr")
+    total_steps: int = setting(0, "optimizer steps over which lr decays to min_lr_ratio*lr; "
+                                  "0 = constant after warm-up")
+    decay: LRDecay = setting("linear", "linear | cosine | constant: shape of the decay after warm-up")
+    min_lr_ratio: float = setting(0.0, "floor of the decay as a fraction of lr")
+    grad_clip: float = setting(1.0, "max global gradient L2 norm; 0 disables clipping")
 
     def validate(self, world_size: int = 1) -> None:
         p = "learner.optim"
-        if self.optimizer not in OPTIMIZERS:
-            _fail(f"{p}.optimizer={self.optimizer!r} is unknown; use one of {OPTIMIZERS}")
+        check_choices(self, p)
         if not (self.lr > 0 and math.isfinite(self.lr)):
             _fail(f"{p}.lr={self.lr} must be a finite number > 0")
         if self.weight_decay < 0:
@@ -67,8 +74,6 @@ class OptimConfig:
         if self.total_steps and self.total_steps < self.warmup_steps:
             _fail(f"{p}.total_steps={self.total_steps} is below warmup_steps={self.warmup_steps}; "
                   "raise total_steps or set it to 0 for a constant lr after warm-up")
-        if self.decay not in LR_DECAYS:
-            _fail(f"{p}.decay={self.decay!r} is unknown; use one of {LR_DECAYS}")
         if not 0 <= self.min_lr_ratio <= 1:
             _fail(f"{p}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.grad_clip < 0:
@@ -99,29 +104,35 @@ class OptimConfig:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
-@dataclass(frozen=True)
+@config_class
 class PPOConfig:
-    ppo_epochs: int = 1                  # passes over the batch per train() call
-    minibatch_size: int = 8              # rollouts per optimizer step, summed over all ranks
-    micro_batch_size: int = 2            # rollouts per forward/backward on one rank (gradient accumulation)
-    clip_low: float = 0.2                # ratio clipped below at 1 - clip_low
-    clip_high: Optional[float] = None    # ratio clipped above at 1 + clip_high; None = clip_low
-    dual_clip: Optional[float] = None    # c > 1 caps negative-advantage loss at -A*c; None disables
-    value_clip: Optional[float] = 0.2    # value updates clipped to old value +- this; None disables
-    vf_coef: float = 0.1                 # weight of the value loss in the total loss
-    entropy_coef: float = 0.0            # weight of the entropy bonus (subtracted from the loss)
-    ptx_coef: float = 0.0                # gamma of InstructGPT's PPO-ptx: weight of the pretraining LM loss (text: ptx.*)
-    gamma: float = 1.0                   # GAE discount
-    lam: float = 0.95                    # GAE lambda
-    agg: str = "token-mean"              # loss aggregation, see core.ppo.aggregate_loss
-    whiten_advantages: bool = True       # normalise advantages over the global batch
-    shuffle: bool = True                 # shuffle rollouts into minibatches each epoch (seeded)
-    off_policy: str = "tis"              # correction for rollouts sampled by other weights: none | tis | decoupled (core.ppo.behaviour_weights)
-    is_cap: float = 2.0                  # importance-weight cap: tis truncates weights to it, decoupled drops tokens above it
-    old_logprobs: str = "recompute"      # the ratio's pi_old: recompute (a learner forward) | behaviour (the sampler's log-probs; sync mode only)
+    """The PPO update: epochs, batch sizes, clipping, loss weights, GAE, off-policy correction."""
+    ppo_epochs: int = setting(1, "passes over the batch per train() call")
+    minibatch_size: int = setting(8, "rollouts per optimizer step, summed over all ranks")
+    micro_batch_size: int = setting(2, "rollouts per forward/backward on one rank (gradient accumulation)")
+    clip_low: float = setting(0.2, "ratio clipped below at 1 - clip_low")
+    clip_high: Optional[float] = setting(None, "ratio clipped above at 1 + clip_high; None = clip_low")
+    dual_clip: Optional[float] = setting(None, "c > 1 caps negative-advantage loss at -A*c; None disables")
+    value_clip: Optional[float] = setting(0.2, "value updates clipped to old value +- this; None disables")
+    vf_coef: float = setting(0.1, "weight of the value loss in the total loss")
+    entropy_coef: float = setting(0.0, "weight of the entropy bonus (subtracted from the loss)")
+    ptx_coef: float = setting(0.0, "gamma of InstructGPT's PPO-ptx: weight of the pretraining LM loss "
+                                   "(text: ptx.*)")
+    gamma: float = setting(1.0, "GAE discount")
+    lam: float = setting(0.95, "GAE lambda")
+    agg: LossAggregation = setting("token-mean", "loss aggregation, see core.ppo.aggregate_loss")
+    whiten_advantages: bool = setting(True, "normalise advantages over the global batch")
+    shuffle: bool = setting(True, "shuffle rollouts into minibatches each epoch (seeded)")
+    off_policy: OffPolicyCorrection = setting("tis", "correction for rollouts sampled by other weights: "
+                                                     "none | tis | decoupled (core.ppo.behaviour_weights)")
+    is_cap: float = setting(2.0, "importance-weight cap: tis truncates weights to it, decoupled drops "
+                                 "tokens above it")
+    old_logprobs: OldLogprobs = setting("recompute", "the ratio's pi_old: recompute (a learner forward) | "
+                                                     "behaviour (the sampler's log-probs; sync mode only)")
 
     def validate(self, world_size: int = 1) -> None:
         p = "learner.ppo"
+        check_choices(self, p)
         for name in ("ppo_epochs", "minibatch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 _fail(f"{p}.{name}={getattr(self, name)} must be >= 1")
@@ -142,12 +153,6 @@ class PPOConfig:
                 _fail(f"{p}.{name}={getattr(self, name)} must be >= 0")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             _fail(f"{p}.gamma={self.gamma} and {p}.lam={self.lam} must be in [0, 1]")
-        if self.agg not in AGG_MODES:
-            _fail(f"{p}.agg={self.agg!r} is unknown; use one of {AGG_MODES}")
-        if self.off_policy not in OFF_POLICY_MODES:
-            _fail(f"{p}.off_policy={self.off_policy!r} is unknown; use one of {OFF_POLICY_MODES}")
-        if self.old_logprobs not in OLD_LOGPROBS:
-            _fail(f"{p}.old_logprobs={self.old_logprobs!r} is unknown; use one of {OLD_LOGPROBS}")
         if not (self.is_cap >= 1 and math.isfinite(self.is_cap)):
             _fail(f"{p}.is_cap={self.is_cap} must be a finite number >= 1 (weights above it are capped)")
 
@@ -156,17 +161,18 @@ class PPOConfig:
         return self.minibatch_size // (world_size * self.micro_batch_size)
 
 
-@dataclass(frozen=True)
+@config_class
 class TrainerConfig:
     """What the learner pool itself declares: the DeepSpeed engine, the critic, the transport."""
-    zero_stage: int = 2                  # DeepSpeed ZeRO stage 0-3 (3 shards parameters too)
-    dtype: str = "float32"               # "float32" | "bfloat16" (bf16 keeps fp32 master weights)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    critic: str = "shared"               # "shared": value head on the policy body; "separate": own body
-    critic_model: Optional[str] = None   # with critic="separate": a sequence-classification checkpoint (reward model)
-    dist_timeout_s: float = 600.0        # collectives waiting longer than this fail instead of hanging
-    gradient_checkpointing: bool = False  # trade compute for activation memory
-    weight_sync: str = "cpu"             # "cpu": safetensors buckets via Ray | "nccl": GPU broadcast (CUDA)
+    zero_stage: int = setting(2, "DeepSpeed ZeRO stage 0-3 (3 shards parameters too)")
+    dtype: TrainableDType = setting("float32", "float32 | bfloat16 (bf16 keeps fp32 master weights)")
+    optim: OptimConfig
+    critic: Critic = setting("shared", "shared: value head on the policy body | separate: own body")
+    critic_model: Optional[str] = setting(None, "with critic=separate: a sequence-classification checkpoint "
+                                                "(reward model)")
+    dist_timeout_s: float = setting(600.0, "collectives waiting longer than this fail instead of hanging")
+    gradient_checkpointing: bool = setting(False, "trade compute for activation memory")
+    weight_sync: WeightSync = setting("cpu", "cpu: safetensors buckets via Ray | nccl: GPU broadcast (CUDA)")
 
     def validate(self, world_size: int = 1) -> None:
         p = "learner"
@@ -174,32 +180,28 @@ class TrainerConfig:
             _fail(f"{p}: world_size={world_size} must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             _fail(f"{p}.zero_stage={self.zero_stage} is out of range; use 0, 1, 2 or 3")
-        if self.dtype not in TRAINABLE_DTYPES:
-            _fail(f"{p}.dtype={self.dtype!r} is unknown; use one of {TRAINABLE_DTYPES}")
-        if self.critic not in CRITICS:
-            _fail(f"{p}.critic={self.critic!r} is unknown; use one of {CRITICS}")
+        check_choices(self, p)
         if self.critic == "separate" and not self.critic_model:
             _fail(f"{p}.critic_model is required with critic='separate'; point it at a reward-model checkpoint")
         if self.dist_timeout_s <= 0:
             _fail(f"{p}.dist_timeout_s={self.dist_timeout_s} must be > 0")
-        if self.weight_sync not in WEIGHT_SYNCS:
-            _fail(f"{p}.weight_sync={self.weight_sync!r} is unknown; use one of {WEIGHT_SYNCS}")
         self.optim.validate(world_size)
 
 
-@dataclass(frozen=True)
+@config_class
 class LearnerConfig(TrainerConfig):
     """Everything a LearnerWorker needs: the trainer settings plus the PPO update and
     values owned by other sections of a run's config (the run seed, the sampling
     temperature and truncation), filled in by cluster.config.ppo.TetherConfig.learner_config()."""
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    seed: int = 0                        # seeds minibatch shuffling and value-head init
-    temperature: float = 1.0             # the sampling temperature: logits are divided by it (as in vLLM)
-    top_k: int = 0                       # the sampling truncation: the learner scores the distribution
-    top_p: float = 1.0                   # the generator sampled from (core.sampling)
-    # ppo.kl.placement=loss: the KL estimator (k2 | k3) added to the loss as beta x its
-    # aggregate, the gradient flowing through the policy's log-probs. None: the KL is in the reward.
-    kl_loss_estimator: Optional[str] = None
+    ppo: PPOConfig
+    seed: int = setting(0, "seeds minibatch shuffling and value-head init")
+    temperature: float = setting(1.0, "the sampling temperature: logits are divided by it (as in vLLM)")
+    top_k: int = setting(0, "the sampling top-k: the learner scores the distribution the generator sampled "
+                            "from (core.sampling)")
+    top_p: float = setting(1.0, "the sampling top-p, as top_k")
+    kl_loss_estimator: Optional[KLEstimator] = setting(
+        None, "ppo.kl.placement=loss: the KL estimator (k2 | k3) added to the loss as beta x its aggregate, "
+              "the gradient flowing through the policy's log-probs; None: the KL is in the reward")
 
     def validate(self, world_size: int = 1) -> None:
         super().validate(world_size)

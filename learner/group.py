@@ -159,7 +159,8 @@ class LearnerGroup:
         return list(zip(self.workers, shards))
 
     def push_weights(self, generators: Mapping, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
-        """Send the policy to ``generators`` (replica id -> Generator actor handle); rank 0's report."""
+        """Send the policy to ``generators`` (replica id -> actor handle of a ``core.weights.WeightReceiver``);
+        rank 0's report."""
         if not isinstance(generators, Mapping):
             raise TypeError(f"learner.push_weights: generators must map replica id -> actor handle, "
                             f"got {type(generators).__name__}")

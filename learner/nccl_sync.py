@@ -10,9 +10,10 @@ Built on vLLM's weight-transfer engine (``vllm.distributed.weight_transfer``, ba
   (``packed_nccl_broadcast_producer``), double-buffered on side streams.
 * generator side: the engine must be started with ``weight_transfer_config`` (backend "nccl"),
   which ``actors.generator.Generator`` does when started with ``weight_sync="nccl"`` (the
-  pools pass ``learner.weight_sync``); its
-  ``init_weight_transfer`` / ``start_weight_update`` / ``update_weights`` /
-  ``finish_weight_update`` forward to vLLM's ``LLM`` methods of the same names.
+  pools pass ``learner.weight_sync``); the methods this module calls on it are those of the
+  weight contract, ``core.weights.WeightReceiver`` (``init_weight_transfer`` /
+  ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` forward to vLLM's
+  ``LLM`` methods of the same names).
 
 So a push costs three small RPCs per generator (metadata only), never one per parameter or
 per bucket; the bytes go over NCCL. NCCL refuses two ranks of one communicator on the same
@@ -30,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from core.rollout import WEIGHT_UPDATE_GROUP
+from core.weights import WeightReceiver, remote_method
 from learner.rendezvous import candidate_port, is_address_in_use, node_ip, one_line
 from learner.weight_sync import DEFAULT_BUCKET_BYTES, policy_weights
 
@@ -90,14 +91,16 @@ def _get(refs: list) -> list:
 
 
 class GeneratorClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol (``weight_transfer/base.py``) over tether Generators
-    (Ray actor handles, in replica order).
+    """vLLM's ``VLLMWeightSyncClient`` protocol (``weight_transfer/base.py``) over tether generators
+    (Ray actor handles of ``core.weights.WeightReceiver``, in replica order).
 
     vLLM's trainer engine tells the workers ``rank_offset=1`` (it assumes one engine); the
     offset is rewritten per generator here (``rank_layout``). The protocol carries no policy
     version, so it rides on ``self.version``: start refuses an older one on every generator
     before touching any (the group stays usable), finish records it on the generator (which
     also drops its prefix cache). ``touched`` turns True once a round has reached the workers.
+    A round's calls run in the generators' weight-update concurrency group (``remote_method``),
+    so none queues behind a generate call (actors/generator.py).
     """
 
     def __init__(self, generators: list, offsets: list[int]) -> None:
@@ -107,28 +110,23 @@ class GeneratorClient:
         self.touched = False
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        _get([g.init_weight_transfer.remote({**init_info, "rank_offset": off})
+        _get([remote_method(g, WeightReceiver.init_weight_transfer).remote({**init_info, "rank_offset": off})
               for g, off in zip(self.generators, self.offsets)])
 
     def start_weight_update(self) -> None:
-        loaded = _get([g.version.remote() for g in self.generators])
+        loaded = _get([remote_method(g, WeightReceiver.version).remote() for g in self.generators])
         if max(loaded, default=0) > self.version:
             raise ValueError(f"weight sync: version {self.version} is older than the loaded version "
                              f"{max(loaded)} of a generator")
         self.touched = True
-        _get([_updating(g.start_weight_update).remote(self.version) for g in self.generators])
+        _get([remote_method(g, WeightReceiver.start_weight_update).remote(self.version) for g in self.generators])
 
     def update_weights(self, update_info: dict) -> None:
-        _get([_updating(g.update_weights).remote(update_info) for g in self.generators])
+        _get([remote_method(g, WeightReceiver.update_weights).remote(update_info) for g in self.generators])
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        self.results = _get([_updating(g.finish_weight_update).remote(self.version) for g in self.generators])
-
-
-def _updating(method):
-    """A generator's weight-update method, called in its weight-update concurrency group
-    (so that it does not queue behind a generate call: actors/generator.py)."""
-    return method.options(concurrency_group=WEIGHT_UPDATE_GROUP)
+        self.results = _get([remote_method(g, WeightReceiver.finish_weight_update).remote(self.version)
+                             for g in self.generators])
 
 
 def _round_source(device=None):
@@ -154,8 +152,8 @@ def _round_source(device=None):
 class NCCLWeightSync:
     """Same interface as ``CPUWeightSync``; holds the NCCL group across pushes (``init`` once).
 
-    generators: Ray actor handles of ``actors.generator.Generator`` started with
-    ``weight_sync="nccl"`` (``learner.weight_sync``), in replica order. Runs in learner rank
+    generators: Ray actor handles of ``core.weights.WeightReceiver`` (``actors.generator.Generator``)
+    started with ``weight_sync="nccl"`` (``learner.weight_sync``), in replica order. Runs in learner rank
     0, which must own a CUDA device.
     """
 
@@ -173,7 +171,7 @@ class NCCLWeightSync:
         """
         if not torch.cuda.is_available():
             raise ValueError("weight_sync='nccl' needs CUDA on learner rank 0; use weight_sync='cpu'")
-        gpus = _get([g.weight_transfer_gpus.remote() for g in self.generators])
+        gpus = _get([remote_method(g, WeightReceiver.weight_transfer_gpus).remote() for g in self.generators])
         check_distinct_gpus(str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid), gpus)
         offsets, world = rank_layout([len(g) for g in gpus])
         address = master_address or node_ip()
@@ -204,7 +202,7 @@ class NCCLWeightSync:
     def _release_generators(self) -> None:
         """Best effort: the generators may hold a half-formed group from the failed attempt."""
         try:
-            _get([g.shutdown_weight_transfer.remote() for g in self.generators])
+            _get([remote_method(g, WeightReceiver.shutdown_weight_transfer).remote() for g in self.generators])
         except Exception as e:  # noqa: BLE001 - the next attempt reports what still fails
             log.warning("weight sync: releasing the generators' transfer group failed: %s", one_line(e))
 
@@ -267,7 +265,7 @@ class NCCLWeightSync:
         """Release the NCCL group on both sides (best effort); a later push re-inits."""
         if self._engine is not None:
             try:
-                _get([g.shutdown_weight_transfer.remote() for g in self.generators])
+                _get([remote_method(g, WeightReceiver.shutdown_weight_transfer).remote() for g in self.generators])
             finally:
                 self._engine.shutdown()
                 self._engine = None

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from core import ppo
 from core.dtypes import torch_dtype
+from core.logprobs import entropy_from_logits, logprobs_from_logits
 from learner.batch import Batch, response_slice
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,31 @@ def copy_tokenizer(source: Optional[str], out: Path) -> None:
             shutil.copy2(src, out / name)
 
 
-class PolicyWithValueHead(nn.Module):
+class HFWrapper(nn.Module):
+    """What the policy and the reward model share: ``config`` is the wrapped HF model's (the
+    attribute named by ``wrapped``); ``source_path`` is the checkpoint it was loaded from, whose
+    tokenizer a save copies. A subclass calls ``disable_dropout(self)`` once its modules are set."""
+
+    wrapped = "model"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source_path: Optional[str] = None
+
+    @property
+    def config(self):
+        return getattr(self, self.wrapped).config
+
+    def state_part(self, prefix: str, state_dict: Optional[dict] = None) -> dict:
+        """The CPU tensors of ``state_dict`` (default: this module's) under ``prefix``, named without it."""
+        sd = state_dict if state_dict is not None else self.state_dict()
+        return {k[len(prefix):]: v.detach().cpu().contiguous() for k, v in sd.items() if k.startswith(prefix)}
+
+
+class PolicyWithValueHead(HFWrapper):
     """HF causal LM + ``value_head`` (Linear(hidden, 1)) on the shared or a separate body."""
+
+    wrapped = "lm"
 
     def __init__(self, lm: nn.Module, value_head: Optional[nn.Linear] = None,
                  critic_body: Optional[nn.Module] = None) -> None:
@@ -72,12 +95,7 @@ class PolicyWithValueHead(nn.Module):
             nn.init.zeros_(value_head.weight)
             nn.init.zeros_(value_head.bias)
         self.value_head = value_head
-        self.source_path: Optional[str] = None
         disable_dropout(self)
-
-    @property
-    def config(self):
-        return self.lm.config
 
     def _hidden(self, body: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
         out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -121,12 +139,12 @@ class PolicyWithValueHead(nn.Module):
         logits = head(hidden)
         tokens = input_ids[:, prompt_len:]
         truncation = dict(top_k=top_k, top_p=top_p, kept_ids=kept_ids)
-        logprobs = ppo.logprobs_from_logits(logits, tokens, temperature, **truncation)
-        entropy = (ppo.entropy_from_logits(logits, temperature, tokens=tokens, **truncation)
+        logprobs = logprobs_from_logits(logits, tokens, temperature, **truncation)
+        entropy = (entropy_from_logits(logits, temperature, tokens=tokens, **truncation)
                    if with_entropy else None)
         values = self._values(hidden, input_ids, attention_mask, position_ids, cols)
         if with_own_set:  # without the sampler's sets, logprobs are of the own set already
-            own = logprobs if kept_ids is None else ppo.logprobs_from_logits(
+            own = logprobs if kept_ids is None else logprobs_from_logits(
                 logits, tokens, temperature, top_k=top_k, top_p=top_p)
             return logprobs, values, entropy, own
         return logprobs, values, entropy
@@ -156,8 +174,7 @@ class PolicyWithValueHead(nn.Module):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         sd = state_dict if state_dict is not None else self.state_dict()
-        part = lambda prefix: {k[len(prefix):]: v.detach().cpu().contiguous()  # noqa: E731
-                               for k, v in sd.items() if k.startswith(prefix)}
+        part = lambda prefix: self.state_part(prefix, sd)  # noqa: E731
         self.lm.save_pretrained(out, state_dict=part("lm."), safe_serialization=True)
         save_file(part("value_head."), str(out / VALUE_HEAD_FILE))
         if self.critic_body is not None:

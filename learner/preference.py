@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from core.dtypes import torch_dtype
+from core.layout import pool_last_token
 from core.preference import bradley_terry_loss
-from learner.policy import copy_tokenizer, disable_dropout
+from learner.policy import HFWrapper, copy_tokenizer, disable_dropout
 from learner.sft import SupervisedStep, collate_sequences
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 Pair = tuple  # (prompt_ids [P], chosen_ids [C], rejected_ids [R]) int64 arrays
 
 
-class RewardModule(nn.Module):
+class RewardModule(HFWrapper):
     """An HF ``...ForSequenceClassification`` (num_labels=1) with last-real-token pooling."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -36,29 +37,20 @@ class RewardModule(nn.Module):
             raise ValueError(f"RewardModule: {type(model).__name__} must be a decoder sequence classifier with "
                              "a `score` head and num_labels=1")
         self.model = model
-        self.source_path: Optional[str] = None
         disable_dropout(self)
-
-    @property
-    def config(self):
-        return self.model.config
 
     def forward(self, input_ids, attention_mask) -> torch.Tensor:
         """[B, T] right-padded ids and mask -> [B] float32 scores."""
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                        use_cache=False).last_hidden_state
-        last = attention_mask.sum(-1) - 1
-        pooled = hidden[torch.arange(len(input_ids), device=hidden.device), last]
-        return self.model.score(pooled).squeeze(-1).float()
+        return self.model.score(pool_last_token(hidden, attention_mask)).squeeze(-1).float()
 
     def save_pretrained(self, out_dir, state_dict: Optional[dict] = None) -> Path:
         """An HF checkpoint AutoModelForSequenceClassification loads; tokenizer copied beside it.
         ``state_dict``: full tensors named as in ``state_dict()`` (gathered under ZeRO-3)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        sd = state_dict if state_dict is not None else self.state_dict()
-        own = {k[len("model."):]: v.detach().cpu().contiguous() for k, v in sd.items() if k.startswith("model.")}
-        self.model.save_pretrained(out, state_dict=own, safe_serialization=True)
+        self.model.save_pretrained(out, state_dict=self.state_part("model.", state_dict), safe_serialization=True)
         copy_tokenizer(self.source_path, out)
         return out
 

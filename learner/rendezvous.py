@@ -17,6 +17,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+# one_line: the name learner/group.py and learner/nccl_sync.py know it by
+from core.errors import type_and_first_line as one_line
+
 
 class RendezvousError(RuntimeError):
     """A rank could not join the process group (store unreachable, peer missing, timeout)."""
@@ -80,12 +83,6 @@ def join_process_group(rank: int, world_size: int, address: Optional[StoreAddres
     if address is not None:
         os.environ.update(MASTER_ADDR=address.host, MASTER_PORT=str(address.port))
     return backend
-
-
-def one_line(error: BaseException) -> str:
-    """``Type: first line of the message``: for log lines and chained errors."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 # ------------------------------------------------------------------ ports bound by someone else

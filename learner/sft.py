@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from core.layout import pad_right, position_ids
 from core.preference import response_nll
 from learner.collectives import Collectives
 from learner.config import LearnerConfig
@@ -29,16 +30,12 @@ def collate_sequences(parts: Sequence[Sequence[np.ndarray]], pad_id: int, device
     -> (input_ids [B, T] long, attention_mask [B, T] long, loss_mask [B, T] float), where
     loss_mask is 1 on the tokens of each item's LAST array (the response).
     """
-    lengths = [sum(len(a) for a in p) for p in parts]
-    T = max(lengths)
-    ids = torch.full((len(parts), T), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(parts), T), dtype=torch.long)
-    loss_mask = torch.zeros((len(parts), T), dtype=torch.float32)
-    for row, (p, n) in enumerate(zip(parts, lengths)):
-        ids[row, :n] = torch.from_numpy(np.concatenate(p).astype(np.int64))
-        attn[row, :n] = 1
+    ids, attn = pad_right([np.concatenate(p).astype(np.int64) for p in parts], pad_id)
+    loss_mask = torch.zeros(ids.shape, dtype=torch.float32)
+    for row, p in enumerate(parts):
+        n = sum(len(a) for a in p)
         loss_mask[row, n - len(p[-1]):n] = 1.0
-    return ids.to(device), attn.to(device), loss_mask.to(device)
+    return torch.from_numpy(ids).to(device), torch.from_numpy(attn).to(device), loss_mask.to(device)
 
 
 class SupervisedStep:
@@ -128,6 +125,6 @@ class SFTStep(SupervisedStep):
 
     def _loss(self, items: list[Example], normalizer: Optional[float]) -> torch.Tensor:
         ids, attn, loss_mask = collate_sequences(items, self.pad_id, self.device)
-        logits, values = self.engine(ids, attn, (attn.cumsum(-1) - 1).clamp_min(0))
+        logits, values = self.engine(ids, attn, position_ids(attn))
         # The value head joins the graph at zero weight so ZeRO's gradient reductions line up.
         return response_nll(logits.float(), ids, loss_mask, normalizer) + values.sum() * 0.0

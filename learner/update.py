@@ -16,6 +16,10 @@ import numpy as np
 import torch
 
 from core import ppo
+from core.advantages import gae
+from core.kl import kl_estimate
+from core.layout import position_ids
+from core.masked import explained_variance, whiten
 from core.rollout import ScoredRollout
 from learner.batch import Batch, collate, collate_lm
 from learner.collectives import Collectives
@@ -121,9 +125,9 @@ class PPOUpdate:
         # The off-policy weight's proximal policy samples from its own kept set (-inf outside);
         # the ratio's anchor is renormalised over the sampler's set, as the update's log-probs are.
         proximal = torch.where(mask != 0, own, 0.0) if recompute else batch.old_logprobs
-        adv, batch.returns = ppo.gae(batch.rewards, batch.old_values, mask, cfg.gamma, cfg.lam)
+        adv, batch.returns = gae(batch.rewards, batch.old_values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:  # in float64: the statistics are sums over the global batch
-            adv = ppo.whiten(adv.double(), mask, reduce=self.comm.sum).to(adv.dtype)
+            adv = whiten(adv.double(), mask, reduce=self.comm.sum).to(adv.dtype)
         batch.advantages = adv
         batch.is_weights, _ = ppo.behaviour_weights(proximal, batch.behaviour_logprobs, mask,
                                                     cfg.off_policy, cfg.is_cap)
@@ -154,7 +158,7 @@ class PPOUpdate:
         m = b.response_mask.double()
         ret, val = b.returns.double(), b.old_values.double()
         n, s_ret, s_val = self.comm.sum([m.sum(), (ret * m).sum(), (val * m).sum()])
-        ev = ppo.explained_variance(val, ret, b.response_mask, reduce=self.comm.sum)
+        ev = explained_variance(val, ret, b.response_mask, reduce=self.comm.sum)
         return {"ppo/explained_variance": float(ev), "ppo/returns_mean": s_ret / n, "ppo/values_mean": s_val / n}
 
     def _agreement_metrics(self, parts: list, proximal=None) -> dict:
@@ -171,7 +175,7 @@ class PPOUpdate:
             log_w = learner_lp - behaviour_lp
             numerator = learner_lp if proximal is None else torch.where(mask != 0, proximal.double(), 0.0)
             w = torch.exp((numerator - behaviour_lp).clamp(max=ppo.LOG_RATIO_LIMIT)) * m
-            kl = ppo.kl_estimate(behaviour_lp, learner_lp, "k3") * m
+            kl = kl_estimate(behaviour_lp, learner_lp, "k3") * m
             capped = (w > self.config.ppo.is_cap).double() * m
             sums += torch.stack([m.sum(), log_w.abs().sum(), kl.sum(), w.sum(), capped.sum()])
             maxes = torch.maximum(maxes, torch.stack([log_w.abs().max(), w.max()]))
@@ -265,7 +269,7 @@ class PPOUpdate:
         starts = range(0, len(ids), micro)
         for i, lo in enumerate(starts):
             mid, mmask = ids[lo:lo + micro], mask[lo:lo + micro]
-            logits, values = self.engine(mid, mmask, (mmask.cumsum(-1) - 1).clamp_min(0))
+            logits, values = self.engine(mid, mmask, position_ids(mmask))
             lm = ppo.ptx_loss(logits[:, :-1], mid[:, 1:], mmask[:, 1:]) * (float(mmask[:, 1:].sum()) / tokens)
             stats.ptx_loss += lm.item()
             self.engine.set_gradient_accumulation_boundary(i == len(starts) - 1)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from core.rollout import WEIGHT_UPDATE_GROUP
+from core.weights import WeightReceiver, remote_method
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 TIED_HEAD = "lm_head.weight"
@@ -56,7 +56,7 @@ def to_buckets(named: Iterable[tuple[str, torch.Tensor]],
 class CPUWeightSync:
     """Push one serialised copy of the policy to every generator.
 
-    generators: Ray actor handles of actors.generator.Generator.
+    generators: Ray actor handles of generators (``core.weights.WeightReceiver``: ``load_weights``).
     """
 
     def __init__(self, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
@@ -74,7 +74,7 @@ class CPUWeightSync:
         ref = ray.put(buckets)  # one copy in the object store, shared by every generator
         # In the generators' weight-update concurrency group: with partial rollouts (async mode)
         # the push lands between two engine steps instead of after a whole generate call.
-        results = ray.get([g.load_weights.options(concurrency_group=WEIGHT_UPDATE_GROUP).remote(version, ref)
+        results = ray.get([remote_method(g, WeightReceiver.load_weights).remote(version, ref)
                            for g in self.generators])
         for r in results:
             if r["version"] != version:

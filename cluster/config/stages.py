@@ -1,81 +1,84 @@
 """Typed configs of the two stages PPO starts from: SFT (cluster/recipes/sft.py) and the reward
 model (cluster/recipes/reward_model.py). Same conventions as cluster/config/ppo.py: YAML + dotted
-overrides, frozen dataclasses, every mistake one line naming the key; the learner, run
-folder and Ray sections are the PPO config's own classes.
+overrides (cluster/config/loader.py), frozen config classes whose keys carry their help, every
+mistake one line naming the key; the learner and Ray sections are the PPO config's own classes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
-from cluster.config.ppo import (
-    BUILTIN_POLICY,
-    ConfigError,
-    LearnerPoolConfig,
-    ResourcesConfig,
-    TetherConfig,
-    build_section,
-    check_run_name,
-    read_config,
-)
+from cluster.config import loader
+from cluster.config.loader import ConfigError, RootConfig
+from cluster.config.ppo import BUILTIN_POLICY, LearnerPoolConfig, ResourcesConfig, check_run_name
+from core.schema import config_class, setting
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
 
-@dataclass(frozen=True)
+@config_class
 class StageModelConfig:
-    base: str = BUILTIN_POLICY       # SFT: the causal LM to fine-tune; RM: the SFT checkpoint or SFT run folder (builtin:tiny or a directory)
-    tokenizer: Optional[str] = None  # defaults to the base model's own
+    """The model the stage starts from."""
+    base: str = setting(BUILTIN_POLICY, "SFT: the causal LM to fine-tune; RM: the SFT checkpoint or SFT run "
+                                        "folder (builtin:tiny or a directory)")
+    tokenizer: Optional[str] = setting(None, "defaults to the base model's own")
 
 
-@dataclass(frozen=True)
+@config_class
 class StageDataConfig:
-    path: Optional[str] = None       # .jsonl / .parquet / saved HF dataset; null = built-in tiny examples
-    prompt_field: str = "prompt"     # the prompt column
-    chat_template: bool = False      # wrap prompts in the tokenizer's chat template (refused if it has none)
-    append_eos: bool = True          # end every response with EOS, as the generator's responses end
-    max_seq_len: int = 128           # prompt + response tokens; longer rows are skipped and counted
-    eval_examples: int = 16          # rows held out for the per-epoch evaluation
-    seed: int = 0                    # held-out split and per-epoch shuffling
+    """The training rows: where they come from and how they are tokenized and split."""
+    path: Optional[str] = setting(None, ".jsonl / .parquet / saved HF dataset; null = built-in tiny examples")
+    prompt_field: str = setting("prompt", "the prompt column")
+    chat_template: bool = setting(False, "wrap prompts in the tokenizer's chat template (refused if it has none)")
+    append_eos: bool = setting(True, "end every response with EOS, as the generator's responses end")
+    max_seq_len: int = setting(128, "prompt + response tokens; longer rows are skipped and counted")
+    eval_examples: int = setting(16, "rows held out for the per-epoch evaluation")
+    seed: int = setting(0, "held-out split and per-epoch shuffling")
 
 
-@dataclass(frozen=True)
+@config_class
 class SFTDataConfig(StageDataConfig):
-    response_field: str = "response"  # the response column: the only tokens the loss counts
+    """The SFT rows: a prompt and the response to imitate."""
+    response_field: str = setting("response", "the response column: the only tokens the loss counts")
 
 
-@dataclass(frozen=True)
+@config_class
 class PairDataConfig(StageDataConfig):
-    chosen_field: str = "chosen"     # the preferred response
-    rejected_field: str = "rejected"  # the other one
+    """The preference pairs: a prompt, the preferred response and the other one."""
+    chosen_field: str = setting("chosen", "the preferred response")
+    rejected_field: str = setting("rejected", "the other one")
 
 
-@dataclass(frozen=True)
+@config_class
 class StageTrainConfig:
-    epochs: int = 1                  # passes over the training rows
-    batch_size: int = 8              # rows per optimizer step, over all learner ranks
-    micro_batch_size: int = 4        # rows per forward/backward on one rank (gradient accumulation)
+    """Epochs and batch sizes of the stage's training."""
+    epochs: int = setting(1, "passes over the training rows")
+    batch_size: int = setting(8, "rows per optimizer step, over all learner ranks")
+    micro_batch_size: int = setting(4, "rows per forward/backward on one rank (gradient accumulation)")
 
 
-@dataclass(frozen=True)
+@config_class
 class RMTrainConfig(StageTrainConfig):
-    margin: float = 0.0              # Bradley-Terry margin: the chosen score must beat the rejected by this
+    """Epochs, batch sizes and the Bradley-Terry margin of the reward model's training."""
+    margin: float = setting(0.0, "Bradley-Terry margin: the chosen score must beat the rejected by this")
 
 
-@dataclass(frozen=True)
+@config_class
 class StageRunConfig:
-    dir: str = "runs"                # run folders are created under this directory
-    name: Optional[str] = None       # run folder name; default: timestamp
-    seed: int = 0                    # seeds the learner (score-head init)
-    library_logs: bool = False       # show Hugging Face / DeepSpeed console logs
+    """The run folder and seed."""
+    dir: str = setting("runs", "run folders are created under this directory")
+    name: Optional[str] = setting(None, "run folder name; default: timestamp")
+    seed: int = setting(0, "seeds the learner (score-head init)")
+    library_logs: bool = setting(False, "show Hugging Face / DeepSpeed console logs")
 
 
-@dataclass(frozen=True)
-class StageConfig:
-    model: StageModelConfig = field(default_factory=StageModelConfig)
-    learner: LearnerPoolConfig = field(default_factory=LearnerPoolConfig)
-    run: StageRunConfig = field(default_factory=StageRunConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+@config_class
+class StageConfig(RootConfig):
+    """What the SFT and reward-model stages share: model, learner pool, run folder, Ray."""
+    model: StageModelConfig
+    learner: LearnerPoolConfig
+    run: StageRunConfig
+    resources: ResourcesConfig
 
     def learner_config(self) -> LearnerConfig:
         """The engine's settings: the learner section; the stage's batch sizes are the DeepSpeed
@@ -85,8 +88,6 @@ class StageConfig:
         return LearnerConfig(**{**trainer, "critic": "shared", "critic_model": None},
                              ppo=PPOConfig(minibatch_size=t.batch_size, micro_batch_size=t.micro_batch_size),
                              seed=self.run.seed)
-
-    to_dict, to_yaml = TetherConfig.to_dict, TetherConfig.to_yaml  # config.yaml of the run folder
 
     def validate(self) -> None:
         t, d, lp = self.train, self.data, self.learner
@@ -110,20 +111,20 @@ class StageConfig:
             raise ConfigError(f"config: {e}") from None
 
 
-@dataclass(frozen=True)
+@config_class
 class SFTConfig(StageConfig):
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    train: StageTrainConfig = field(default_factory=StageTrainConfig)
+    """Supervised fine-tuning of the policy PPO starts from."""
+    data: SFTDataConfig
+    train: StageTrainConfig
 
 
-@dataclass(frozen=True)
+@config_class
 class RMConfig(StageConfig):
-    data: PairDataConfig = field(default_factory=PairDataConfig)
-    train: RMTrainConfig = field(default_factory=RMTrainConfig)
+    """The reward model PPO trains against, fitted to preference pairs."""
+    data: PairDataConfig
+    train: RMTrainConfig
 
 
 def load_stage_config(cls, path: str | Path | None, overrides: list[str] = ()):
-    """``cls`` (SFTConfig or RMConfig) from YAML + overrides, validated once and frozen."""
-    cfg = build_section(cls, read_config(path, overrides), "", root=cls)
-    cfg.validate()
-    return cfg
+    """``cls`` (SFTConfig or RMConfig, or another root config) from YAML + overrides, validated once and frozen."""
+    return loader.load(cls, path, overrides)

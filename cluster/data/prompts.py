@@ -14,7 +14,6 @@ sentiment demo). Bad rows never stop a run: they are skipped and counted in
 from __future__ import annotations
 
 import json
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,41 +21,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from cluster.demo.sentiment import LINKS, NEGATIVE_WORDS, PLACES, POSITIVE_WORDS, SUBJECTS, VERBS
+from cluster.demo.sentiment import builtin_prompts
 
 SUPPORTED = ".jsonl, .parquet, or a directory saved with datasets.Dataset.save_to_disk"
 MAX_REASONS = 1000  # skipped rows whose reason is kept verbatim; skip_counts stays exact
-
-
-def builtin_prompts(n: int = 320, seed: int = 0) -> list[str]:
-    """Deterministic sentence starts in the corpus' style, for the sentiment demo.
-
-    First every "<Subject> <verb>" pair of the corpus grammar ("The cat was", "My friend
-    felt", ...: 78 of them), then compound starts that stop at the linking word ("The
-    river stayed gloomy and") or where the second clause needs its sentiment word ("A dog
-    felt calm at night but the child seemed"), until there are `n` distinct prompts. The
-    policy completes the sentence; the sentiment reward (which reads only the response)
-    pays for the words it picks.
-    """
-    if n < 1:
-        raise ValueError(f"builtin_prompts: n must be >= 1, got {n}")
-    cap = lambda s: s[0].upper() + s[1:]
-    out = [cap(f"{s} {v}") for s in SUBJECTS for v in VERBS]
-    seen = set(out)
-    rng = random.Random(seed)
-    words = POSITIVE_WORDS + NEGATIVE_WORDS
-    while len(out) < n:
-        s = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(words)}"
-        if rng.random() < 0.5:
-            s += f" {rng.choice(PLACES)}"
-        s += f" {rng.choice(LINKS)}"
-        if rng.random() < 0.6:
-            s += f" {rng.choice(SUBJECTS)} {rng.choice(VERBS)}"
-        s = cap(s)
-        if s not in seen:
-            seen.add(s)
-            out.append(s)
-    return out[:n]
 
 
 @dataclass

@@ -24,7 +24,7 @@ import numpy as np
 
 log = logging.getLogger("tether")
 
-BUILTIN_DOCUMENTS = 2000  # sentences of the built-in corpus (cluster.demo.tiny_models.corpus)
+BUILTIN_DOCUMENTS = 2000  # sentences of the built-in corpus (cluster.demo.sentiment.corpus)
 
 
 @dataclass
@@ -45,7 +45,7 @@ class PTXData:
                 raise ValueError("ppo.ptx_coef > 0 needs pretraining text for this policy: set ptx.path to a "
                                  ".jsonl/.parquet/saved dataset with a text column (the built-in corpus is "
                                  "only the built-in model's)")
-            from cluster.demo.tiny_models import corpus
+            from cluster.demo.sentiment import corpus
             texts, source = corpus(BUILTIN_DOCUMENTS), "builtin corpus"
         else:
             from cluster.data.prompts import read_texts

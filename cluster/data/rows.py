@@ -12,41 +12,12 @@ skipped and counted, not cut: a truncated response teaches the policy not to sto
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from cluster.data.prompts import Skips, chat_prompts, read_records
-from cluster.demo.sentiment import NEGATIVE_WORDS, PLACES, POSITIVE_WORDS, SUBJECTS, VERBS
-
-
-def _completion(rng: random.Random, words) -> str:
-    s = f" {rng.choice(words)}"
-    if rng.random() < 0.6:
-        s += f" {rng.choice(PLACES)}"
-    return s + "."
-
-
-def builtin_rows(kind: str, n: int = 384, seed: int = 0) -> list[dict]:
-    """Deterministic tiny rows in the corpus' style: prompts are "<Subject> <verb>" starts.
-
-    "sft": {"prompt", "response"} with a positive completion (" happy in the park."), so
-    SFT visibly moves the pre-trained policy towards positive words. "rm": {"prompt",
-    "chosen", "rejected"}: a positive completion preferred to a negative one.
-    """
-    rng = random.Random(seed)
-    starts = [f"{s} {v}" for s in SUBJECTS for v in VERBS]
-    rows = []
-    for _ in range(n):
-        prompt = rng.choice(starts)
-        prompt = prompt[0].upper() + prompt[1:]
-        if kind == "sft":
-            rows.append({"prompt": prompt, "response": _completion(rng, POSITIVE_WORDS)})
-        else:
-            rows.append({"prompt": prompt, "chosen": _completion(rng, POSITIVE_WORDS),
-                         "rejected": _completion(rng, NEGATIVE_WORDS)})
-    return rows
+from cluster.demo.sentiment import builtin_rows
 
 
 @dataclass

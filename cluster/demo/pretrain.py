@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from cluster.demo.tiny_models import TinySpec, build_policy, cache_root, cached_build, corpus
+from cluster.demo.sentiment import corpus
+from cluster.demo.tiny_models import TinySpec, build_policy, cache_root, cached_build
 
 if TYPE_CHECKING:
     import torch

@@ -2,8 +2,10 @@
 
 Everything the demo's sentiment task knows lives here, so the corpus, the prompts, the reward
 and the labeller agree on one vocabulary:
-- the vocabulary: the sentiment lexicon and the sentence parts the corpus and the built-in
-  prompts are made of (cluster/demo/tiny_models.py, cluster/data/prompts.py, cluster/data/rows.py);
+- the vocabulary: the sentiment lexicon and the sentence parts of its sentences;
+- the built-in text made of them: the corpus the tiny tokenizer and policy are trained on
+  (``corpus``), the PPO prompts (``builtin_prompts``) and the SFT / reward-model rows
+  (``builtin_rows``), each deterministic for its seed;
 - ``sentiment``: the lexicon reward, usable as ``reward.function: cluster.demo.sentiment:sentiment``;
 - ``gold``: the hidden labeller of the miniature RLHF recipe (cluster/recipes/pipeline.py).
   It labels pairs of the SFT model's samples, the proxy reward model learns from those few
@@ -64,6 +66,81 @@ VERBS = ("was", "seemed", "felt", "looked", "became", "stayed")
 PLACES = ("in the morning", "by the sea", "at night", "after the rain", "in the park",
            "near the hill", "on the road", "at home", "in winter", "in spring")
 LINKS = ("and", "but", "so", "because", "while")
+
+
+def corpus(n_sentences: int = 2000, seed: int = 0) -> list[str]:
+    """A deterministic built-in English-like corpus mixing positive and negative sentences."""
+    rng = random.Random(seed)
+    words = POSITIVE_WORDS + NEGATIVE_WORDS
+    lines = []
+    for _ in range(n_sentences):
+        clause = lambda: f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(words)}"
+        s = clause()
+        if rng.random() < 0.5:
+            s += f" {rng.choice(PLACES)}"
+        if rng.random() < 0.4:
+            s += f" {rng.choice(LINKS)} {clause()}"
+        lines.append(s[0].upper() + s[1:] + ".")
+    return lines
+
+
+def builtin_prompts(n: int = 320, seed: int = 0) -> list[str]:
+    """Deterministic sentence starts in the corpus' style, for the sentiment demo.
+
+    First every "<Subject> <verb>" pair of the corpus grammar ("The cat was", "My friend
+    felt", ...: 78 of them), then compound starts that stop at the linking word ("The
+    river stayed gloomy and") or where the second clause needs its sentiment word ("A dog
+    felt calm at night but the child seemed"), until there are `n` distinct prompts. The
+    policy completes the sentence; the sentiment reward (which reads only the response)
+    pays for the words it picks.
+    """
+    if n < 1:
+        raise ValueError(f"builtin_prompts: n must be >= 1, got {n}")
+    cap = lambda s: s[0].upper() + s[1:]
+    out = [cap(f"{s} {v}") for s in SUBJECTS for v in VERBS]
+    seen = set(out)
+    rng = random.Random(seed)
+    words = POSITIVE_WORDS + NEGATIVE_WORDS
+    while len(out) < n:
+        s = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(words)}"
+        if rng.random() < 0.5:
+            s += f" {rng.choice(PLACES)}"
+        s += f" {rng.choice(LINKS)}"
+        if rng.random() < 0.6:
+            s += f" {rng.choice(SUBJECTS)} {rng.choice(VERBS)}"
+        s = cap(s)
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out[:n]
+
+
+def completion(rng: random.Random, words) -> str:
+    s = f" {rng.choice(words)}"
+    if rng.random() < 0.6:
+        s += f" {rng.choice(PLACES)}"
+    return s + "."
+
+
+def builtin_rows(kind: str, n: int = 384, seed: int = 0) -> list[dict]:
+    """Deterministic tiny rows in the corpus' style: prompts are "<Subject> <verb>" starts.
+
+    "sft": {"prompt", "response"} with a positive completion (" happy in the park."), so
+    SFT visibly moves the pre-trained policy towards positive words. "rm": {"prompt",
+    "chosen", "rejected"}: a positive completion preferred to a negative one.
+    """
+    rng = random.Random(seed)
+    starts = [f"{s} {v}" for s in SUBJECTS for v in VERBS]
+    rows = []
+    for _ in range(n):
+        prompt = rng.choice(starts)
+        prompt = prompt[0].upper() + prompt[1:]
+        if kind == "sft":
+            rows.append({"prompt": prompt, "response": completion(rng, POSITIVE_WORDS)})
+        else:
+            rows.append({"prompt": prompt, "chosen": completion(rng, POSITIVE_WORDS),
+                         "rejected": completion(rng, NEGATIVE_WORDS)})
+    return rows
 
 
 # Weight of the repeated-word fraction, in units of SENTIMENT_SCALE: with 2, four copies of

@@ -12,35 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# The demo corpus is built from the sentiment task's own vocabulary.
-from cluster.demo.sentiment import LINKS, NEGATIVE_WORDS, PLACES, POSITIVE_WORDS, SUBJECTS, VERBS
+from cluster.demo.sentiment import corpus
+from core.files import publish_dir
 
 FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
-
-
-def corpus(n_sentences: int = 2000, seed: int = 0) -> list[str]:
-    """A deterministic built-in English-like corpus mixing positive and negative sentences."""
-    rng = random.Random(seed)
-    words = POSITIVE_WORDS + NEGATIVE_WORDS
-    lines = []
-    for _ in range(n_sentences):
-        clause = lambda: f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(words)}"
-        s = clause()
-        if rng.random() < 0.5:
-            s += f" {rng.choice(PLACES)}"
-        if rng.random() < 0.4:
-            s += f" {rng.choice(LINKS)} {clause()}"
-        lines.append(s[0].upper() + s[1:] + ".")
-    return lines
 
 
 @dataclass(frozen=True)
@@ -77,16 +58,8 @@ def cached_build(path: Path, build) -> Path:
     """Build into a temp dir beside `path`, then rename: readers never see half a model."""
     if (path / "config.json").exists() or (path / "tokenizer.json").exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-    try:
+    with publish_dir(path, shared=True) as tmp:  # other processes may build the same model at once
         build(tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; its copy is identical
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

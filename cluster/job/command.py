@@ -1,9 +1,23 @@
-"""A job's command line, and whether this Python can run the job at all."""
+"""A job's command line, whether this Python can run the job at all, and ``job_main``: the
+life of every entrypoint from its arguments to its exit code."""
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import sys
+from typing import Callable
+
+from cluster.job.errors import (
+    EXIT_DONE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    Stopped,
+    UserError,
+    report,
+    user_error,
+)
+from core.errors import one_line
 
 # What the job needs importable in the Python that runs it: import name -> pip name.
 REQUIRED_MODULES = {"torch": "torch", "ray": "ray", "vllm": "vllm", "transformers": "transformers",
@@ -24,14 +38,45 @@ def missing_dependencies() -> list[str]:
 
 
 def dependency_error(missing: list[str]) -> str:
-    return (f"tether: error: this Python ({sys.executable}) lacks {', '.join(missing)}; run the job "
+    return (f"this Python ({sys.executable}) lacks {', '.join(missing)}; run the job "
             "with the project's environment on every node (start `ray` from .venv: see README "
             '"On a Ray cluster"), or give the job a container image or runtime_env that has them')
 
 
-def parse_args(argv, prog: str = "python -m cluster.train", description: str = __doc__.split("\n")[0]):
+def parse_args(argv, *, prog: str, description: str):
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--config", default=None, help="YAML config (default: the embedded one)")
     ap.add_argument("--help-config", action="store_true", help="print every config key and exit")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl.beta=0.02")
     return ap.parse_args(argv)
+
+
+def job_main(argv, *, prog: str, description: str, config_cls: Callable[[], type],
+             run: Callable[[argparse.Namespace], str], user_errors: tuple[type, ...] = ()) -> int:
+    """Parse ``argv`` (sys.argv's when None), check the dependencies, answer --help-config
+    (the keys of ``config_cls()``), then ``run(args)``: load the config and run the job, returning
+    the summary after ``tether: done;``. Both callables run after the dependency check, so they
+    may import the stack. Every failure ends in one line on stderr and its exit code: 2 for
+    ConfigError, UserError, FileNotFoundError and ``user_errors``, 1 for any other error."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog=prog, description=description)
+    missing = missing_dependencies()  # --help above needs none
+    if missing:  # e.g. `ray job submit` to a Ray started outside the venv: one line, not a traceback
+        return user_error(dependency_error(missing))
+    from cluster.config.ppo import ConfigError, describe
+
+    if args.help_config:
+        print(describe(config_cls()))
+        return EXIT_DONE
+    try:
+        summary = run(args)
+    except (ConfigError, UserError, FileNotFoundError, *user_errors) as e:
+        return user_error(one_line(e))
+    except Stopped as e:
+        return report(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        return report("interrupted", EXIT_INTERRUPTED)
+    except Exception as e:  # noqa: BLE001 - a failed run ends in one line, details in the log
+        return report(f"run failed: {one_line(e)} (traceback in the run folder's error.log)", EXIT_FAILED)
+    print(f"tether: done; {summary}")
+    return EXIT_DONE

@@ -1,5 +1,21 @@
-"""How a tether job fails: the user-error type, the one-line message and the exit codes."""
+"""How a tether job ends: the user-error type, the stop, the exit codes and the one line on stderr."""
 from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+EXIT_DONE = 0
+EXIT_FAILED = 1        # the run failed; the traceback is in the run folder's error.log
+EXIT_USER_ERROR = 2    # a mistake in the command, config, data or cluster request
+
+
+def signal_exit_code(signum: int) -> int:
+    """What a shell reports for a process ended by ``signum``: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signum
+
+
+EXIT_INTERRUPTED = signal_exit_code(signal.SIGINT)  # Ctrl-C before the run's own signal handling
 
 
 class UserError(Exception):
@@ -7,18 +23,19 @@ class UserError(Exception):
 
 
 class Stopped(Exception):
-    """The run stopped on SIGTERM/SIGINT (status.json says whether it can be resumed)."""
+    """The run in ``run_dir`` stopped on SIGTERM/SIGINT (its status.json says whether it can be resumed)."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
+    def __init__(self, message: str, exit_code: int, *, run_dir: Path) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.run_dir = exit_code, run_dir
 
 
-def one_line(e: BaseException) -> str:
-    """The last meaningful line of an error, including errors raised inside Ray actors."""
-    text = str(e).strip() or type(e).__name__
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error:" in ln or "Error(" in ln:
-            return ln
-    return lines[-1] if lines else type(e).__name__
+def report(line: str, exit_code: int) -> int:
+    """``tether: <line>`` on stderr; returns ``exit_code`` for the caller to exit with."""
+    print(f"tether: {line}", file=sys.stderr)
+    return exit_code
+
+
+def user_error(message: str) -> int:
+    """A user mistake: ``tether: error: <message>`` on stderr, exit code 2."""
+    return report(f"error: {message}", EXIT_USER_ERROR)

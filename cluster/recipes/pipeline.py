@@ -14,84 +14,23 @@ the proxy nor the policy trained on. cluster/recipes/sweep.py reruns the PPO sta
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
 import time
-from dataclasses import dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Iterator
 
-from cluster.config.ppo import ConfigError, TetherConfig, check_run_name, validate
-from cluster.config.stages import RMConfig, SFTConfig
+from cluster.config.pipeline import PipelineConfig, has_gold_key, linked_rl
 from cluster.job.errors import UserError
-from cluster.job.folder import make_run_dir, write_status
+from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.startup import check_fits, connect_ray
 from cluster.recipes.stage import run_stage
 
 log = logging.getLogger("tether")
 PAIRS_FILE = "pairs.jsonl"
-
-
-@dataclass(frozen=True)
-class PairsConfig:
-    gold: str = "cluster.demo.sentiment:gold"  # the hidden labeller: module:function(prompts, responses) -> floats
-    prompts: int = 24                # training prompts (of rl's prompt set) sampled for pairs
-    samples_per_prompt: int = 4      # K responses per prompt from the SFT model
-    pairs_per_prompt: int = 2        # labelled pairs kept per prompt (ties and duplicates are skipped)
-    labels: str = "hard"             # hard (higher gold score chosen) | bradley_terry (chosen w.p. sigmoid(gold gap))
-    seed: int = 0                    # sampling and pair selection
-
-
-@dataclass(frozen=True)
-class PipelineRunConfig:
-    dir: str = "runs"                # the pipeline folder is created under this directory
-    name: Optional[str] = None       # pipeline folder name; default: timestamp
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """SFT -> gold-labelled pairs -> proxy reward model -> PPO against the proxy, one run folder."""
-    pairs: PairsConfig = field(default_factory=PairsConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    rm: RMConfig = field(default_factory=RMConfig)
-    rl: TetherConfig = field(default_factory=TetherConfig)
-    run: PipelineRunConfig = field(default_factory=PipelineRunConfig)
-
-    to_dict, to_yaml = TetherConfig.to_dict, TetherConfig.to_yaml
-
-    def validate(self) -> None:
-        p = self.pairs
-        if p.prompts < 1 or p.samples_per_prompt < 2 or p.pairs_per_prompt < 1:
-            raise ConfigError("config: pairs.prompts and pairs.pairs_per_prompt must be >= 1 and "
-                              "pairs.samples_per_prompt >= 2 (a pair needs two responses)")
-        if p.labels not in ("hard", "bradley_terry"):
-            raise ConfigError(f"config: pairs.labels={p.labels!r} must be hard or bradley_terry")
-        check_run_name(self.run.name)
-        checks = (("sft", self.sft.validate), ("rm", self.rm.validate),
-                  ("rl", lambda: validate(linked_rl(self.rl, policy="sft", reward_model="rm", gold=p.gold))))
-        for section, check in checks:
-            try:
-                check()
-            except ConfigError as e:  # the stages' messages name their own keys: say which stage
-                raise ConfigError(str(e).replace("config: ", f"config: [{section}] ", 1)) from None
-
-
-def has_gold_key() -> bool:
-    """Whether this checkout's PPO config has ``reward.gold`` (the eval-only gold scorer)."""
-    from cluster.config.ppo import RewardPoolConfig
-    return "gold" in {f.name for f in dataclasses.fields(RewardPoolConfig)}
-
-
-def linked_rl(rl: TetherConfig, *, policy: str, reward_model: str, gold: str, run_dir: str | None = None,
-              name: str = "ppo") -> TetherConfig:
-    """rl with the pipeline's links: policy and reference = the SFT model, reward = the proxy."""
-    reward = replace(rl.reward, model=reward_model, function=None, normalize=True,
-                     **({"gold": gold} if has_gold_key() else {}))
-    run = replace(rl.run, dir=run_dir or rl.run.dir, name=name)
-    return replace(rl, model=replace(rl.model, policy=policy), reference=replace(rl.reference, model=None),
-                   reward=reward, run=run)
 
 
 def stage_dirs(root: Path) -> dict:
@@ -147,57 +86,68 @@ def sample_pairs(cfg: PipelineConfig, sft_model: str, out: Path) -> dict:
 
 
 def run(cfg: PipelineConfig) -> str:
-    from cluster.recipes import reward_model, sft
-    from cluster.runtime import service
+    """The four stages in one run folder; the summary line of the whole."""
+    check_inputs(cfg)
+    root = make_run_dir(cfg)
+    (root / "checkpoints").rmdir()  # make_run_dir's; the stages keep their checkpoints in their own folders
+    seconds, summary = {}, {}
+    with running(root, failed={"seconds": seconds}, stage="sft"):
+        connect_ray(cfg.rl)  # a local cluster sized for the largest stage, PPO
+        run_stages(cfg, root, seconds, summary)
+    write_status(root, "succeeded", seconds=seconds, summary=summary)
+    shown = " ".join(f"{k} {v:.0f}s" for k, v in seconds.items())
+    return (f"{summary['pairs']['pairs']} gold-labelled pairs, proxy held-out accuracy "
+            f"{summary['rm']['eval_accuracy']:.2f}; wall time {shown}; folder {root}")
+
+
+def check_inputs(cfg: PipelineConfig) -> None:
+    """What would fail only after SFT, refused before it starts."""
+    from actors.reward import load_function
 
     if not has_gold_key():
         log.warning("warning: this checkout's PPO config has no reward.gold; eval/gold_score will be missing")
-    from actors.reward import load_function
     try:
-        load_function(cfg.pairs.gold)  # a bad gold spec fails now, not after SFT
+        load_function(cfg.pairs.gold)
     except ValueError as e:
         raise UserError(f"pairs.gold: {e}") from None
     try:
         check_fits(cfg.rl, None)  # the local Ray is sized for the largest stage, PPO
     except ValueError as e:
         raise UserError(f"[rl] {e}") from None
-    root = make_run_dir(cfg)
-    (root / "checkpoints").rmdir()  # make_run_dir's; the stages keep their checkpoints in their own folders
-    dirs, seconds, summary = stage_dirs(root), {}, {}
-    write_status(root, "running", stage="sft")
-    connect_ray(cfg.rl)  # a local cluster sized for the largest stage, PPO
-    try:
-        t0 = time.perf_counter()
+
+
+def run_stages(cfg: PipelineConfig, root: Path, seconds: dict, summary: dict) -> None:
+    """SFT, pairs, reward model, PPO; each stage's wall time into ``seconds`` once it is done."""
+    from cluster.recipes import reward_model, sft
+    from cluster.runtime import service
+
+    dirs = stage_dirs(root)
+    with timed(seconds, "sft"):
         sft_final = run_stage(replace(cfg.sft, run=replace(cfg.sft.run, dir=str(root), name="sft")),
-                                  kind="policy", prepare=sft.prepare, train=sft.train)
-        seconds["sft"] = time.perf_counter() - t0
-        write_status(root, "running", stage="pairs", seconds=seconds)
-        t0 = time.perf_counter()
+                              kind="policy", prepare=sft.prepare, train=sft.train)
+    write_status(root, "running", stage="pairs", seconds=seconds)
+    with timed(seconds, "pairs"):
         summary["pairs"] = sample_pairs(cfg, sft_final["checkpoint"], dirs["pairs"])
         if summary["pairs"]["pairs"] < cfg.rm.train.batch_size + cfg.rm.data.eval_examples:
             raise UserError(f"pairs: only {summary['pairs']['pairs']} labelled pairs, fewer than rm.train.batch_size"
                             f" + rm.data.eval_examples; raise pairs.prompts or pairs.pairs_per_prompt")
-        seconds["pairs"] = time.perf_counter() - t0
-        write_status(root, "running", stage="rm", seconds=seconds)
-        t0 = time.perf_counter()
+    write_status(root, "running", stage="rm", seconds=seconds)
+    with timed(seconds, "rm"):
         rm_cfg = replace(cfg.rm, model=replace(cfg.rm.model, base=str(dirs["sft"])),
                          data=replace(cfg.rm.data, path=str(dirs["pairs"])),
                          run=replace(cfg.rm.run, dir=str(root), name="rm"))
-        rm_final = run_stage(rm_cfg, kind="reward", prepare=reward_model.prepare,
-                                          train=reward_model.train)
-        seconds["rm"] = time.perf_counter() - t0
-        summary["rm"] = {k: rm_final[k] for k in ("first_eval_accuracy", "eval_accuracy")}
-        write_status(root, "running", stage="ppo", seconds=seconds)
-        t0 = time.perf_counter()
+        rm_final = run_stage(rm_cfg, kind="reward", prepare=reward_model.prepare, train=reward_model.train)
+    summary["rm"] = {k: rm_final[k] for k in ("first_eval_accuracy", "eval_accuracy")}
+    write_status(root, "running", stage="ppo", seconds=seconds)
+    with timed(seconds, "ppo"):
         ppo_final = service.run(linked_rl(cfg.rl, policy=sft_final["checkpoint"], reward_model=rm_final["checkpoint"],
-                                        gold=cfg.pairs.gold, run_dir=str(root)))
-        seconds["ppo"] = time.perf_counter() - t0
-    except BaseException as e:
-        from cluster.job.errors import one_line
-        write_status(root, "failed", seconds=seconds, reason=one_line(e))
-        raise
+                                          gold=cfg.pairs.gold, run_dir=str(root)))
     summary["ppo"] = {k: v for k, v in ppo_final.items() if isinstance(v, (int, float))}
-    write_status(root, "succeeded", seconds=seconds, summary=summary)
-    shown = " ".join(f"{k} {v:.0f}s" for k, v in seconds.items())
-    return (f"{summary['pairs']['pairs']} gold-labelled pairs, proxy held-out accuracy "
-            f"{summary['rm']['eval_accuracy']:.2f}; wall time {shown}; folder {root}")
+
+
+@contextmanager
+def timed(seconds: dict, stage: str) -> Iterator[None]:
+    """``seconds[stage]``: the block's wall time, if it completes."""
+    t0 = time.perf_counter()
+    yield
+    seconds[stage] = time.perf_counter() - t0

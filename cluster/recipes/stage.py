@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
-from cluster.job.command import dependency_error, missing_dependencies, parse_args
-from cluster.job.errors import UserError, one_line
-from cluster.job.folder import make_run_dir, write_status
+from cluster.job.command import job_main
+from cluster.job.errors import UserError
+from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.startup import connect_ray
 from cluster.runtime.prepare import resolve_model
 from cluster.runtime.threads import node_cores, thread_env
+from core.errors import one_line
 
 log = logging.getLogger("tether")
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -31,33 +32,15 @@ def stage_threads(lp) -> dict:
     return {} if lp.num_gpus else thread_env(max(int(lp.num_cpus), node_cores() // lp.replicas))
 
 
-def stage_main(argv, *, prog: str, config_cls, default_config: Path, run: Callable) -> int:
-    """Parse, load ``config_cls``, ``run(cfg) -> summary line``; map errors to exit codes."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    args = parse_args(sys.argv[1:] if argv is None else argv, prog=prog, description=config_cls.__doc__)
-    missing = missing_dependencies()
-    if missing:
-        print(dependency_error(missing), file=sys.stderr)
-        return 2
-    from cluster.config.ppo import ConfigError, describe
-    from cluster.config.stages import load_stage_config
+def stage_main(argv=None, *, name: str, config_cls, default_config: str, run: Callable) -> int:
+    """job_main for ``python -m cluster.<name>``: ``config_cls`` from --config (default
+    configs/<default_config>) and the overrides, then ``run(cfg) -> summary line``."""
+    def load_and_run(args) -> str:
+        from cluster.config.stages import load_stage_config
+        return run(load_stage_config(config_cls, args.config or CONFIGS / default_config, args.overrides))
 
-    if args.help_config:
-        print(describe(config_cls))
-        return 0
-    try:
-        summary = run(load_stage_config(config_cls, args.config or default_config, args.overrides))
-    except (ConfigError, UserError, FileNotFoundError) as e:
-        print(f"tether: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("tether: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - a failed run ends in one line, details in the log
-        print(f"tether: run failed: {one_line(e)} (traceback in the run folder's error.log)", file=sys.stderr)
-        return 1
-    print(f"tether: done; {summary}")
-    return 0
+    return job_main(argv, prog=f"python -m cluster.{name}", description=config_cls.__doc__,
+                    config_cls=lambda: config_cls, run=load_and_run)
 
 
 def resolve_base(name: str) -> str:
@@ -132,8 +115,7 @@ class StageMetrics:
 def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
     """``prepare(cfg)`` (user input; its ValueErrors are the user's), a run folder, a
     learner group of ``kind``, then ``train(group, prepared, metrics, run_dir) -> final``."""
-    from cluster.runtime.pools import PlacementError, actor_env, quiet_libraries, reserve
-    from learner.group import LearnerGroup
+    from cluster.runtime.pools import quiet_libraries
 
     if not cfg.run.library_logs:
         quiet_libraries()
@@ -143,36 +125,39 @@ def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
         raise UserError(one_line(e)) from None
     run_dir = make_run_dir(cfg)
     log.info("run folder: %s (resolved config in config.yaml)", run_dir)
-    write_status(run_dir, "running")
-    ray_logs = connect_ray(cfg)
-    if ray_logs and not cfg.run.library_logs:
-        log.info("library logs: the learner ranks' in Ray's worker logs under %s (run.library_logs=true shows "
-                 "them here)", ray_logs)
-    lp, group, pg, metrics = cfg.learner, None, None, StageMetrics(run_dir)
-    try:
-        try:
-            pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus, cfg.resources.placement_timeout_s)
-        except PlacementError as e:
-            raise UserError(str(e)) from None
-        group = LearnerGroup(model=prepared["base"], config=cfg.learner_config(), world_size=lp.replicas,
-                             num_cpus_per_rank=lp.num_cpus, num_gpus_per_rank=lp.num_gpus, placement_group=pg,
-                             env={**actor_env(cfg), **stage_threads(lp)}, kind=kind)
+    # ExitStack first: the status is written before the group and its reservation go
+    with ExitStack() as cleanup, running(run_dir):
+        ray_logs = connect_ray(cfg)
+        if ray_logs and not cfg.run.library_logs:
+            log.info("library logs: the learner ranks' in Ray's worker logs under %s (run.library_logs=true shows "
+                     "them here)", ray_logs)
+        metrics = StageMetrics(run_dir)
+        group = learner_group(cfg, kind, prepared["base"], cleanup)
         final = train(group, prepared, metrics, run_dir)
         metrics.close()
         write_status(run_dir, "succeeded", checkpoint=final["checkpoint"],
                      final={k: v for k, v in final.items() if isinstance(v, (int, float))})
         return final
-    except BaseException as e:
-        import traceback
-        (run_dir / "error.log").write_text("".join(traceback.format_exception(e)))
-        write_status(run_dir, "failed", reason=one_line(e))
-        raise
-    finally:
-        if group is not None:
-            group.shutdown()
-        if pg is not None:
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(pg)
+
+
+def learner_group(cfg, kind: str, base: str, cleanup: ExitStack):
+    """The stage's learner ranks in a placement group of their own; ``cleanup`` releases both."""
+    from ray.util.placement_group import remove_placement_group
+
+    from cluster.runtime.pools import PlacementError, actor_env, reserve
+    from learner.group import LearnerGroup
+
+    lp = cfg.learner
+    try:
+        pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus, cfg.resources.placement_timeout_s)
+    except PlacementError as e:
+        raise UserError(str(e)) from None
+    cleanup.callback(remove_placement_group, pg)
+    group = LearnerGroup(model=base, config=cfg.learner_config(), world_size=lp.replicas,
+                         num_cpus_per_rank=lp.num_cpus, num_gpus_per_rank=lp.num_gpus, placement_group=pg,
+                         env={**actor_env(cfg), **stage_threads(lp)}, kind=kind)
+    cleanup.callback(group.shutdown)
+    return group
 
 
 def save_final(group, run_dir: Path, tokenizer, *, stage: str, base: str, base_name: str) -> Path:

@@ -16,8 +16,9 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+from cluster.config.pipeline import PipelineConfig, linked_rl
 from cluster.job.errors import UserError
-from cluster.recipes.pipeline import PipelineConfig, linked_rl, stage_dirs
+from cluster.recipes.pipeline import stage_dirs
 from cluster.recipes.stage import resolve_base
 
 log = logging.getLogger("tether")

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from core.files import publish_dir
+
 RESUME_DIR = "checkpoints/resume"
 
 # Settings a checkpoint's meaning depends on: a resume that changes one is refused.
@@ -63,13 +65,9 @@ def save(run_dir: Path, state: RunState, learner, *, keep: int) -> Path:
     """Write the learner's and the driver's state as one checkpoint; prune old ones."""
     root = Path(run_dir) / RESUME_DIR
     final = root / f"step-{state.step:06d}"
-    tmp = root / f".{final.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    learner.save(tmp / "learner")
-    (tmp / "state.json").write_text(state.to_json())
-    shutil.rmtree(final, ignore_errors=True)  # a rollback may write the same step again
-    tmp.rename(final)
+    with publish_dir(final) as tmp:  # replaces an existing one: a rollback may write the same step again
+        learner.save(tmp / "learner")
+        (tmp / "state.json").write_text(state.to_json())
     for old in complete(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

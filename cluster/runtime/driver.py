@@ -11,16 +11,15 @@ next generation waits for the weight push. Async mode keeps generating while the
 learner trains; the buffer drops rollouts more than `buffer.max_staleness` versions old.
 The driver holds object references and small summaries only; rollouts never pass through it.
 
-Failures (docs/design.md, "Failure semantics"): a dead rollout-side replica or buffer is
-handled where the rollouts are made (cluster/runtime/rollouts.py); a dead learner rank rolls the
-whole run back to its last checkpoint (``_rollback``), in the same job.
+Beside the loop, in their own modules: recovery (cluster/runtime/recovery.py; a dead
+rollout-side replica or buffer is handled where the rollouts are made, cluster/runtime/rollouts.py),
+scaling between steps (cluster/runtime/scaling.py) and evaluation (cluster/runtime/evaluation.py).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import logging
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -30,17 +29,18 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.config.ppo import TetherConfig
-from cluster.runtime import checkpoint
+from cluster.runtime import checkpoint, evaluation, recovery, scaling
 from cluster.runtime.alarms import OveroptimizationAlarm
 from cluster.runtime.checkpoint import RunState
 from cluster.runtime.metrics import RayMetrics, RunMetrics, progress_line
-from cluster.runtime.pools import PlacementError, Pools, alive
+from cluster.runtime.pools import Pools, alive
 from cluster.runtime.reward_check import check_invalid_scores
-from cluster.runtime.rollouts import BackgroundProducer, Produced, ProducerStuck, RolloutProducer
+from cluster.runtime.rollouts import BackgroundProducer, Produced, RolloutProducer
 from cluster.runtime.threads import chunks_per_generator
 from core.annotate import RewardShaping
-from core.ppo import AdaptiveKLController, FixedKLController
-from core.rollout import WEIGHT_UPDATE_GROUP
+from core.files import publish_dir
+from core.kl import AdaptiveKLController, FixedKLController
+from core.weights import WEIGHT_UPDATE_GROUP
 from learner.group import LearnerRankDied
 
 log = logging.getLogger("tether")
@@ -125,57 +125,44 @@ class Driver:
         t_start = time.perf_counter()
         try:
             while self.step_count < cfg.run.steps and not self.stop_requested.is_set():
-                self.apply_scaling()
+                scaling.apply_requested(self.control, self.pools, on_new_generator=self._give_current_weights)
                 try:
                     metrics = self.step(producer)
-                    step = self.step_count
-                    if cfg.run.eval_every and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
-                        metrics.update(self.evaluate())
-                    metrics.update(self.alarm.update(step, metrics))
-                    if cfg.run.save_every and step % cfg.run.save_every == 0:
-                        self.save_checkpoint(f"step-{step}")
-                    self.metrics.log(step, metrics)  # also records the Ray gauges
-                    if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0:
-                        self.checkpoint()
+                    self._after_step(metrics)
                 except LearnerRankDied as e:
                     producer = self._rollback(producer, e)
                     continue
-                log.info(progress_line(step, cfg.run.steps, metrics, time.perf_counter() - t_start))
+                log.info(progress_line(self.step_count, cfg.run.steps, metrics, time.perf_counter() - t_start))
                 final = metrics
         finally:
             self._stop_producer(producer, at_end=True)
         return final
 
     def step(self, producer) -> dict:
-        cfg, learner, timer = self.cfg, self.pools.learner, PhaseTimer()
+        """One PPO step; ``producer``: async mode's BackgroundProducer, None in sync mode."""
+        timer = PhaseTimer()
         with timer("step"):
-            if producer is None:  # sync: this step's rollouts, from the current version
-                produced = self.rollouts.produce(self.issue(), self.shaping())
-                check_invalid_scores(produced, cfg.reward, self.step_count + 1)
-                min_version = self.version
-            else:
-                min_version = max(0, self.version - cfg.buffer.max_staleness)
-            with timer("buffer_wait"):
-                shards, batch, regenerated = self._take(producer, min_version)
+            # prompts -> rollouts -> scores -> buffer: sync mode now, async mode all along (the producer)
+            produced = self._produce_now() if producer is None else None
+            with timer("buffer_wait"):  # buffer -> the learner's shards
+                shards, batch, regenerated = self._take(producer, self._min_version(producer))
             produced = (producer.take() if producer is not None else produced).merge(regenerated)
-            check_invalid_scores(produced, cfg.reward, self.step_count + 1)  # async: what fed this step
-            with timer("learn"), self._learner_lock:
-                learn = learner.train(shards, ptx_rows=self.ptx_rows(), kl_coef=self._kl_loss_coef())
-            with timer("sync"), self._learner_lock:
-                self.kl_ctl.update(float(batch.kl_sums.mean()), n_steps=len(batch.scores))
-                sync = self._push_weights(self.pools.generators.handles(), self.version + 1)
-                self.version += 1
-                self.step_count += 1
+            check_invalid_scores(produced, self.cfg.reward, self.step_count + 1)  # async: what fed this step
+            with timer("learn"), self._learner_lock:  # learner
+                learn = self.pools.learner.train(shards, ptx_rows=self.ptx_rows(), kl_coef=self._kl_loss_coef())
+            with timer("sync"), self._learner_lock:  # weights -> generators
+                sync = self._publish(batch)
         return self._step_metrics(batch, produced, learn, sync, timer.seconds)
 
-    def ptx_rows(self):
-        """This step's PTX rows: ptx.batch_size per optimizer step of the update, chosen by the
-        step number (so a resumed or rolled-back run mixes in the same text)."""
-        if self.ptx is None:
-            return None
-        c = self.cfg
-        minibatches = -(-c.data.prompts_per_step * c.generator.sampling.n // c.ppo.minibatch_size)
-        return self.ptx.rows_for_step(self.step_count, c.ppo.ppo_epochs * minibatches * c.ptx.batch_size)
+    def _produce_now(self) -> Produced:
+        """Sync mode: this step's prompts generated, scored and stored, by the current version."""
+        produced = self.rollouts.produce(self.issue(), self.shaping())
+        check_invalid_scores(produced, self.cfg.reward, self.step_count + 1)
+        return produced
+
+    def _min_version(self, producer) -> int:
+        """The oldest policy version this step may train on: sync mode is on-policy."""
+        return self.version if producer is None else max(0, self.version - self.cfg.buffer.max_staleness)
 
     def _take(self, producer, min_version: int):
         """The learner's shards and their summary from the buffer. A buffer that died is
@@ -205,6 +192,35 @@ class Driver:
                 continue
             self.rollouts.ledger.consumed(batch.consumed)
             return shards, batch, regenerated
+
+    def ptx_rows(self):
+        """This step's PTX rows: ptx.batch_size per optimizer step of the update, chosen by the
+        step number (so a resumed or rolled-back run mixes in the same text)."""
+        if self.ptx is None:
+            return None
+        c = self.cfg
+        minibatches = -(-c.data.prompts_per_step * c.generator.sampling.n // c.ppo.minibatch_size)
+        return self.ptx.rows_for_step(self.step_count, c.ppo.ppo_epochs * minibatches * c.ptx.batch_size)
+
+    def _publish(self, batch) -> dict:
+        """After the update: the KL controller sees the batch and the generators get the next version."""
+        self.kl_ctl.update(float(batch.kl_sums.mean()), n_steps=len(batch.scores))
+        sync = recovery.push_weights(self.pools.learner, self.pools.generators.handles(), self.version + 1)
+        self.version += 1
+        self.step_count += 1
+        return sync
+
+    def _after_step(self, metrics: dict) -> None:
+        """The step's evaluation, alarm, HF checkpoint, metrics row and resumable checkpoint, as due."""
+        cfg, step = self.cfg, self.step_count
+        if cfg.run.eval_every and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
+            metrics.update(self.evaluate())
+        metrics.update(self.alarm.update(step, metrics))
+        if cfg.run.save_every and step % cfg.run.save_every == 0:
+            self.save_checkpoint(f"step-{step}")
+        self.metrics.log(step, metrics)  # also records the Ray gauges
+        if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0:
+            self.checkpoint()
 
     def _step_metrics(self, batch, produced: Produced, learn: dict, sync: dict, seconds: dict) -> dict:
         m = {"reward/mean": batch.scores.mean(), "reward/std": batch.scores.std(),
@@ -237,16 +253,11 @@ class Driver:
         for pool, lat in produced.score_latency.items():
             self.ray_metrics.record({"score/seconds": float(np.mean(lat))}, {"pool": pool})
         if self.cfg.run.samples_every and self.version % self.cfg.run.samples_every == 0:
-            self.metrics.samples(self.version, [self._decode(row) for row in batch.samples])
+            self.metrics.samples(self.version, [evaluation.decode_sample(self.tokenizer, row)
+                                                for row in batch.samples])
         return m
 
-    def _decode(self, row: dict) -> dict:
-        dec = self.tokenizer.decode
-        return {"prompt": dec(row["prompt_ids"], skip_special_tokens=True),
-                "response": dec(row["response_ids"], skip_special_tokens=True),
-                **{k: row[k] for k in ("score", "kl_sum", "finish_reason", "policy_version")}}
-
-    # ------------------------------------------------------------------ checkpoints and recovery
+    # ------------------------------------------------------------------ checkpoints
     def run_state(self) -> RunState:
         with self._issue_lock:
             return RunState(step=self.step_count, version=self.version, batches_issued=self.batches_issued,
@@ -271,11 +282,10 @@ class Driver:
         with self._learner_lock:
             if path:
                 self.pools.learner.load(Path(path) / "learner")
-            generators = self.pools.generators.handles()
-            generators = {rid: g for rid, g in generators.items() if alive(g)}  # the producer replaces the rest
+            generators = recovery.live_generators(self.pools.generators.handles())  # the producer replaces the rest
             ray.get([g.rewind.options(concurrency_group=WEIGHT_UPDATE_GROUP).remote(state.version)
                      for g in generators.values()])
-            self._push_weights(generators, state.version)
+            recovery.push_weights(self.pools.learner, generators, state.version)
         self.step_count, self.version, self.kl_ctl.value = state.step, state.version, state.kl_beta
         self._seek(state.batches_issued)
         if state.unfinished:  # async: prompts drawn before the checkpoint but never trained on
@@ -284,82 +294,15 @@ class Driver:
         self.metrics.rewind(state.step)
         return state
 
-    def _push_weights(self, generators: dict, version: int) -> dict:
-        """Weights to the generators. One that died since it was last used is skipped (the
-        producer replaces it, and the replacement gets the weights before it serves)."""
-        try:
-            return self.pools.learner.push_weights(generators, version)
-        except LearnerRankDied:
-            raise
-        except RuntimeError:
-            live = {rid: g for rid, g in generators.items() if alive(g)}
-            if len(live) == len(generators):
-                raise
-            log.warning("weight push: %s died; pushed to the others", ", ".join(sorted(set(generators) - set(live))))
-            return self.pools.learner.push_weights(live, version)
+    def save_checkpoint(self, name: str) -> str:
+        """HF-format policy under checkpoints/<name>, renamed into place only once complete."""
+        final = self.metrics.run_dir / "checkpoints" / name
+        # publish_dir replaces an existing one: a resumed run writes its "final" again
+        with self._learner_lock, publish_dir(final) as tmp:
+            self.pools.learner.save_pretrained_policy(str(tmp))
+        return str(final)
 
-    def _rollback(self, producer, error: LearnerRankDied):
-        """A learner rank died: new ranks, the last checkpoint, and the run goes on from there."""
-        t0 = time.perf_counter()  # the death was just reported: this is when it was detected
-        log.warning("%s; rebuilding the learner and rolling back to the last checkpoint", error)
-        self._stop_producer(producer)
-        slot = self.pools.buffer_slot
-        slot.replace(slot.id)  # rollouts of the abandoned steps must not be trained on
-        self.rollouts.reset()
-        with self._learner_lock:
-            self.pools.learner.restart()
-        t_rebuilt = time.perf_counter()
-        path = checkpoint.latest(self.metrics.run_dir)
-        failed_at = self.step_count
-        state = self.restore(path)
-        record = {"rank": error.rank, "failed_at_step": failed_at, "resumed_at_step": state.step, "detected_at": t0,
-                  "rebuild_seconds": t_rebuilt - t0, "recovery_seconds": time.perf_counter() - t0}
-        self.rollbacks.append(record)
-        log.warning("learner recovered in %.1fs: back at step %d (version %d) from %s", record["recovery_seconds"],
-                    state.step, state.version, path or "the initial weights")
-        return self._start_producer()
-
-    def _start_producer(self):
-        if self.cfg.run.mode != "async":
-            return None
-        return BackgroundProducer(self.rollouts, issue=self.issue, shaping=self.shaping)
-
-    def _stop_producer(self, producer, *, at_end: bool = False) -> None:
-        """Stop async mode's producer for certain: one still running could take the prompts a rollback
-        re-queues next. A stuck one fails the rollback in one line (at the run's end: a warning)."""
-        if producer is None or producer.stopping:  # stopped before: a stuck stop was reported then
-            return
-        producer.stop()
-        try:
-            producer.join(self.producer_stop_timeout_s)
-        except ProducerStuck as e:
-            if not at_end:
-                raise ProducerStuck(f"rollback: {e}, and could take the prompts the rollback re-queues; "
-                                    f"resume the run with run.resume={self.metrics.run_dir}") from None
-            log.warning("%s; the run ends without it", e)
-
-    # ------------------------------------------------------------------ runtime scaling
-    def apply_scaling(self) -> None:
-        """Apply the pool sizes asked for through the control actor (between steps)."""
-        if self.control is None:
-            return
-        targets, errors = ray.get(self.control.pending.remote()), {}
-        pools = self.pools.by_role()
-        for role, n in targets.items():
-            try:
-                started, retiring = pools[role].resize(n)
-            except PlacementError as e:
-                errors[role] = str(e)
-                log.warning("scale: %s", e)
-                continue
-            if role == "generator":
-                for rid in started:
-                    self._give_current_weights(rid)
-            log.info("scale: %s pool now %d (started %s, retiring %s)", role, len(pools[role]),
-                     ", ".join(started) or "none", ", ".join(retiring) or "none")
-        if targets:
-            ray.get(self.control.report.remote(self.pools.sizes(), errors))
-
+    # ------------------------------------------------------------------ new generators, recovery, evaluation
     def add_generator(self) -> str:
         """Start one more generator and give it the current weights before it serves."""
         (rid,) = self.pools.generators.add(1)
@@ -372,43 +315,25 @@ class Driver:
                 self.pools.learner.push_weights({replica_id: self.pools.generators.handles()[replica_id]},
                                                 self.version)
 
-    # ------------------------------------------------------------------ HF checkpoints and eval
-    def save_checkpoint(self, name: str) -> str:
-        """HF-format policy under checkpoints/<name>, renamed into place only once complete."""
-        final = self.metrics.run_dir / "checkpoints" / name
-        tmp = final.with_name(f".{name}.partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)  # a resumed run writes its "final" again
-        with self._learner_lock:
-            self.pools.learner.save_pretrained_policy(str(tmp))
-        tmp.rename(final)
-        return str(final)
+    def _rollback(self, producer, error: LearnerRankDied):
+        """A learner rank died: new ranks, the last checkpoint, and the run goes on from there."""
+        detected_at = time.perf_counter()  # the death was just reported: this is when it was detected
+        log.warning("%s; rebuilding the learner and rolling back to the last checkpoint", error)
+        self._stop_producer(producer)
+        self.rollbacks.append(recovery.roll_back(
+            error, pools=self.pools, rollouts=self.rollouts, learner_lock=self._learner_lock,
+            run_dir=self.metrics.run_dir, restore=self.restore, failed_at=self.step_count, detected_at=detected_at))
+        return self._start_producer()
+
+    def _start_producer(self):
+        if self.cfg.run.mode != "async":
+            return None
+        return BackgroundProducer(self.rollouts, issue=self.issue, shaping=self.shaping)
+
+    def _stop_producer(self, producer, *, at_end: bool = False) -> None:
+        recovery.stop_producer(producer, timeout_s=self.producer_stop_timeout_s, run_dir=self.metrics.run_dir,
+                               at_end=at_end)
 
     def evaluate(self) -> dict:
         """Mean score and response length on the held-out prompts, with the current weights."""
-        if self.eval_dataset is None or len(self.eval_dataset) == 0:
-            return {}
-        generator, reward = self.pools.generators.first(), self.pools.rewards.first()
-        try:
-            rollouts_ref, summary_ref = generator.sample.options(num_returns=2).remote(
-                self.eval_dataset.prompt_ids, list(self.eval_dataset.ids))
-            summary = ray.get(summary_ref)
-            if not summary.rollouts:
-                return {}
-            scores_ref = reward.score_rollouts.remote(rollouts_ref)
-            gold_ref = reward.gold_scores.remote(rollouts_ref) if self.cfg.reward.gold else None
-            scores = ray.get(scores_ref)
-            gold = ray.get(gold_ref) if gold_ref is not None else None
-        except RayActorError as e:  # the producer replaces the replica; this eval is skipped
-            log.warning("eval skipped: a replica died (%s)", type(e).__name__)
-            return {}
-        out = {"eval/score_mean": _valid_mean(scores), "eval/response_len": summary.generated_tokens / summary.rollouts}
-        if gold is not None:
-            out["eval/gold_score"] = _valid_mean(gold)
-        return out
-
-
-def _valid_mean(result) -> float:
-    """Mean of a ScoreResult's valid scores (NaN when none is valid)."""
-    valid = result.scores[result.valid]
-    return float(valid.mean()) if len(valid) else float("nan")
+        return evaluation.evaluate(self.eval_dataset, self.pools, gold=self.cfg.reward.gold)

@@ -3,8 +3,8 @@
 The driver owns one ``RunMetrics`` and calls ``log(step, metrics)`` once per PPO step with namespaced
 keys (``reward/mean``, ``ppo/clip_frac``, ...). Actors that want their own series (tokens/s per
 generator, scoring latency per pool) call ``RayMetrics().record(..., tags={"pool": ..., "replica": ...})``.
-Every exported name is listed once, in ``METRICS``; tests check docs/metrics.md and
-docs/grafana/tether-dashboard.json against it (add a new metric to a panel there too).
+Every exported name is listed once, in ``METRICS`` (cluster/runtime/metric_set.py); tests check
+docs/metrics.md and docs/grafana/tether-dashboard.json against it (add a new metric to a panel there too).
 """
 from __future__ import annotations
 
@@ -12,116 +12,17 @@ import io
 import json
 import logging
 import math
-import os
-import re
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from cluster.runtime.alarms import alarm_words
+from cluster.runtime.metric_set import METRICS, TAG_KEYS, metric_name
+from core.files import write_atomic
 
 log = logging.getLogger(__name__)
-
-PREFIX = "tether_"
-REPLICA_TAGS = ("pool", "replica")
-
-# key -> (tag keys, one-line meaning). The one place the metric set is defined.
-_DEFS: dict[str, tuple[tuple[str, ...], str]] = {
-    "reward/mean": ((), "mean sequence score of the step's rollouts (reward model or function)"),
-    "reward/std": ((), "standard deviation of the sequence scores in the step"),
-    "kl/mean": ((), "mean per-sequence KL(behaviour || reference), summed over response tokens"),
-    "kl/beta": ((), "KL penalty coefficient used for this step (fixed or adaptive controller)"),
-    "ppo/policy_loss": ((), "clipped PPO policy loss, mean over minibatch updates"),
-    "ppo/value_loss": ((), "clipped value loss, mean over minibatch updates"),
-    "ppo/ptx_loss": ((), "pretraining (PTX) language-model loss, when ptx_coef > 0"),
-    "ppo/kl_loss": ((), "KL-to-reference loss term before beta, mean over minibatch updates (ppo.kl.placement=loss)"),
-    "ppo/kl_loss_token_mean": ((), "token-mean of the KL estimator in the loss (ppo.kl.placement=loss)"),
-    "ppo/kl_loss_coef": ((), "beta the learner weighed the KL loss term with this step (ppo.kl.placement=loss)"),
-    "ppo/entropy": ((), "token-mean entropy of the tempered policy on its own samples"),
-    "ppo/clip_frac": ((), "fraction of tokens whose probability ratio was clipped"),
-    "ppo/approx_kl": ((), "token-mean KL between the policy before and after the update"),
-    "ppo/vf_clip_frac": ((), "fraction of tokens whose value prediction was clipped"),
-    "ppo/explained_variance": ((), "1 - Var(returns - values) / Var(returns); 1 is perfect, <0 worse than a constant"),
-    "ppo/grad_norm": ((), "gradient norm before clipping, mean over optimiser steps"),
-    "ppo/lr": ((), "learning rate at the end of the step"),
-    "ppo/logprob_gap_mean": ((), "token-mean |vLLM behaviour logprob - learner logprob| (same weights)"),
-    "ppo/logprob_gap_max": ((), "largest |vLLM behaviour logprob - learner logprob| in the batch"),
-    "ppo/returns_mean": ((), "token-mean GAE return"),
-    "ppo/values_mean": ((), "token-mean value prediction"),
-    "eval/gold_score": ((), "mean reward.gold score on the held-out prompts (evaluation only, never trained on)"),
-    "alarm/proxy_up_gold_down": ((), "1 when eval/score_mean rose and eval/gold_score fell over the last 3"
-                                     " evaluations"),
-    "alarm/kl_up_entropy_down": ((), "1 when KL to the reference climbed while entropy collapsed over run.alarm_window"
-                                     " steps"),
-    "alarm/length_drift": ((), "1 when the response length moved > 50% from its first window's mean"),
-    "off_policy/behaviour_kl": ((), "token-mean KL(behaviour || learner at the update's start), k3 estimate"),
-    "off_policy/is_weight_mean": ((), "token-mean importance weight pi_learner / pi_behaviour, before the cap"),
-    "off_policy/is_weight_max": ((), "largest importance weight pi_learner / pi_behaviour in the batch"),
-    "off_policy/capped_frac": ((), "fraction of tokens whose weight exceeds ppo.is_cap (tis truncates, decoupled"
-                                   " drops)"),
-    "perf/step_seconds": ((), "wall time of the whole PPO step"),
-    "perf/generate_seconds": ((), "time spent generating rollouts"),
-    "perf/score_seconds": ((), "time spent on reference logprobs and reward scores"),
-    "perf/learn_seconds": ((), "time spent in the learner group (PPO epochs)"),
-    "perf/sync_seconds": ((), "time to broadcast weights learner -> generators"),
-    "perf/sync_wait_seconds": ((), "part of the sync a generator waited for its engine (a generate call, or with"
-                                   " partial rollouts one engine step)"),
-    "perf/tokens_per_s": ((), "generated response tokens per second over all generators"),
-    "perf/buffer_wait_seconds": ((), "time the learner side waited on the RolloutBuffer"),
-    "perf/sync_bytes": ((), "bytes broadcast learner -> generators in the weight sync"),
-    "perf/learner_seconds": ((), "time of one learner rank's train() call"),
-    "perf/learner_group_seconds": ((), "time of the learner group's train(), sharding included"),
-    "perf/learner_tokens_per_s": ((), "response tokens per second through the learner"),
-    "perf/startup_seconds": ((), "process start to a run ready to step (step 0 only)"),
-    **{f"perf/startup_{phase}_seconds": ((), f"start-up phase: {meaning} (step 0 only)") for phase, meaning in (
-        ("imports", "interpreter and imports"), ("prepare", "models, tokenizer and data checked"),
-        ("ray", "Ray connected or started"), ("pools", "engines and learner ranks loaded"),
-        ("other", "run folder and control actor"))},
-    "generator/tokens_per_s": (REPLICA_TAGS, "generated tokens per second of one generator replica"),
-    "score/seconds": (REPLICA_TAGS, "latency of one scoring call, per pool (reference | reward) and replica"),
-    "buffer/depth": ((), "scored rollouts waiting in the RolloutBuffer"),
-    "buffer/dropped_stale": ((), "rollouts dropped so far for exceeding max_staleness"),
-    "buffer/staleness_mean": ((), "mean policy-version lag of rollouts handed to the learner"),
-    "buffer/staleness_max": ((), "largest policy-version lag handed to the learner"),
-    "buffer/token_staleness_mean": ((), "mean policy-version lag of the tokens handed to the learner (each token's own"
-                                        " version)"),
-    "rollouts/partial_frac": ((), "fraction of the batch's rollouts sampled by two or more policy versions (partial"
-                                  " rollouts)"),
-    "response/length_mean": ((), "mean response length in tokens of the step's rollouts"),
-    "response/truncated_frac": ((), "fraction of responses cut at max length"),
-    "rollouts/used": ((), "scored rollouts in the step's learner batch"),
-    "rollouts/prompts": ((), "prompts sent to the generators for the step"),
-    "rollouts/skipped_prompts": ((), "prompts skipped (too long, empty after templating)"),
-    "rollouts/invalid_scores": ((), "rollouts dropped because the reward was invalid (NaN, error)"),
-    "rollouts/empty_responses": ((), "rollouts with an empty response"),
-    "rollouts/duplicate_chunks": ((), "prompt chunks the buffer had stored already (a redispatch that raced its"
-                                      " original)"),
-    "rollouts/redispatched_chunks": ((), "prompt chunks sent again because the replica holding them died"),
-    "eval/score_mean": ((), "mean score on the held-out eval prompts (eval steps only)"),
-    "eval/response_len": ((), "mean eval response length in tokens (eval steps only)"),
-    "policy/version": ((), "policy version the generators run"),
-    "pool/generator_replicas": ((), "live generator replicas (cluster.scale changes it while the job runs)"),
-    "pool/reference_replicas": ((), "live reference replicas"),
-    "pool/reward_replicas": ((), "live reward replicas"),
-    "data/batches_issued": ((), "prompt batches drawn from the data stream so far (its position; a resume continues"
-                                " from it)"),
-    "learner/step": ((), "learner updates done"),
-    "learner/optimizer_steps": ((), "optimiser steps done (DeepSpeed global_steps)"),
-    "learner/tokens": ((), "response tokens in the last learner batch"),
-    "learner/dropped_rollouts": ((), "rollouts left out of the batch so every learner rank got an equal shard"),
-}
-
-
-def metric_name(key: str) -> str:
-    """``ppo/clip_frac`` -> ``tether_ppo_clip_frac`` (Prometheus-safe)."""
-    return PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", key).lower()
-
-
-METRICS: dict[str, str] = {metric_name(k): meaning for k, (_, meaning) in _DEFS.items()}
-TAG_KEYS: dict[str, tuple[str, ...]] = {metric_name(k): tags for k, (tags, _) in _DEFS.items()}
 
 
 def _ray_initialized() -> bool:
@@ -247,9 +148,7 @@ def _truncate_jsonl(path: Path, step: int) -> None:
                 keep.append(line)
         except ValueError:
             continue  # a torn line
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(f"{ln}\n" for ln in keep), encoding="utf-8")
-    tmp.replace(path)
+    write_atomic(path, "".join(f"{ln}\n" for ln in keep))
 
 
 class RunMetrics:
@@ -399,15 +298,7 @@ class RunMetrics:
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
-        fd, tmp = tempfile.mkstemp(dir=self.plot_dir, prefix=f".{filename}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(buf.getvalue())
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600; plots are for everyone who can read the run
-            os.replace(tmp, self.plot_dir / filename)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(self.plot_dir / filename, buf.getvalue())
 
     def _series(self, key: str) -> tuple[list[int], list[float]]:
         pts = self._history[key]

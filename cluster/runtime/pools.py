@@ -1,6 +1,7 @@
 """Live pools of actors, each sized independently from the config and changeable while running.
 
-Role classes stay plain Python; `ray.remote` is applied here, at the edge. A Pool is
+Role classes stay plain Python; `ray.remote` is applied at the edge: here and in
+cluster/runtime/launch.py, which starts the run's pools. A Pool is
 the live set of one role's replicas: it knows each replica's handle and load, hands
 out the least-loaded one, and can add or remove replicas without restarting anything
 else. Every replica reserves its resources through its own placement group, so a
@@ -21,11 +22,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.buffer import RolloutBuffer
-from actors.generator import actor_class as generator_actor, engine_process_env
-from actors.reference import Reference
-from actors.reward import Reward
+from actors.generator import engine_process_env
 from cluster.config.ppo import TetherConfig
-from cluster.runtime.threads import node_cores, plan_threads, thread_env
+from cluster.runtime.threads import thread_env
 from learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
@@ -129,7 +128,7 @@ class Pool:
                                                 name=f"{self.role}-{index}")))
         except PlacementError:
             for _, pg in reserved:
-                _free(pg)
+                free_placement(pg)
             bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
             raise PlacementError(_cannot_place(self.role, n, bundle, timeout)) from None
         return reserved
@@ -150,7 +149,7 @@ class Pool:
             ray.get([r.handle.health.remote() for r in started])  # constructor errors surface here
         except BaseException:
             for r in started:
-                _kill(r)
+                kill_replica(r)
             raise
         with self._lock:
             self._replicas.update({r.id: r for r in started})
@@ -165,7 +164,7 @@ class Pool:
         with self._lock:
             replica = self._replicas.pop(replica_id, None)
         if replica is not None:  # another thread may have removed it already
-            _kill(replica)
+            kill_replica(replica)
         return replica is not None and not replica.retiring
 
     def resize(self, n: int) -> tuple[list[str], list[str]]:
@@ -208,7 +207,7 @@ class Pool:
                 return
             del self._replicas[replica_id]
         log.info("%s retired", replica_id)
-        _kill(r)
+        kill_replica(r)
 
     # ---- views
     def handles(self) -> dict:
@@ -235,7 +234,7 @@ class Pool:
         with self._lock:
             replicas, self._replicas = list(self._replicas.values()), {}
         for r in replicas:
-            _kill(r)
+            kill_replica(r)
 
 
 def alive(handle, timeout_s: float = 30.0) -> bool:
@@ -284,15 +283,15 @@ class BufferSlot:
             pass
 
 
-def _kill(replica: Replica) -> None:
+def kill_replica(replica: Replica) -> None:
     try:
         ray.kill(replica.handle)
     except Exception:  # noqa: BLE001 - already dead is fine
         pass
-    _free(replica.placement_group)
+    free_placement(replica.placement_group)
 
 
-def _free(pg) -> None:
+def free_placement(pg) -> None:
     if pg is None:
         return
     try:
@@ -341,102 +340,4 @@ class Pools:
                 stop()
             except Exception:  # noqa: BLE001 - already dead is fine at shutdown
                 pass
-        _free(self.learner_placement)
-
-
-class _Background:
-    """A call run in a thread; result() waits for it (a learner group starting while the
-    pools' engines load)."""
-
-    def __init__(self, call: Callable[[], object]) -> None:
-        self._value, self._error = None, None
-        self._thread = threading.Thread(target=self._run, args=(call,), name="tether-start", daemon=True)
-        self._thread.start()
-
-    def _run(self, call) -> None:
-        try:
-            self._value = call()
-        except BaseException as e:  # noqa: BLE001 - handed to result()
-            self._error = e
-
-    def result(self, errors: list):
-        """The value; a failure is appended to ``errors``. A value nobody will use (``errors``
-        not empty) is shut down here."""
-        self._thread.join()
-        if self._error is not None:
-            errors.append(self._error)
-        elif errors and self._value is not None:
-            self._value.shutdown()
-        return self._value
-
-
-def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
-                threads: dict[str, int]) -> tuple[Pool, Pool, Pool]:
-    g, r, w, t = cfg.generator, cfg.reference, cfg.reward, cfg.resources.placement_timeout_s
-    env = lambda pool: {"env_vars": pool_env(cfg, pool, threads[pool])}  # noqa: E731
-
-    def generator(rid, index, options):
-        return generator_actor().options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,
-                                         runtime_env=env("generator"), **options).remote(
-            model=policy_path, name=rid, sampling=g.sampling, engine=g.engine, tensor_parallel=g.tensor_parallel,
-            weight_sync=cfg.learner.weight_sync, partial_rollouts=cfg.run.mode == "async" and g.partial_rollouts)
-
-    def reference(rid, index, options):
-        return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
-                                             runtime_env=env("reference"), **options).remote(
-            model=r.model or policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
-            top_p=g.sampling.top_p, batch_size=r.batch_size)
-
-    def reward(rid, index, options):
-        return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
-                                          runtime_env=env("reward"), **options).remote(
-            model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
-            normalize=w.normalize, gold=w.gold)
-
-    return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t)
-                 for role, start, p in (("generator", generator, g), ("reference", reference, r),
-                                        ("reward", reward, w)))
-
-
-def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) -> Pools:
-    """Reserve every pool first (so a shortage fails before any model loads), then start actors."""
-    lp = cfg.learner
-    threads = plan_threads(cfg, node_cores())
-    log.info("threads per actor: %s", " ".join(f"{k}={v}" for k, v in threads.items()))
-    pools = _role_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path, threads=threads)
-    reserved, launched, learner_pg, started, buffer = [], [], None, [], None
-    try:
-        for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.replicas, cfg.reward.replicas)):
-            reserved.append(pool.reserve(n))
-        learner_pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus,
-                             cfg.resources.placement_timeout_s)
-        # Every engine loads at once: the pools' actors, then the learner ranks in a thread.
-        for pool, pgs in zip(pools, reserved):
-            launched.append(pool.launch(pgs))
-        learner_start = _Background(lambda: LearnerGroup(
-            model=policy_path, config=cfg.learner_config(), world_size=lp.replicas, num_cpus_per_rank=lp.num_cpus,
-            num_gpus_per_rank=lp.num_gpus, placement_group=learner_pg,
-            env={**actor_env(cfg), **thread_env(threads["learner"])}))
-        buffer = BufferSlot(capacity=cfg.buffer.capacity, env=actor_env(cfg))
-        errors = []
-        for pool, replicas in zip(pools, launched):
-            try:
-                pool.admit(replicas)
-                started.append(pool)
-            except BaseException as e:  # noqa: BLE001 - the others are still waited for, then cleaned up
-                errors.append(e)
-        learner = learner_start.result(errors)
-        if errors:
-            raise errors[0]
-        return Pools(*pools, learner=learner, buffer_slot=buffer, learner_placement=learner_pg)
-    except BaseException:
-        for pool in started:
-            pool.shutdown()
-        for replica in [r for pool, group in zip(pools, launched) if pool not in started for r in group]:
-            _kill(replica)  # launched, never admitted (admit kills its own on a failure; twice is harmless)
-        if buffer is not None:
-            buffer.shutdown()
-        for pg in [pg for pool, group in zip(pools, reserved) if pool not in started for _, pg in group]:
-            _free(pg)
-        _free(learner_pg)
-        raise
+        free_placement(self.learner_placement)

@@ -1,5 +1,4 @@
-"""A run's life outside the PPO loop: which folder and checkpoint it resumes from, and
-how it stops on SIGTERM / SIGINT.
+"""Which folder and checkpoint a run resumes from, and the pool sizes it resumes with.
 
 Resume (``run.resume``):
     <run folder>   continue that run from its newest complete checkpoint
@@ -7,15 +6,12 @@ Resume (``run.resume``):
 A refused resume raises CheckpointError: one line naming the problem and the fix. A resumed
 run starts its pools at the sizes the checkpoint recorded (what ``python -m cluster.scale``
 last set: the operator's intent), except a pool whose ``<pool>.replicas`` the resume command
-line sets; it says so in one line.
-
-Stop: the first SIGTERM or SIGINT asks the driver to stop at the next step boundary
-(it then writes a checkpoint and status.json ``stopped``); a second one stops at once.
+line sets; it says so in one line. How a run stops (SIGTERM / SIGINT), leaving a checkpoint
+to resume from: cluster/job/signals.py.
 """
 from __future__ import annotations
 
 import logging
-import signal
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
@@ -95,32 +91,3 @@ def resume_config_file(overrides: list[str]) -> Optional[Path]:
             saved = Path(value.strip()) / "config.yaml"
             return saved if saved.is_file() else None
     return None
-
-
-class StopSignals:
-    """SIGTERM/SIGINT -> ``on_stop()`` once; the second signal raises KeyboardInterrupt."""
-
-    def __init__(self, on_stop) -> None:
-        self.on_stop, self.received = on_stop, None
-        self._previous = {}
-
-    def __enter__(self) -> "StopSignals":
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt
-        self.received = signum
-        log.warning("%s received: stopping after this step with a checkpoint (send it again to stop now)",
-                    signal.Signals(signum).name)
-        self.on_stop()
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.received if self.received else 0

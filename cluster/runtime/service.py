@@ -3,13 +3,16 @@ and status.json at every turn (running, stopped, succeeded, failed)."""
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Sequence
 
-from cluster.job.errors import Stopped, UserError, one_line
-from cluster.job.folder import make_run_dir, write_status
+from cluster.job.errors import Stopped, UserError
+from cluster.job.folder import make_run_dir, running, write_status
+from cluster.job.signals import StopSignals
 from cluster.job.startup import StartupClock, check_fits, connect_ray
 from cluster.runtime.prepare import prepare, prepare_ptx
+from core.errors import one_line
 
 log = logging.getLogger("tether")
 
@@ -23,91 +26,102 @@ def run(cfg, *, overrides: Sequence[str] = ()) -> dict:
 
 
 def _run(cfg, overrides: Sequence[str], library_log) -> dict:
-    from cluster.runtime import checkpoint
-    from cluster.runtime.driver import Driver
-    from cluster.runtime.metrics import RunMetrics
-    from cluster.runtime.pools import PlacementError, create_pools
-    from cluster.runtime.resume import StopSignals, resume_source, resumed_config
+    from cluster.runtime.launch import create_pools
+    from cluster.runtime.pools import PlacementError
 
     startup = StartupClock()
+    cfg, inputs, reused_dir, resume_from = _prepare(cfg, overrides)
+    startup.lap("prepare")
+    run_dir = _run_folder(cfg, reused_dir)
+    log.info("run folder: %s (resolved config in config.yaml)", run_dir)
+    log.info(startup_summary(cfg))
+    # ExitStack first: status.json and error.log are written before the pools go
+    with ExitStack() as cleanup, running(run_dir, interrupted=lambda: _interrupted(run_dir)):
+        if library_log is not None:
+            library_log.open(run_dir)
+        ray_logs = connect_ray(cfg)
+        if library_log is not None:
+            log.info(library_log.where(ray_logs))
+        startup.lap("ray")
+        try:
+            pools = create_pools(cfg, policy_path=inputs["policy"], tokenizer_path=inputs["tokenizer_path"])
+        except PlacementError as e:
+            raise UserError(str(e)) from None
+        cleanup.callback(pools.shutdown)
+        startup.lap("pools")
+        return _train(cfg, run_dir, pools, inputs, startup, reused_dir=reused_dir, resume_from=resume_from)
+
+
+def _prepare(cfg, overrides: Sequence[str]) -> tuple:
+    """(cfg, the prepared inputs, the run folder to reuse, the checkpoint to resume from);
+    a problem with them is the user's to fix."""
+    from cluster.runtime.resume import resume_source, resumed_config
+
     try:
         reused_dir, resume_from = resume_source(cfg)  # before loading anything it may refuse
         if resume_from is not None:  # the pools as they were scaled, unless the command line says
             cfg = resumed_config(cfg, resume_from, overrides)
         policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
-        ptx = prepare_ptx(cfg, tokenizer_path)
+        inputs = dict(policy=policy, tokenizer_path=tokenizer_path, tokenizer=tokenizer, dataset=train_set,
+                      eval_dataset=eval_set, ptx=prepare_ptx(cfg, tokenizer_path))
         check_fits(cfg, policy)  # a local Ray that cannot hold the pools: refused before it starts
-    except (ValueError, OSError, ImportError) as e:  # bad data / model paths / checkpoint: the user's to fix
+    except (ValueError, OSError, ImportError) as e:  # bad data / model paths / checkpoint
         raise UserError(one_line(e)) from None
-    startup.lap("prepare")
+    return cfg, inputs, reused_dir, resume_from
+
+
+def _run_folder(cfg, reused_dir) -> Path:
     if reused_dir is None:
-        run_dir = make_run_dir(cfg)
-    else:
-        run_dir = reused_dir
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    log.info("run folder: %s (resolved config in config.yaml)", run_dir)
-    log.info(startup_summary(cfg))
-    write_status(run_dir, "running")
-    if library_log is not None:
-        library_log.open(run_dir)
-    ray_logs = connect_ray(cfg)
-    if library_log is not None:
-        log.info(library_log.where(ray_logs))
-    startup.lap("ray")
-    pools = None
-    try:
-        try:
-            pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
-        except PlacementError as e:
-            raise UserError(str(e)) from None
-        startup.lap("pools")
-        actors = pools.actor_names()
-        log.info("actors: %s", ", ".join(actors))
-        control, control_info = start_control(run_dir, pools)
-        write_status(run_dir, "running", actors=actors, control=control_info)
-        metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every,
-                             tensorboard=cfg.run.tensorboard)
-        driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=eval_set,
-                        tokenizer=tokenizer, metrics=metrics, ptx=ptx, control=control)
-        resumed = {}
-        if resume_from is not None:
-            step = driver.restore(resume_from).step
-            resumed = {"resumed_from_step": step, "note": f"resumed from step {step}"}
-            log.info("resumed from step %d (%s)", step, resume_from)
-        elif reused_dir is not None:  # run.resume=auto before the run's first checkpoint: start over
-            metrics.rewind(-1)
-        driver.startup_metrics = startup.metrics()
-        log.info(startup.line())
-        write_status(run_dir, "running", actors=actors, control=control_info, startup=startup.seconds, **resumed)
-        with StopSignals(driver.stop_requested.set) as signals:
-            final = driver.run()
-        if signals.received:
-            path = driver.checkpoint() if driver.step_count else None
-            metrics.close()
-            write_status(run_dir, "stopped", step=driver.step_count, resumable=path is not None,
-                         checkpoint=str(path), **resumed)
-            raise Stopped(f"stopped at step {driver.step_count}; continue with: python -m cluster.train "
-                          f"run.resume={run_dir}", signals.exit_code)
-        final_dir = driver.save_checkpoint("final")
+        return make_run_dir(cfg)
+    (reused_dir / "config.yaml").write_text(cfg.to_yaml())
+    return reused_dir
+
+
+def _interrupted(run_dir: Path) -> dict:
+    """status.json after a second signal: the last periodic checkpoint stands."""
+    from cluster.runtime import checkpoint
+
+    latest = checkpoint.latest(run_dir)
+    return {"resumable": latest is not None, "checkpoint": str(latest)}
+
+
+def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, reused_dir, resume_from) -> dict:
+    """The driver's loop from the control actor to the final checkpoint, status.json at each turn."""
+    from cluster.runtime.driver import Driver
+    from cluster.runtime.metrics import RunMetrics
+
+    actors = pools.actor_names()
+    log.info("actors: %s", ", ".join(actors))
+    control, control_info = start_control(run_dir, pools)
+    write_status(run_dir, "running", actors=actors, control=control_info)
+    metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every, tensorboard=cfg.run.tensorboard)
+    driver = Driver(cfg, pools=pools, dataset=inputs["dataset"], eval_dataset=inputs["eval_dataset"],
+                    tokenizer=inputs["tokenizer"], metrics=metrics, ptx=inputs["ptx"], control=control)
+    resumed = {}
+    if resume_from is not None:
+        step = driver.restore(resume_from).step
+        resumed = {"resumed_from_step": step, "note": f"resumed from step {step}"}
+        log.info("resumed from step %d (%s)", step, resume_from)
+    elif reused_dir is not None:  # run.resume=auto before the run's first checkpoint: start over
+        metrics.rewind(-1)
+    driver.startup_metrics = startup.metrics()
+    log.info(startup.line())
+    write_status(run_dir, "running", actors=actors, control=control_info, startup=startup.seconds, **resumed)
+    with StopSignals(driver.stop_requested.set) as signals:
+        final = driver.run()
+    if signals.received:
+        path = driver.checkpoint() if driver.step_count else None
         metrics.close()
-        write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=final_dir, actors=actors,
-                     final={k: v for k, v in final.items() if isinstance(v, (int, float))},
-                     rollbacks=driver.rollbacks, **resumed)
-        return final
-    except Stopped:
-        raise
-    except BaseException as e:
-        import traceback
-        (run_dir / "error.log").write_text("".join(traceback.format_exception(e)))
-        if isinstance(e, KeyboardInterrupt):  # a second signal: the last periodic checkpoint stands
-            latest = checkpoint.latest(run_dir)
-            write_status(run_dir, "stopped", resumable=latest is not None, checkpoint=str(latest))
-        else:
-            write_status(run_dir, "failed", reason=one_line(e))
-        raise
-    finally:
-        if pools is not None:
-            pools.shutdown()
+        write_status(run_dir, "stopped", step=driver.step_count, resumable=path is not None,
+                     checkpoint=str(path), **resumed)
+        raise Stopped(f"stopped at step {driver.step_count}; continue with: python -m cluster.train "
+                      f"run.resume={run_dir}", signals.exit_code, run_dir=run_dir)
+    final_dir = driver.save_checkpoint("final")
+    metrics.close()
+    write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=final_dir, actors=actors,
+                 final={k: v for k, v in final.items() if isinstance(v, (int, float))},
+                 rollbacks=driver.rollbacks, **resumed)
+    return final
 
 
 def start_control(run_dir: Path, pools):

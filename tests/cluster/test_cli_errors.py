@@ -122,7 +122,7 @@ CASES = [
     # -- impossible values and combinations --
     pytest.param(["run.steps=0"], "run.steps=0 must be >= 1", id="steps-zero"),
     pytest.param(["run.steps=-3"], "run.steps=-3 must be >= 1", id="steps-negative"),
-    pytest.param(["run.mode=fast"], "run.mode='fast' must be sync or async", id="mode-unknown"),
+    pytest.param(["run.mode=fast"], "run.mode='fast' is unknown; use one of sync, async", id="mode-unknown"),
     pytest.param(["run.name=../escape"], "run.name='../escape' must be a plain folder name", id="name-dotdot"),
     pytest.param(["run.name=a/b"], "run.name='a/b' must be a plain folder name", id="name-with-slash"),
     pytest.param(["ppo.kl.beta=-0.1"], "ppo.kl.beta=-0.1 must be >= 0", id="kl-beta-negative"),
@@ -143,7 +143,7 @@ CASES = [
     pytest.param(["reward.gold=cluster.demo.sentiment:nothing"],
                  "reward.gold 'cluster.demo.sentiment:nothing': module 'cluster.demo.sentiment' has no callable",
                  id="gold-function-missing"),
-    pytest.param(["ppo.off_policy=is"], "ppo.off_policy='is' is unknown; use one of ('none', 'tis', 'decoupled')",
+    pytest.param(["ppo.off_policy=is"], "ppo.off_policy='is' is unknown; use one of none, tis, decoupled",
                  id="off-policy-unknown"),
     pytest.param(["ppo.is_cap=0.5"], "ppo.is_cap=0.5 must be a finite number >= 1", id="is-cap-below-1"),
     pytest.param(["ppo.ptx_coef=0.1", "ptx.batch_size=3", "learner.replicas=2"],

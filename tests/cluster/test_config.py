@@ -30,8 +30,8 @@ def test_shipped_configs_validate(path):
 
 
 def test_shipped_pipeline_config_validates():
+    from cluster.config.pipeline import PipelineConfig
     from cluster.config.stages import load_stage_config
-    from cluster.recipes.pipeline import PipelineConfig
 
     path = Path(__file__).resolve().parents[2] / "configs" / "pipeline-cpu.yaml"
     cfg = load_stage_config(PipelineConfig, path)
@@ -65,7 +65,11 @@ def test_exponent_without_a_dot_is_a_number():
     (["learner.replicas=3", "ppo.minibatch_size=8", "ppo.micro_batch_size=2"], "not divisible by world_size"),
     (["generator.sampling.temperature=0"], "temperature must be > 0"),
     (["reward.model=/x"], "exactly one of reward.model and reward.function"),
-    (["run.mode=fast"], "run.mode='fast' must be sync or async"),
+    (["run.mode=fast"], "run.mode='fast' is unknown; use one of sync, async"),
+    (["run.mode=1"], "run.mode must be str, got 1 (int)"),
+    (["resources.cpu_threads=all"], "resources.cpu_threads='all' is unknown; use one of phase, reserved"),
+    (["ppo.off_policy=is"], "ppo.off_policy='is' is unknown; use one of none, tis, decoupled"),
+    (["learner.optim.decay=step"], "learner.optim.decay='step' is unknown; use one of linear, cosine, constant"),
     (["ppo.old_logprobs=vllm"], "ppo.old_logprobs='vllm' is unknown"),
     (["ppo.old_logprobs=behaviour", "run.mode=async"], "holds in sync mode only; set run.mode=sync"),
     (["generator.replicas=0"], "generator.replicas=0 must be >= 1"),

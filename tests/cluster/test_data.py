@@ -4,7 +4,8 @@ import sys
 import numpy as np
 import pytest
 
-from cluster.data.prompts import PromptDataset, builtin_prompts
+from cluster.data.prompts import PromptDataset
+from cluster.demo.sentiment import builtin_prompts
 from cluster.demo.tiny_models import build_tokenizer
 
 pytestmark = pytest.mark.unit

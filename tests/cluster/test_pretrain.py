@@ -73,7 +73,7 @@ def test_pretraining_lowers_corpus_loss(pretrained):
 def test_pretrained_policy_ends_sentences_with_eos(pretrained):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cluster.data.prompts import builtin_prompts
+    from cluster.demo.sentiment import builtin_prompts
 
     tok = AutoTokenizer.from_pretrained(pretrained)
     tok.padding_side = "left"

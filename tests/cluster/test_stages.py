@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.data.rows import builtin_rows
+from cluster.demo.sentiment import builtin_rows
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

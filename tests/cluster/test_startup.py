@@ -17,7 +17,7 @@ CPU_CONFIGS = ("tiny-cpu.yaml", "bench-30m.yaml")
 def test_start_up_is_timed_from_the_python_entrypoint_not_the_shell_before_it():
     """scripts/run.sh runs the set-up and then execs Python in the same process: the time
     spent before the exec (here a 3 s sleep) is not the job's start-up."""
-    code = "from cluster.train import StartupClock; print(StartupClock().seconds['imports'])"
+    code = "from cluster.job.startup import StartupClock; print(StartupClock().seconds['imports'])"
     result = subprocess.run(["sh", "-c", f'sleep 3; exec "{sys.executable}" -c "{code}"'], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

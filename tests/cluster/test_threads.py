@@ -52,7 +52,7 @@ def test_vllm_worker_threads_are_unbound():
 
 @pytest.mark.unit
 def test_bad_setting_is_one_line():
-    with pytest.raises(ConfigError, match="resources.cpu_threads='all' must be phase or reserved"):
+    with pytest.raises(ConfigError, match="resources.cpu_threads='all' is unknown; use one of phase, reserved"):
         load_config(None, ["resources.cpu_threads=all"])
 
 

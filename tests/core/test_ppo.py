@@ -1,4 +1,5 @@
-"""Unit tests for core/ppo.py: hand-computed values, gradients, padding invariance."""
+"""Unit tests for the PPO math (core.masked, core.logprobs, core.kl, core.advantages, core.ppo):
+hand-computed values, gradients, padding invariance."""
 
 import math
 import threading
@@ -10,6 +11,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from core import ppo
+from core.advantages import gae, per_token_rewards
+from core.choices import AGG_MODES, KL_ESTIMATORS, kl_placement_error
+from core.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from core.logprobs import entropy_from_logits, logprobs_from_logits
+from core.masked import explained_variance, masked_mean, masked_var, whiten
 
 pytestmark = pytest.mark.unit
 
@@ -39,7 +45,7 @@ def pad_with_garbage(x, extra, value=float("nan")):
 
 def test_gae_gamma_lam_one_is_reward_to_go_minus_value():
     r, v = t([[1.0, -2.0, 3.0, 0.5]]), t([[0.3, 0.1, -0.4, 2.0]])
-    adv, ret = ppo.gae(r, v, torch.ones_like(r), gamma=1.0, lam=1.0)
+    adv, ret = gae(r, v, torch.ones_like(r), gamma=1.0, lam=1.0)
     rtg = r.flip(1).cumsum(1).flip(1)
     torch.testing.assert_close(adv, rtg - v)
     torch.testing.assert_close(ret, rtg)
@@ -48,7 +54,7 @@ def test_gae_gamma_lam_one_is_reward_to_go_minus_value():
 def test_gae_lam_zero_is_one_step_td_residual():
     r, v = t([[1.0, -2.0, 3.0, 0.5]]), t([[0.3, 0.1, -0.4, 2.0]])
     gamma = 0.9
-    adv, _ = ppo.gae(r, v, torch.ones_like(r), gamma=gamma, lam=0.0)
+    adv, _ = gae(r, v, torch.ones_like(r), gamma=gamma, lam=0.0)
     next_v = torch.cat([v[:, 1:], torch.zeros(1, 1, dtype=D)], dim=1)  # V after last = 0
     torch.testing.assert_close(adv, r + gamma * next_v - v)
 
@@ -60,7 +66,7 @@ def test_gae_hand_worked_with_padding():
     r = t([[1.0, 0.0, 2.0], [3.0, 100.0, -50.0]])
     v = t([[0.5, 1.0, 1.5], [1.0, 40.0, 7.0]])
     mask = t([[1, 1, 1], [1, 0, 0]])
-    adv, ret = ppo.gae(r, v, mask, gamma=0.9, lam=0.8)
+    adv, ret = gae(r, v, mask, gamma=0.9, lam=0.8)
     torch.testing.assert_close(adv, t([[1.9112, 0.71, 0.5], [2.0, 0.0, 0.0]]))
     torch.testing.assert_close(ret, t([[2.4112, 1.71, 2.0], [3.0, 0.0, 0.0]]))
     torch.testing.assert_close(ret, adv + v * mask)
@@ -68,7 +74,7 @@ def test_gae_hand_worked_with_padding():
 
 def test_gae_outputs_are_detached():
     v = torch.zeros(1, 3, dtype=D, requires_grad=True)
-    adv, ret = ppo.gae(torch.ones(1, 3, dtype=D), v, torch.ones(1, 3, dtype=D))
+    adv, ret = gae(torch.ones(1, 3, dtype=D), v, torch.ones(1, 3, dtype=D))
     assert not adv.requires_grad and not ret.requires_grad
 
 
@@ -77,7 +83,7 @@ def test_gae_outputs_are_detached():
 def test_gae_gamma_lam_one_property(seed, B, T):
     g, mask = random_batch(seed, B, T)
     r, v = torch.randn(B, T, generator=g, dtype=D), torch.randn(B, T, generator=g, dtype=D)
-    adv, ret = ppo.gae(r, v, mask, gamma=1.0, lam=1.0)
+    adv, ret = gae(r, v, mask, gamma=1.0, lam=1.0)
     rtg = (r * mask).flip(1).cumsum(1).flip(1) * mask
     torch.testing.assert_close(ret, rtg)
     torch.testing.assert_close(adv, (rtg - v) * mask)
@@ -107,23 +113,23 @@ def test_right_padding_invariance(seed, B, T, extra, garbage, gamma, lam):
     P = lambda x: pad_with_garbage(x, extra, garbage)  # noqa: E731
     valid = lambda x: x[:, :T]  # noqa: E731
 
-    adv, ret = ppo.gae(r, v, mask, gamma, lam)
-    padv, pret = ppo.gae(P(r), P(v), pmask, gamma, lam)
+    adv, ret = gae(r, v, mask, gamma, lam)
+    padv, pret = gae(P(r), P(v), pmask, gamma, lam)
     torch.testing.assert_close(valid(padv), adv)
     torch.testing.assert_close(valid(pret), ret)
     assert (padv[:, T:] == 0).all() and (pret[:, T:] == 0).all()
 
-    rew = ppo.per_token_rewards(kl, scores, mask, 0.1, truncated=truncated,
+    rew = per_token_rewards(kl, scores, mask, 0.1, truncated=truncated,
                                 truncation_penalty=-1.0, reward_clip=1.0)
-    prew = ppo.per_token_rewards(P(kl), scores, pmask, 0.1, truncated=truncated,
+    prew = per_token_rewards(P(kl), scores, pmask, 0.1, truncated=truncated,
                                  truncation_penalty=-1.0, reward_clip=1.0)
     torch.testing.assert_close(valid(prew), rew)
     assert (prew[:, T:] == 0).all()
 
     for shift in (True, False):
-        torch.testing.assert_close(valid(ppo.whiten(P(r), pmask, shift)), ppo.whiten(r, mask, shift))
+        torch.testing.assert_close(valid(whiten(P(r), pmask, shift)), whiten(r, mask, shift))
 
-    for agg in ppo.AGG_MODES:
+    for agg in AGG_MODES:
         kw = dict(agg=agg, horizon=T)  # horizon pinned: by default it is the padded length
         a = ppo.policy_loss(lp, old, adv_in, mask, 0.2, 0.3, 3.0, **kw)
         b = ppo.policy_loss(P(lp), P(old), P(adv_in), pmask, 0.2, 0.3, 3.0, **kw)
@@ -242,15 +248,15 @@ def test_value_loss_without_clip():
 def test_kl_k2_k3_non_negative(pairs):
     lp, ref = t([[a for a, _ in pairs]]), t([[b for _, b in pairs]])
     for est in ("k2", "k3"):
-        assert (ppo.kl_estimate(lp, ref, est) >= 0).all()
-    for est in ppo.KL_ESTIMATORS:
-        assert (ppo.kl_estimate(lp, lp, est) == 0).all()
+        assert (kl_estimate(lp, ref, est) >= 0).all()
+    for est in KL_ESTIMATORS:
+        assert (kl_estimate(lp, lp, est) == 0).all()
 
 
 def test_kl_estimators_exact_expectation_two_point():
     p, q = t([0.3, 0.7]), t([0.6, 0.4])
     kl_pq = (p * (p / q).log()).sum()
-    expect = {e: (p * ppo.kl_estimate(p.log(), q.log(), e)).sum() for e in ppo.KL_ESTIMATORS}
+    expect = {e: (p * kl_estimate(p.log(), q.log(), e)).sum() for e in KL_ESTIMATORS}
     torch.testing.assert_close(expect["k1"], kl_pq)
     torch.testing.assert_close(expect["k3"], kl_pq)  # unbiased for KL(p||q), not KL(q||p)
     torch.testing.assert_close(expect["k2"], 0.5 * (p * (p / q).log() ** 2).sum())
@@ -290,7 +296,7 @@ def test_kl_gradient_depends_on_placement():
 
     def expected(est, in_loss):
         log_pi = torch.log_softmax(z, -1)
-        k = ppo.kl_estimate(log_pi, q.log(), est)
+        k = kl_estimate(log_pi, q.log(), est)
         pi = log_pi.exp().detach()
         return (pi * k).sum() if in_loss else (pi * k.detach() * log_pi).sum()
 
@@ -308,16 +314,16 @@ def test_kl_gradient_depends_on_placement():
     ("loss", "k1", "zero expected gradient"), ("gradient", "k1", "placement='gradient' is unknown"),
 ])
 def test_kl_placement_refuses_what_misleads(placement, estimator, message):
-    assert message in ppo.kl_placement_error(placement, estimator)
+    assert message in kl_placement_error(placement, estimator)
 
 
 def test_kl_placement_accepts_the_sound_pairs():
-    assert [ppo.kl_placement_error(*pair) for pair in (("reward", "k1"), ("loss", "k3"), ("loss", "k2"))] == [None] * 3
+    assert [kl_placement_error(*pair) for pair in (("reward", "k1"), ("loss", "k3"), ("loss", "k2"))] == [None] * 3
 
 
 def test_kl_unknown_estimator():
     with pytest.raises(ValueError, match="k1, k2, k3"):
-        ppo.kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), "k4")
+        kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), "k4")
 
 
 # ------------------------------------------------------------------------ whitening
@@ -330,28 +336,28 @@ def test_whiten_masked_stats(seed, B, T):
     mask[0, :2] = 1.0  # need two valid entries for a non-degenerate variance
     x = 3.0 + 5.0 * torch.randn(B, T, generator=g, dtype=D)
     garbage = torch.where(mask.bool(), x, t(1e9))
-    w = ppo.whiten(garbage, mask)
+    w = whiten(garbage, mask)
     # eps=1e-8 in the denominator: the whitened variance is var / (var + eps), not exactly 1.
-    var = ppo.masked_var(x, mask)
+    var = masked_var(x, mask)
     unit = var / (var + 1e-8)
-    torch.testing.assert_close(ppo.masked_mean(w, mask), t(0.0))
-    torch.testing.assert_close(ppo.masked_var(w, mask), unit, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(w, ppo.whiten(x, mask))
-    s = ppo.whiten(x, mask, shift_mean=False)
-    torch.testing.assert_close(ppo.masked_mean(s, mask), ppo.masked_mean(x, mask))
-    torch.testing.assert_close(ppo.masked_var(s, mask), unit, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(masked_mean(w, mask), t(0.0))
+    torch.testing.assert_close(masked_var(w, mask), unit, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w, whiten(x, mask))
+    s = whiten(x, mask, shift_mean=False)
+    torch.testing.assert_close(masked_mean(s, mask), masked_mean(x, mask))
+    torch.testing.assert_close(masked_var(s, mask), unit, rtol=1e-6, atol=1e-6)
 
 
 def test_whiten_hand_values():
     x, mask = t([[1.0, 2.0, 3.0, 99.0]]), t([[1, 1, 1, 0]])
-    torch.testing.assert_close(ppo.masked_var(x, mask), t(2 / 3))  # biased
+    torch.testing.assert_close(masked_var(x, mask), t(2 / 3))  # biased
     s = math.sqrt(1.5)
-    torch.testing.assert_close(ppo.whiten(x, mask, eps=0.0), t([[-s, 0.0, s, 0.0]]))
+    torch.testing.assert_close(whiten(x, mask, eps=0.0), t([[-s, 0.0, s, 0.0]]))
 
 
 def test_masked_mean_dim():
     x, mask = t([[1.0, 3.0, 50.0], [4.0, 0.0, 0.0]]), t([[1, 1, 0], [0, 0, 0]])
-    torch.testing.assert_close(ppo.masked_mean(x, mask, dim=1), t([2.0, 0.0]))
+    torch.testing.assert_close(masked_mean(x, mask, dim=1), t([2.0, 0.0]))
 
 
 # ------------------------------------------------------------------------ temperature / entropy
@@ -361,32 +367,32 @@ def test_logprobs_temperature():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 5, generator=g, dtype=D)
     tokens = torch.randint(0, 5, (2, 3), generator=g)
-    lp = ppo.logprobs_from_logits(logits, tokens, temperature=0.7)
+    lp = logprobs_from_logits(logits, tokens, temperature=0.7)
     ref = F.log_softmax(logits / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
     torch.testing.assert_close(lp, ref)
-    assert not torch.allclose(lp, ppo.logprobs_from_logits(logits, tokens))
+    assert not torch.allclose(lp, logprobs_from_logits(logits, tokens))
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="temperature"):
-            ppo.logprobs_from_logits(logits, tokens, temperature=bad)
+            logprobs_from_logits(logits, tokens, temperature=bad)
 
 
 def test_logprobs_bf16_upcast():
     logits = torch.randn(1, 2, 7)
     tokens = torch.tensor([[1, 6]])
-    lp = ppo.logprobs_from_logits(logits.bfloat16(), tokens)
+    lp = logprobs_from_logits(logits.bfloat16(), tokens)
     assert lp.dtype == torch.float32
-    torch.testing.assert_close(lp, ppo.logprobs_from_logits(logits.bfloat16().float(), tokens))
+    torch.testing.assert_close(lp, logprobs_from_logits(logits.bfloat16().float(), tokens))
 
 
 def test_entropy_tempered_and_uniform():
     logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(1), dtype=D)
     p = torch.softmax(logits / 1.5, -1)
-    torch.testing.assert_close(ppo.entropy_from_logits(logits, 1.5), -(p * p.log()).sum(-1))
-    assert not torch.allclose(ppo.entropy_from_logits(logits, 1.5), ppo.entropy_from_logits(logits))
-    torch.testing.assert_close(ppo.entropy_from_logits(torch.zeros(1, 2, 5, dtype=D), 0.3),
+    torch.testing.assert_close(entropy_from_logits(logits, 1.5), -(p * p.log()).sum(-1))
+    assert not torch.allclose(entropy_from_logits(logits, 1.5), entropy_from_logits(logits))
+    torch.testing.assert_close(entropy_from_logits(torch.zeros(1, 2, 5, dtype=D), 0.3),
                                torch.full((1, 2), math.log(5), dtype=D))
     with pytest.raises(ValueError, match="temperature"):
-        ppo.entropy_from_logits(logits, 0.0)
+        entropy_from_logits(logits, 0.0)
 
 
 # ------------------------------------------------------------------------ aggregation
@@ -419,7 +425,7 @@ def test_aggregation_global_counts_sum_over_ranks():
 
 def test_aggregation_ignores_nan_padding():
     loss = torch.where(MASK.bool(), LOSS, t(float("nan")))
-    for mode in ppo.AGG_MODES:
+    for mode in AGG_MODES:
         torch.testing.assert_close(ppo.aggregate_loss(loss, MASK, mode), ppo.aggregate_loss(LOSS, MASK, mode))
 
 
@@ -436,32 +442,32 @@ def test_per_token_rewards_layout():
     kl = t([[0.1, 0.2, 0.3], [0.5, float("nan"), 9.0]])
     mask = t([[1, 1, 1], [1, 0, 0]])
     scores = t([2.0, -7.0])
-    r = ppo.per_token_rewards(kl, scores, mask, 0.5)
+    r = per_token_rewards(kl, scores, mask, 0.5)
     torch.testing.assert_close(r, t([[-0.05, -0.1, -0.15 + 2.0], [-0.25 - 7.0, 0.0, 0.0]]))
     # Truncation penalty on the truncated row only; clip applies to the score, not the penalty.
-    r = ppo.per_token_rewards(kl, scores, mask, 0.5, truncated=torch.tensor([False, True]),
+    r = per_token_rewards(kl, scores, mask, 0.5, truncated=torch.tensor([False, True]),
                               truncation_penalty=-1.0, reward_clip=5.0)
     torch.testing.assert_close(r, t([[-0.05, -0.1, -0.15 + 2.0], [-0.25 - 5.0 - 1.0, 0.0, 0.0]]))
 
 
 def test_per_token_rewards_score_not_broadcast():
     mask = t([[1, 1, 1, 1, 0]])
-    r = ppo.per_token_rewards(torch.zeros(1, 5, dtype=D), t([3.0]), mask, beta=0.1)
+    r = per_token_rewards(torch.zeros(1, 5, dtype=D), t([3.0]), mask, beta=0.1)
     torch.testing.assert_close(r, t([[0.0, 0.0, 0.0, 3.0, 0.0]]))
 
 
 def test_per_token_rewards_bad_rows():
     with pytest.raises(ValueError, match="no valid tokens"):
-        ppo.per_token_rewards(torch.zeros(2, 3), torch.zeros(2), torch.tensor([[1.0, 0, 0], [0, 0, 0]]), 0.1)
+        per_token_rewards(torch.zeros(2, 3), torch.zeros(2), torch.tensor([[1.0, 0, 0], [0, 0, 0]]), 0.1)
     with pytest.raises(ValueError, match=r"scores shape \(3,\)"):
-        ppo.per_token_rewards(torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3), 0.1)
+        per_token_rewards(torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3), 0.1)
 
 
 # ------------------------------------------------------------------------ KL controllers
 
 
 def test_adaptive_kl_controller_steps():
-    c = ppo.AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    c = AdaptiveKLController(0.1, target=6.0, horizon=10000)
     c.update(7.0, n_steps=100)  # error = 1/6, inside the clip
     expected = 0.1 * (1 + (7 / 6 - 1) * 100 / 10000)
     assert c.value == pytest.approx(expected, rel=1e-12)
@@ -474,14 +480,14 @@ def test_adaptive_kl_controller_steps():
 
 
 def test_fixed_kl_controller_and_validation():
-    c = ppo.FixedKLController(0.05)
+    c = FixedKLController(0.05)
     c.update(100.0, 1000)
     assert c.value == 0.05
     for args in ((0.1, 0.0, 100), (0.1, 6.0, 0), (-0.1, 6.0, 100)):
         with pytest.raises(ValueError):
-            ppo.AdaptiveKLController(*args)
+            AdaptiveKLController(*args)
     with pytest.raises(ValueError):
-        ppo.FixedKLController(-1.0)
+        FixedKLController(-1.0)
 
 
 # ------------------------------------------------------------------------ ptx, explained variance
@@ -499,9 +505,9 @@ def test_ptx_loss_matches_cross_entropy():
 
 def test_explained_variance():
     ret, mask = t([[1.0, 2.0, 4.0, 1e6]]), t([[1, 1, 1, 0]])
-    torch.testing.assert_close(ppo.explained_variance(ret, ret, mask), t(1.0))
-    torch.testing.assert_close(ppo.explained_variance(torch.zeros_like(ret), ret, mask), t(0.0))
-    assert math.isnan(ppo.explained_variance(ret, t([[3.0, 3.0, 3.0, 0.0]]), mask))
+    torch.testing.assert_close(explained_variance(ret, ret, mask), t(1.0))
+    torch.testing.assert_close(explained_variance(torch.zeros_like(ret), ret, mask), t(0.0))
+    assert math.isnan(explained_variance(ret, t([[3.0, 3.0, 3.0, 0.0]]), mask))
 
 
 class ThreadAllReduce:
@@ -534,21 +540,21 @@ def test_whiten_split_over_processes_equals_one_process(seed, B, T, shift):
     g, mask = random_batch(seed, B, T)
     x = 3.0 + 5.0 * torch.randn(B, T, generator=g, dtype=D)
     cut = int(torch.randint(1, B, (1,), generator=g))
-    parts, reduce = run_split(lambda x, m, reduce: ppo.whiten(x, m, shift, reduce=reduce),
+    parts, reduce = run_split(lambda x, m, reduce: whiten(x, m, shift, reduce=reduce),
                               [slice(0, cut), slice(cut, B)], x, mask)
-    torch.testing.assert_close(torch.cat(parts), ppo.whiten(x, mask, shift))
+    torch.testing.assert_close(torch.cat(parts), whiten(x, mask, shift))
     assert reduce.calls == 2 * 2  # two rounds (sums, then squared deviations) per process
 
 
 def test_whiten_split_hand_values_and_a_part_without_tokens():
     # Global valid entries 1, 2, 3: mean 2, biased variance 2/3; the last part has none.
     x, mask = t([[1.0, 2.0], [3.0, 99.0], [7.0, 8.0]]), t([[1, 1], [1, 0], [0, 0]])
-    parts, _ = run_split(lambda x, m, reduce: ppo.whiten(x, m, eps=0.0, reduce=reduce),
+    parts, _ = run_split(lambda x, m, reduce: whiten(x, m, eps=0.0, reduce=reduce),
                          [slice(0, 1), slice(1, 2), slice(2, 3)], x, mask)
     s = math.sqrt(1.5)
     torch.testing.assert_close(torch.cat(parts), t([[-s, 0.0], [s, 0.0], [0.0, 0.0]]))
     with pytest.raises(ValueError, match="whiten: mask has no valid tokens"):
-        run_split(lambda x, m, reduce: ppo.whiten(x, m, reduce=reduce), [slice(0, 1), slice(1, 2)],
+        run_split(lambda x, m, reduce: whiten(x, m, reduce=reduce), [slice(0, 1), slice(1, 2)],
                   x[2:].repeat(2, 1), mask[2:].repeat(2, 1))
 
 
@@ -558,8 +564,8 @@ def test_explained_variance_split_over_processes_equals_one_process(seed, B, T):
     g, mask = random_batch(seed, B, T)
     ret, val = torch.randn(B, T, generator=g, dtype=D), torch.randn(B, T, generator=g, dtype=D)
     cut = int(torch.randint(1, B, (1,), generator=g))
-    parts, _ = run_split(ppo.explained_variance, [slice(0, cut), slice(cut, B)], val, ret, mask)
-    whole = ppo.explained_variance(val, ret, mask)
+    parts, _ = run_split(explained_variance, [slice(0, cut), slice(cut, B)], val, ret, mask)
+    whole = explained_variance(val, ret, mask)
     for part in parts:  # every process gets the global value
         torch.testing.assert_close(part, whole)
 
@@ -567,9 +573,9 @@ def test_explained_variance_split_over_processes_equals_one_process(seed, B, T):
 def test_explained_variance_split_hand_value():
     # R = 1, 2, 4: Var 14/9. R - V = 0, 0, 2: Var 8/9. EV = 1 - 8/14 = 3/7.
     ret, val, mask = t([[1.0, 2.0], [4.0, 50.0]]), t([[1.0, 2.0], [2.0, -9.0]]), t([[1, 1], [1, 0]])
-    parts, _ = run_split(ppo.explained_variance, [slice(0, 1), slice(1, 2)], val, ret, mask)
+    parts, _ = run_split(explained_variance, [slice(0, 1), slice(1, 2)], val, ret, mask)
     assert all(float(p) == pytest.approx(3 / 7, rel=1e-12) for p in parts)
-    assert float(ppo.explained_variance(val, ret, mask)) == pytest.approx(3 / 7, rel=1e-12)
+    assert float(explained_variance(val, ret, mask)) == pytest.approx(3 / 7, rel=1e-12)
 
 
 # ------------------------------------------------------------------------ bad input
@@ -577,26 +583,26 @@ def test_explained_variance_split_hand_value():
 
 def test_shape_mismatch_message_names_arguments():
     with pytest.raises(ValueError, match=r"^gae: rewards shape \(2, 5\) does not match mask shape \(2, 4\)$"):
-        ppo.gae(torch.zeros(2, 5), torch.zeros(2, 4), torch.ones(2, 4))
+        gae(torch.zeros(2, 5), torch.zeros(2, 4), torch.ones(2, 4))
     with pytest.raises(ValueError, match=r"policy_loss: advantages shape \(2, 3\)"):
         ppo.policy_loss(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 3), torch.ones(2, 4))
     with pytest.raises(ValueError, match=r"logprobs_from_logits: tokens shape \(2, 3\)"):
-        ppo.logprobs_from_logits(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))
+        logprobs_from_logits(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"kl_estimate: logprobs shape \(1, 2\)"):
-        ppo.kl_estimate(torch.zeros(1, 2), torch.zeros(1, 3))
+        kl_estimate(torch.zeros(1, 2), torch.zeros(1, 3))
 
 
 @pytest.mark.parametrize("call", [
-    lambda x, m: ppo.masked_mean(x, m),
-    lambda x, m: ppo.masked_var(x, m),
-    lambda x, m: ppo.whiten(x, m),
-    lambda x, m: ppo.gae(x, x, m),
+    lambda x, m: masked_mean(x, m),
+    lambda x, m: masked_var(x, m),
+    lambda x, m: whiten(x, m),
+    lambda x, m: gae(x, x, m),
     lambda x, m: ppo.policy_loss(x, x, x, m),
     lambda x, m: ppo.value_loss(x, x, x, m),
     lambda x, m: ppo.aggregate_loss(x, m, "token-mean"),
-    lambda x, m: ppo.explained_variance(x, x, m),
+    lambda x, m: explained_variance(x, x, m),
     lambda x, m: ppo.ptx_loss(torch.zeros(2, 3, 4), x.long(), m),
-    lambda x, m: ppo.per_token_rewards(x, torch.zeros(2), m, 0.1),
+    lambda x, m: per_token_rewards(x, torch.zeros(2), m, 0.1),
 ])
 def test_empty_mask_raises(call):
     with pytest.raises(ValueError, match="no valid tokens"):

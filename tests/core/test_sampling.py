@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from core import ppo
+from core.logprobs import entropy_from_logits, logprobs_from_logits
 from core.sampling import kept_entropy, kept_logprobs, kept_tokens, truncated_entropy, truncated_logprobs
 
 pytestmark = pytest.mark.unit
@@ -136,7 +137,7 @@ def test_off_policy_weight_is_zero_outside_the_proximal_set(scale):
     ids = keep_b.nonzero().flatten()
     tokens = ids[None]                                   # every token the sampler may draw
     behaviour = kept_logprobs(beh_logits.expand(1, ids.numel(), -1), tokens, ids.expand(ids.numel(), -1)[None])
-    proximal = ppo.logprobs_from_logits(prox_logits.expand(1, ids.numel(), -1), tokens, top_p=0.9)
+    proximal = logprobs_from_logits(prox_logits.expand(1, ids.numel(), -1), tokens, top_p=0.9)
     w, _ = ppo.behaviour_weights(proximal, behaviour, torch.ones_like(behaviour), "tis", cap=1e6)
     outside = ~kept_tokens(prox_logits[0], 0, 0.9)[0][ids]
     assert (w[0][outside] == 0).all()
@@ -149,9 +150,9 @@ def test_off_policy_weight_is_zero_outside_the_proximal_set(scale):
 def test_untruncated_is_the_plain_softmax():
     torch.manual_seed(0)
     logits, tokens = torch.randn(2, 5, 40), torch.randint(0, 40, (2, 5))
-    plain = ppo.logprobs_from_logits(logits, tokens, 0.7)
+    plain = logprobs_from_logits(logits, tokens, 0.7)
     assert torch.allclose(truncated_logprobs(logits / 0.7, tokens, 0, 1.0), plain, atol=1e-6)
-    assert torch.allclose(truncated_entropy(logits / 0.7), ppo.entropy_from_logits(logits, 0.7), atol=1e-5)
+    assert torch.allclose(truncated_entropy(logits / 0.7), entropy_from_logits(logits, 0.7), atol=1e-5)
 
 
 def test_truncation_moves_logprobs_and_entropy():
@@ -159,10 +160,10 @@ def test_truncation_moves_logprobs_and_entropy():
     torch.manual_seed(1)
     logits = torch.randn(2, 5, 40) * 2
     tokens = logits.argmax(-1)  # the most likely token is always kept
-    full = ppo.logprobs_from_logits(logits, tokens, 1.0)
-    cut = ppo.logprobs_from_logits(logits, tokens, 1.0, top_k=5, top_p=0.9)
+    full = logprobs_from_logits(logits, tokens, 1.0)
+    cut = logprobs_from_logits(logits, tokens, 1.0, top_k=5, top_p=0.9)
     assert (cut > full + 1e-4).all()
-    assert (ppo.entropy_from_logits(logits, top_k=5, top_p=0.9) < ppo.entropy_from_logits(logits)).all()
+    assert (entropy_from_logits(logits, top_k=5, top_p=0.9) < entropy_from_logits(logits)).all()
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -172,4 +173,4 @@ def test_truncation_moves_logprobs_and_entropy():
 ])
 def test_bad_truncation_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
-        ppo.logprobs_from_logits(torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.long), **kwargs)
+        logprobs_from_logits(torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.long), **kwargs)

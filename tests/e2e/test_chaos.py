@@ -67,8 +67,8 @@ class Chaos(threading.Thread):
 def test_kill_every_rollout_role_once(cluster_with_test_rewards, tmp_path, mode):
     from cluster.config.ppo import load_config
     from cluster.runtime.driver import Driver
+    from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
-    from cluster.runtime.pools import create_pools
 
     cfg = load_config(DEFAULT_CONFIG, [
         "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "run.steps=12", f"run.mode={mode}",

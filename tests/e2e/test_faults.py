@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def driver(cluster_with_test_rewards, tmp_path):
     from cluster.config.ppo import load_config
     from cluster.runtime.driver import Driver
+    from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
-    from cluster.runtime.pools import create_pools
 
     cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "generator.replicas=2",
                                              "reward.function=slow_reward:slow_sentiment"])

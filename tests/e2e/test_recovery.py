@@ -19,7 +19,7 @@ import ray
 
 from cluster.config.ppo import DEFAULT_CONFIG
 from cluster.runtime.prepare import prepare
-from core.ppo import AdaptiveKLController
+from core.kl import AdaptiveKLController
 
 pytestmark = pytest.mark.e2e
 
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.e2e
 def make_driver(tmp_path, *overrides):
     from cluster.config.ppo import load_config
     from cluster.runtime.driver import Driver
+    from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
-    from cluster.runtime.pools import create_pools
 
     cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.plot_every=0",
                                              *overrides])

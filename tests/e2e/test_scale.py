@@ -48,8 +48,8 @@ def running_job(tmp_path):
     """The default job, driven in a thread of this process, with its control actor and status.json."""
     from cluster.config.ppo import load_config
     from cluster.runtime.driver import Driver
+    from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
-    from cluster.runtime.pools import create_pools
 
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
     cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.steps=10000",

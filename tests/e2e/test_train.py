@@ -103,8 +103,8 @@ def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_
     behaviour, reference and learner score one truncated distribution (KL 0 at step 1)."""
     from cluster.config.ppo import load_config
     from cluster.runtime.driver import Driver
+    from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
-    from cluster.runtime.pools import create_pools
 
     text = tmp_path / "ptx.jsonl"
     text.write_text("".join(json.dumps({"text": t}) + "\n" for t in PTX_TEXTS * 30))
@@ -151,8 +151,8 @@ def test_pools_change_while_running(cluster, tmp_path, driver_loads):
     """A generator joins mid-run with the current weights and serves; another leaves; nothing restarts."""
     from cluster.config.ppo import load_config
     from cluster.runtime.driver import Driver
+    from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
-    from cluster.runtime.pools import create_pools
 
     cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0"])
     policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)

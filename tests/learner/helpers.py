@@ -8,6 +8,9 @@ import numpy as np
 import torch
 
 from core import ppo
+from core.advantages import gae, per_token_rewards
+from core.logprobs import logprobs_from_logits
+from core.masked import whiten
 from core.rollout import ScoredRollout
 from learner.batch import collate
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
@@ -25,14 +28,14 @@ def model_logprobs(model_path_or_lm, prompts, responses, temperature=1.0):
         for p, r in zip(prompts, responses):
             ids = torch.as_tensor(np.concatenate([p, r]))[None]
             logits = lm(ids).logits[0, len(p) - 1:-1]
-            out.append(ppo.logprobs_from_logits(logits, torch.as_tensor(r), temperature).numpy())
+            out.append(logprobs_from_logits(logits, torch.as_tensor(r), temperature).numpy())
     return out
 
 
 def make_rollouts(model_path, n, *, seed=0, vocab=1024, prompt_len=(3, 8), response_len=(2, 10),
                   beta=0.05, temperature=1.0, lm=None, empty=()):
     """Synthetic ScoredRollouts: random tokens, behaviour logprobs from the model itself
-    (ratio ~ 1 at the start), reference = behaviour + noise, rewards via ppo.per_token_rewards.
+    (ratio ~ 1 at the start), reference = behaviour + noise, rewards via per_token_rewards.
     Rows listed in ``empty`` get a zero-length response."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(2, vocab, rng.integers(*prompt_len, endpoint=True)) for _ in range(n)]
@@ -45,7 +48,7 @@ def make_rollouts(model_path, n, *, seed=0, vocab=1024, prompt_len=(3, 8), respo
         kl = b - ref
         score = float(rng.normal())
         if r.size:
-            rew = ppo.per_token_rewards(torch.as_tensor(kl)[None], torch.tensor([score]),
+            rew = per_token_rewards(torch.as_tensor(kl)[None], torch.tensor([score]),
                                         torch.ones(1, r.size), beta)[0].numpy()
         else:
             rew = np.zeros(0, np.float32)
@@ -87,9 +90,9 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
         old_lp = own = batch.behaviour_logprobs
     old_lp, old_v = old_lp * mask, old_v * mask
     own = torch.where(mask != 0, own, 0.0)
-    adv, ret = ppo.gae(batch.rewards, old_v, mask, p.gamma, p.lam)
+    adv, ret = gae(batch.rewards, old_v, mask, p.gamma, p.lam)
     if p.whiten_advantages:
-        adv = ppo.whiten(adv, mask)
+        adv = whiten(adv, mask)
     weights, _ = ppo.behaviour_weights(own, batch.behaviour_logprobs, mask, p.off_policy, p.is_cap)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
     horizon = batch.response_len

@@ -71,7 +71,7 @@ def test_weight_sync_config():
         cfg.check_device(has_cuda=False)
     assert re.fullmatch(r"learner\.weight_sync='nccl' needs CUDA[^\n]*weight_sync='cpu'[^\n]*", str(err.value))
     LearnerConfig().check_device(has_cuda=False)
-    with pytest.raises(ValueError, match=r"learner.weight_sync='gloo' is unknown; use one of \('cpu', 'nccl'\)"):
+    with pytest.raises(ValueError, match=r"learner.weight_sync='gloo' is unknown; use one of cpu, nccl"):
         LearnerConfig(weight_sync="gloo").validate(1)
 
 
@@ -100,7 +100,7 @@ def fake_generators(ray_cluster):
     reaches them (defined here so Ray ships the class by value: tests are not importable there)."""
     import ray
 
-    from core.rollout import WEIGHT_UPDATE_GROUP
+    from core.weights import WEIGHT_UPDATE_GROUP
 
     @ray.remote(num_cpus=0, concurrency_groups={WEIGHT_UPDATE_GROUP: 1})  # as actors.generator.actor_class
     class FakeGenerator:

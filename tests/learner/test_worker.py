@@ -274,7 +274,7 @@ def test_value_head_trains_explained_variance_rises(policy_path, rollouts):
 
 def test_ptx_loss_falls(policy_path, rollouts):
     from cluster.data.ptx import pack, tokenize
-    from cluster.demo.tiny_models import corpus
+    from cluster.demo.sentiment import corpus
     rows = pack(tokenize(corpus(40, seed=5), policy_path), 24)[:6]  # 6 packed rows, 3 per optimizer step
     cfg = LearnerConfig(optim=OptimConfig(lr=3e-3), ppo=PPOConfig(minibatch_size=4, micro_batch_size=2,
                                                                   ptx_coef=1.0))
@@ -387,7 +387,7 @@ def test_two_rank_save_load_continue(groups, policy_path, tmp_path):
 def test_two_rank_zero3_push_sends_the_gathered_lm(groups):
     import ray
 
-    from core.rollout import WEIGHT_UPDATE_GROUP
+    from core.weights import WEIGHT_UPDATE_GROUP
 
     @ray.remote(num_cpus=0, concurrency_groups={WEIGHT_UPDATE_GROUP: 1})  # as actors.generator.actor_class
     class RecordingGenerator:  # defined here so Ray ships it by value (tests are not importable there)

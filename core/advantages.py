@@ -1,0 +1,87 @@
+"""From scores and KL to training targets: dense per-token rewards and generalised
+advantage estimation. Conventions as in core.masked.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from core.masked import check_masked, check_shapes, require, zero_pad
+
+Tensor = torch.Tensor
+
+
+def _last_valid_index(fn: str, mask: Tensor) -> Tensor:
+    valid = mask != 0
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(valid, positions, -1).amax(dim=1)
+    if bool((last < 0).any()):
+        rows = (last < 0).nonzero().flatten().tolist()
+        raise ValueError(f"{fn}: rows {rows} of mask have no valid tokens")
+    return last
+
+
+def per_token_rewards(
+    kl: Tensor, scores: Tensor, mask: Tensor, beta: float, *,
+    truncated: Optional[Tensor] = None, truncation_penalty: float = 0.0, reward_clip: Optional[float] = None,
+) -> Tensor:
+    """Dense PPO rewards [B, T]: ``-beta * kl`` per valid token, score on the last one.
+
+    kl: [B, T] per-token KL estimate; scores: [B] reward-model score per sequence;
+    mask: [B, T]. The score is placed only on each row's last valid token (the EOS,
+    or the final token of a truncated response), never broadcast. If ``reward_clip``
+    is given the score is first clipped to [-reward_clip, reward_clip]; then rows
+    with ``truncated`` [B] (bool, cut at max length without EOS) get
+    ``truncation_penalty`` ADDED (so a penalty is normally negative, e.g. -1.0);
+    the penalty is not clipped. Padding is 0. Gradients are not stopped: call
+    under ``torch.no_grad()``.
+    """
+    fn = "per_token_rewards"
+    require(mask.dim() == 2, f"{fn}: mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
+    check_shapes(fn, "mask", mask.shape, kl=kl)
+    check_shapes(fn, "mask rows", mask.shape[:1], scores=scores)
+    if truncated is not None:
+        check_shapes(fn, "mask rows", mask.shape[:1], truncated=truncated)
+    require(beta >= 0, f"{fn}: beta must be >= 0, got {beta}")
+    require(reward_clip is None or reward_clip > 0,
+            f"{fn}: reward_clip must be > 0 or None, got {reward_clip}")
+    last = _last_valid_index(fn, mask)
+
+    score = scores.to(kl.dtype)
+    if reward_clip is not None:
+        score = score.clamp(-reward_clip, reward_clip)
+    if truncated is not None:
+        score = score + truncated.to(torch.bool).to(score.dtype) * truncation_penalty
+    rewards = zero_pad(-beta * kl, mask)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    return rewards.index_put((rows, last), score, accumulate=True)
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> Tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over right-padded rows.
+
+    rewards, values, mask: [B, T]. The value after the last valid token is 0 (the
+    episode ends at EOS or truncation). Returns (advantages, returns), both [B, T],
+    detached, 0 on padding; returns = advantages + values, before any whitening.
+    """
+    check_masked("gae", mask, rewards=rewards, values=values)
+    # Zeroing padding makes V(after last valid token) = 0 and keeps garbage out.
+    r = zero_pad(rewards.detach(), mask)
+    v = zero_pad(values.detach(), mask)
+    m = (mask != 0).to(v.dtype)
+    next_value = torch.zeros_like(v[:, 0])
+    running = torch.zeros_like(v[:, 0])
+    advantages = [None] * v.shape[1]
+    for t in reversed(range(v.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        # Redundant for right padding (zeros stay zero); guards masks with interior gaps.
+        running = (delta + gamma * lam * running) * m[:, t]
+        advantages[t] = running
+        next_value = v[:, t]
+    adv = torch.stack(advantages, dim=1)
+    return adv, adv + v
+
