@@ -1,8 +1,8 @@
-"""Names of the floating-point dtypes a config may ask for, declared once for every component."""
+"""Names of the floating-point dtypes an inference model may load in (the learner's own are
+core.choices.TrainableDType), and the torch dtype of a name."""
 from __future__ import annotations
 
 DTYPES = ("float32", "bfloat16", "float16")  # inference (reference, reward, vLLM) accepts any
-TRAINABLE_DTYPES = ("float32", "bfloat16")   # the learner: fp16 would need loss scaling
 
 
 def torch_dtype(name, role: str):

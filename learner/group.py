@@ -13,8 +13,9 @@ from typing import Optional
 
 import numpy as np
 
+from core.errors import type_and_first_line
 from learner.config import LearnerConfig
-from learner.rendezvous import RendezvousError, StoreAddress, one_line
+from learner.rendezvous import RendezvousError, StoreAddress
 from learner.weight_sync import DEFAULT_BUCKET_BYTES
 from learner.worker import LearnerWorker
 
@@ -81,9 +82,9 @@ class LearnerGroup:
             self.shutdown()  # a rank may be stuck in the old rendezvous: new actors, new store
             if attempt == RENDEZVOUS_ATTEMPTS:
                 raise RendezvousError(f"learner: rendezvous failed {attempt} times, giving up; "
-                                      f"last error: {one_line(failure)}") from failure
+                                      f"last error: {type_and_first_line(failure)}") from failure
             log.warning("learner: rendezvous failed (%s); retrying with a fresh port (attempt %d/%d)",
-                        one_line(failure), attempt + 1, RENDEZVOUS_ATTEMPTS)
+                        type_and_first_line(failure), attempt + 1, RENDEZVOUS_ATTEMPTS)
 
     def _spawn(self) -> list:
         import ray
@@ -256,7 +257,7 @@ def _gather(refs: list, what: str, timeout: float) -> list:
             kind = ValueError if isinstance(cause, ValueError) else RuntimeError
             raise kind(f"learner rank {rank} failed in {what}: {type(cause).__name__}: {cause}") from e
         except RayActorError as e:
-            raise LearnerRankDied(rank, what, one_line(e)) from e
+            raise LearnerRankDied(rank, what, type_and_first_line(e)) from e
     return results
 
 

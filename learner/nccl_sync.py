@@ -31,8 +31,9 @@ from typing import Optional
 
 import torch
 
+from core.errors import type_and_first_line
 from core.weights import WeightReceiver, remote_method
-from learner.rendezvous import candidate_port, is_address_in_use, node_ip, one_line
+from learner.rendezvous import candidate_port, is_address_in_use, node_ip
 from learner.weight_sync import DEFAULT_BUCKET_BYTES, policy_weights
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class NCCLWeightSync:
                 if attempt == attempts or not is_address_in_use(e):
                     raise
                 log.warning("weight sync: NCCL rendezvous port %d is taken (%s); retrying with a fresh port "
-                            "(attempt %d/%d)", port, one_line(e), attempt + 1, attempts)
+                            "(attempt %d/%d)", port, type_and_first_line(e), attempt + 1, attempts)
                 self._release_generators()
         return {"world_size": world, "rank_offsets": offsets, "address": f"{address}:{port}"}
 
@@ -204,7 +205,7 @@ class NCCLWeightSync:
         try:
             _get([remote_method(g, WeightReceiver.shutdown_weight_transfer).remote() for g in self.generators])
         except Exception as e:  # noqa: BLE001 - the next attempt reports what still fails
-            log.warning("weight sync: releasing the generators' transfer group failed: %s", one_line(e))
+            log.warning("weight sync: releasing the generators' transfer group failed: %s", type_and_first_line(e))
 
     def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]], *, tied_embeddings: bool,
              metadata: Optional[Sequence[tuple[str, torch.dtype, tuple]]] = None) -> dict:

@@ -17,8 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-# one_line: the name learner/group.py and learner/nccl_sync.py know it by
-from core.errors import type_and_first_line as one_line
+from core.errors import type_and_first_line
 
 
 class RendezvousError(RuntimeError):
@@ -76,7 +75,7 @@ def join_process_group(rank: int, world_size: int, address: Optional[StoreAddres
     except Exception as e:  # noqa: BLE001 - any failure here is a failed rendezvous
         where = f"{address.host}:{address.port}" if address else "its own store"
         raise RendezvousError(f"learner rank {rank}/{world_size} could not join at {where}: "
-                              f"{one_line(e)}") from e
+                              f"{type_and_first_line(e)}") from e
     # DeepSpeed reads these for its bookkeeping (it does not rendezvous itself: the group
     # exists); Ray gives each GPU actor one device, hence LOCAL_RANK 0.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")

@@ -23,7 +23,8 @@ from core.choices import CPUThreads, KLEstimator, KLPlacement, RunMode, kl_place
 from core.schema import config_class, setting
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the shipped configs
+DEFAULT_CONFIG = CONFIGS / "tiny-cpu.yaml"
 BUILTIN_POLICY = "builtin:tiny"        # the offline tiny model, pre-trained on the built-in corpus
 BUILTIN_POLICY_30M = "builtin:tiny-30m"
 BUILTIN_REWARD = "cluster.demo.sentiment:sentiment"

@@ -1,10 +1,10 @@
 """What the SFT and reward-model entrypoints share: the command line, the run folder, the
 learner group on Ray, the epoch loop's bookkeeping and the final checkpoint.
 
-The conventions are cluster.train's, through its own helpers: a run folder with
-config.yaml, metrics.jsonl and status.json; exit 0 on success, 2 with one line
-``tether: error: ...`` for a user mistake, 1 for a failed run (traceback in error.log);
-Ray joined the way cluster.train joins it (so ``ray job submit`` works).
+The conventions are every job's (cluster/job/): a run folder with config.yaml,
+metrics.jsonl and status.json; exit 0 on success, 2 with one line ``tether: error: ...``
+for a user mistake, 1 for a failed run (traceback in error.log); Ray joined as
+cluster.train joins it (so ``ray job submit`` works).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from cluster.runtime.threads import node_cores, thread_env
 from core.errors import one_line
 
 log = logging.getLogger("tether")
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def stage_threads(lp) -> dict:
@@ -36,6 +35,7 @@ def stage_main(argv=None, *, name: str, config_cls, default_config: str, run: Ca
     """job_main for ``python -m cluster.<name>``: ``config_cls`` from --config (default
     configs/<default_config>) and the overrides, then ``run(cfg) -> summary line``."""
     def load_and_run(args) -> str:
+        from cluster.config.ppo import CONFIGS
         from cluster.config.stages import load_stage_config
         return run(load_stage_config(config_cls, args.config or CONFIGS / default_config, args.overrides))
 
@@ -100,12 +100,11 @@ class StageMetrics:
     """metrics.jsonl of a stage: one JSON object per line, ``step`` = optimizer steps so far."""
 
     def __init__(self, run_dir: Path) -> None:
-        from cluster.runtime.metrics import json_line
-        self.json_line = json_line
         self._f = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict) -> None:
-        self._f.write(self.json_line({"step": int(step), "time": time.time(), **metrics}) + "\n")
+        from cluster.runtime.metrics import json_line  # the PPO run's JSON rules (NaN, numpy scalars)
+        self._f.write(json_line({"step": int(step), "time": time.time(), **metrics}) + "\n")
         self._f.flush()
 
     def close(self) -> None:

@@ -9,8 +9,9 @@ import pytest
 import torch.distributed as dist
 from helpers import sgd_config
 
+from core.errors import type_and_first_line
 from learner.group import RENDEZVOUS_ATTEMPTS, LearnerGroup
-from learner.rendezvous import RendezvousError, StoreAddress, candidate_port, is_address_in_use, one_line, open_store
+from learner.rendezvous import RendezvousError, StoreAddress, candidate_port, is_address_in_use, open_store
 
 CHEAPEST = sgd_config(zero_stage=0, epochs=1, minibatch=2, micro=1)  # 2 ranks x 1 micro-batch
 
@@ -50,7 +51,7 @@ def test_address_in_use_is_told_apart_from_other_failures():
     assert not is_address_in_use(TimeoutError("store unreachable"))
     assert not is_address_in_use(ConnectionRefusedError(111, "Connection refused"))
     assert all(20000 <= candidate_port() < 32768 for _ in range(100))
-    assert one_line(RuntimeError("first line\nsecond line")) == "RuntimeError: first line"
+    assert type_and_first_line(RuntimeError("first line\nsecond line")) == "RuntimeError: first line"
 
 
 # ------------------------------------------------------------------------ two ranks on Ray
