@@ -32,6 +32,7 @@ from actors.reference import resolve_model_path
 from actors.weight_receiver import EngineWeights
 from core.rollout import Rollout
 from core.sampling import is_truncated
+from core.threads import fit_threads
 from core.weights import WEIGHT_UPDATE_GROUP
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class Generator:
         transport, "cpu" (load_weights of safetensors buckets) or "nccl" (vLLM's NCCL weight
         transfer on GPU, on top of "cpu"). partial_rollouts: a weight push lands between two
         engine steps of a generate call rather than after it (module docstring)."""
+        fit_threads()
         model = resolve_model_path(model, name)
         if weight_sync not in ("cpu", "nccl"):
             raise ValueError(f"{name}: weight_sync={weight_sync!r} is unknown; use 'cpu' or 'nccl'")

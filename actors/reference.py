@@ -23,6 +23,7 @@ from core.dtypes import torch_dtype
 from core.layout import pad_prompt_response, position_ids
 from core.logprobs import logprobs_from_logits
 from core.sampling import check_truncation, is_truncated, pad_kept_ids
+from core.threads import fit_threads
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class Reference:
                  dtype: str = "float32", batch_size: int = 16, device: str | None = None):
         from transformers import AutoModelForCausalLM
 
+        fit_threads()
         role = "Reference"
         if not (temperature > 0 and np.isfinite(temperature)):
             raise ValueError(f"{role}: temperature must be a finite number > 0, got {temperature}")

@@ -22,6 +22,7 @@ from actors.reference import as_token_arrays, length_sorted_chunks, load_tokeniz
 from core.dtypes import torch_dtype
 from core.errors import type_and_first_line
 from core.layout import pad_right, pool_last_token
+from core.threads import fit_threads
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Reward:
     def __init__(self, *, model: str | None = None, function: str | None = None,
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
                  device: str | None = None, normalize: bool = False, gold: str | None = None):
+        fit_threads()
         if (model is None) == (function is None):
             raise ValueError("Reward: give exactly one of model= or function= "
                              f"(got model={model!r}, function={function!r})")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from core.rollout import ScoredRollout
+from core.threads import fit_threads
 from learner import rendezvous
 from learner.checkpoint import Checkpointer
 from learner.collectives import Collectives
@@ -46,6 +47,7 @@ class LearnerWorker:
 
     def __init__(self, *, rank: int, world_size: int, model: str, config: LearnerConfig | dict,
                  start: bool = True, kind: str = "policy") -> None:
+        fit_threads()
         if not isinstance(config, LearnerConfig):
             config = LearnerConfig.from_dict({**config, "world_size": world_size})
         if kind not in MODEL_KINDS:

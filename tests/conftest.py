@@ -168,3 +168,17 @@ def entrypoints():
     server = EntrypointServer()
     yield server
     server.close()
+
+
+@pytest.fixture
+def ray_nodes():
+    """A multi-node Ray on this machine (tests/nodes.py), this process connected to it."""
+    import ray
+    from nodes import LocalNodes
+
+    nodes = LocalNodes()
+    ray.init(address=nodes.address, logging_level="WARNING")
+    try:
+        yield nodes
+    finally:
+        nodes.shutdown()

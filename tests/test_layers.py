@@ -23,6 +23,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYER = {"core": 0, "actors": 1, "learner": 1, "cluster.config": 2, "cluster.demo": 2, "cluster.data": 3,
+         "cluster.nodes": 3,
          "cluster.job": 4, "cluster.runtime": 5, "cluster.recipes": 6, "cluster": 7, "bench": 8}
 PACKAGES = ("core", "actors", "learner", "cluster", "bench")
 

@@ -1,0 +1,29 @@
+"""How fast Ray notices a lost node, which bounds how fast a run recovers from one.
+
+Ray's GCS health-checks every raylet; a node is declared dead after
+``health_check_failure_threshold`` missed checks, each ``health_check_period_ms`` apart.
+Until then an actor on a dead node looks alive: calls to it just wait. Ray's defaults
+(3 s x 5) take ~15 s to notice; tether's (1 s x 3, with a 1 s timeout) take ~3 s.
+
+The cost: the GCS sends one small RPC per node per second instead of one per three, and a
+raylet that cannot answer for 3 s (a swapping or badly overloaded machine) is declared
+dead and its actors are replaced, which a run survives but pays for in a recovery.
+These apply to a cluster's head node only, at its start: the local cluster a job starts
+for itself, the try-out cluster (``tether cluster up``) and the test fixtures use them;
+on your own cluster pass them to ``ray start --head --system-config``.
+"""
+from __future__ import annotations
+
+import json
+
+NODE_FAILURE_DETECTION = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+
+
+def system_config_flag() -> str:
+    """The ``ray start --head`` option that applies NODE_FAILURE_DETECTION."""
+    return f"--system-config={json.dumps(NODE_FAILURE_DETECTION, separators=(',', ':'))}"

@@ -1,0 +1,53 @@
+"""Several raylets on one machine, and a whole node's loss by its node id: only that node's
+processes die, and Ray declares it dead within the tuned detection time."""
+import os
+import time
+
+import psutil
+import pytest
+import ray
+
+from cluster.nodes.health import NODE_FAILURE_DETECTION
+from cluster.nodes.kill import NodeNotFound, kill_node, node_processes
+
+pytestmark = pytest.mark.integration
+
+
+@ray.remote(num_cpus=1)
+class Where:
+    def node(self):
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (this process started the raylet, and has not reaped it yet)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _on(label):
+    return Where.options(label_selector={"tether.test": label}).remote()
+
+
+def test_node_kill_takes_exactly_that_node(ray_nodes):
+    a, b = (ray_nodes.add(num_cpus=1, labels={"tether.test": x}) for x in "ab")
+    actor_a, actor_b = _on("a"), _on("b")
+    (node_a, pid_a), (node_b, pid_b) = ray.get([actor_a.node.remote(), actor_b.node.remote()])
+    assert (node_a, node_b) == (a, b)  # each its own raylet, placed by label
+    assert pid_a in [p.pid for p in node_processes(a)] and pid_b not in [p.pid for p in node_processes(a)]
+
+    t0 = time.monotonic()
+    killed = ray_nodes.kill(a)
+    assert pid_a in killed and all(_dead(pid) for pid in killed)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor_a.node.remote(), timeout=60)
+    period, threshold = (NODE_FAILURE_DETECTION[f"health_check_{k}"] for k in ("period_ms", "failure_threshold"))
+    bound = 3 * period * threshold / 1000  # Ray's defaults would take ~15 s and fail this
+    while next(n for n in ray.nodes() if n["NodeID"] == a)["Alive"]:
+        assert time.monotonic() - t0 < bound, f"node {a} still counted alive {bound:.0f}s after its loss"
+        time.sleep(0.05)
+    assert ray.get(actor_b.node.remote()) == (b, pid_b)  # the other node never noticed
+    with pytest.raises(NodeNotFound):
+        kill_node(a)
