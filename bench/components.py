@@ -107,7 +107,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     from cluster.demo.sentiment import builtin_prompts
     prompts = [np.asarray(tok(p)["input_ids"]) for p in builtin_prompts()[:args.prompts]]
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
     torch.set_num_threads(1)
     gen, rollouts = bench_generator(path, prompts, args.new_tokens)
     batch = scored(rollouts)

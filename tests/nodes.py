@@ -8,7 +8,9 @@ fixture (tests/conftest.py): it connects this process and shuts everything down 
 """
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
@@ -18,9 +20,10 @@ from cluster.nodes.kill import kill_head, kill_node
 
 
 class LocalNodes:
-    def __init__(self, *, head_cpus: int = 0) -> None:
+    def __init__(self, *, head_cpus: int = 0, system_config: dict | None = None) -> None:
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": head_cpus, "include_dashboard": False, "_system_config": NODE_FAILURE_DETECTION})
+            "num_cpus": head_cpus, "include_dashboard": False,
+            "_system_config": {**NODE_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: dict[str, object] = {}   # node id -> the worker node's handle in Cluster
         self.labels: dict[str, dict] = {}    # node id -> its labels
 
@@ -32,11 +35,12 @@ class LocalNodes:
     def head_id(self) -> str:
         return self.cluster.head_node.node_id
 
-    def add(self, *, num_cpus: float, labels: dict | None = None, wait: bool = True) -> str:
-        """A new worker node; its node id. ``wait``: until the cluster lists it as alive."""
-        node = self.cluster.add_node(num_cpus=num_cpus, labels=dict(labels or {}), wait=False)
+    def add(self, *, num_cpus: float, labels: dict | None = None, wait: bool = True, connected: bool = True) -> str:
+        """A new worker node; its node id. ``wait``: until the cluster lists it as alive (asked
+        through this process's connection, or the GCS directly when not ``connected``)."""
+        node = self.cluster.add_node(num_cpus=num_cpus, labels=dict(labels or {}), wait=wait and not connected)
         self.nodes[node.node_id], self.labels[node.node_id] = node, dict(labels or {})
-        if wait:
+        if wait and connected:
             self.wait_alive(node.node_id)
         return node.node_id
 
@@ -62,6 +66,12 @@ class LocalNodes:
         assert len(ids) == 1, f"{len(ids)} nodes carry {labels}"
         return ids[0]
 
-    def shutdown(self) -> None:
-        ray.shutdown()
+    def shutdown(self, connected: bool = True) -> None:
+        if connected:
+            ray.shutdown()
         self.cluster.shutdown()
+        # Ray notes a started cluster's address for a later argument-less ray.init() to join;
+        # this one is gone, so its note must not outlive it.
+        note = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if note.is_file() and note.read_text().strip() == self.address:
+            note.unlink()

@@ -8,7 +8,8 @@ Until then an actor on a dead node looks alive: calls to it just wait. Ray's def
 The cost: the GCS sends one small RPC per node per second instead of one per three, and a
 raylet that cannot answer for 3 s (a swapping or badly overloaded machine) is declared
 dead and its actors are replaced, which a run survives but pays for in a recovery.
-These apply to a cluster's head node only, at its start: the local cluster a job starts
+A lost head ends every job on it: its drivers exit ~10 s later, and a resubmitted run
+(``run.resume=auto``) continues from its last checkpoint. These apply to a cluster's head node only, at its start: the local cluster a job starts
 for itself, the try-out cluster (``tether cluster up``) and the test fixtures use them;
 on your own cluster pass them to ``ray start --head --system-config``.
 """
@@ -21,6 +22,9 @@ NODE_FAILURE_DETECTION = {
     "health_check_period_ms": 1000,
     "health_check_timeout_ms": 1000,
     "health_check_failure_threshold": 3,
+    # A process that loses the head (the GCS) gives up after this long instead of 60 s: without
+    # GCS fault tolerance a head does not come back, so the job ends and can be resubmitted.
+    "gcs_rpc_server_reconnect_timeout_s": 10,
 }
 
 

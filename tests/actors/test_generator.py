@@ -171,7 +171,7 @@ def test_bad_model_paths(tmp_path):
 @pytest.mark.slow  # the e2e scaled-pools test runs 2 generators as Ray actors in the default suite
 def test_two_generators_as_ray_actors(policy_path, tokenizer):
     import ray
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     try:
         remote_gen = ray.remote(num_cpus=1)(Generator)
         gens = [remote_gen.options(name=f"generator-{i}").remote(
@@ -203,7 +203,7 @@ def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer)
     env = pool_env(load_config(None, []), "generator", 1)  # what the pools give a CPU generator
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         gen = ray.remote(num_cpus=1)(Generator).options(runtime_env={"env_vars": env}).remote(
             model=policy_path, sampling={"max_new_tokens": 8, "seed": 3},

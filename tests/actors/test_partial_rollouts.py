@@ -125,7 +125,7 @@ def test_generator_actor_takes_a_push_mid_generate(policy_path, tokenizer, model
     env = pool_env(cfg, "generator", 1)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         gen = ray.remote(concurrency_groups={WEIGHT_UPDATE_GROUP: 1})(MidCallPushGenerator).options(
             num_cpus=1, runtime_env={"env_vars": env}).remote(

@@ -226,7 +226,7 @@ def ray_with_metrics():
     import ray
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     port = ray.nodes()[0]["MetricsExportPort"]  # Ray's own choice: no port picked here
     yield ray, port
     ray.shutdown()

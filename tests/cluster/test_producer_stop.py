@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import ray
 
-from cluster.runtime.rollouts import BackgroundProducer, RolloutProducer
+from cluster.runtime.background import BackgroundProducer
+from cluster.runtime.rollouts import RolloutProducer
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
 
@@ -97,7 +98,7 @@ class StuckGenerator:
 
 @pytest.fixture
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 

@@ -69,7 +69,7 @@ def test_ray_actor_runs_the_planned_threads():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         probe = ray.remote(num_cpus=1)(threads)
         assert ray.get(probe.options(runtime_env={"env_vars": thread_env(2)}).remote()) == 2

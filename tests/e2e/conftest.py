@@ -11,7 +11,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray for the module's in-process runs (logical CPUs: several pools on 2 cores)."""
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 
@@ -22,7 +22,7 @@ def cluster_with_test_rewards():
     inherited by the workers, so it is set before ray.init)."""
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), old) if p)
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
     if old is None:

@@ -51,7 +51,7 @@ def running_job(tmp_path):
     from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
 
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
     cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.steps=10000",
                                              "run.checkpoint_every=0"])
     policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)

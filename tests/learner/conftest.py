@@ -17,6 +17,6 @@ def pad_id(policy_path):
 def ray_cluster():
     """A local Ray for one test module (GPUs are detected: the GPU tier uses it too)."""
     import ray
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
