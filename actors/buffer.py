@@ -32,8 +32,11 @@ Semantics
 
 By reference (what the driver uses): put_chunk(chunk_id, rollouts, reference_logprobs,
 scores, shaping) receives the generator's and the scorers' outputs as Ray object
-references, which Ray resolves here, in the buffer's process; the KL annotation runs
-here too, so scored rollouts never pass through the driver. A chunk id is stored at
+references wrapped in core.transfer.Pull, which it pulls here, in the buffer's process,
+measuring what crossed nodes (ChunkReport.transfer; plain values work too). The driver
+sends it once the scorers are done, so a put holds one of the buffer's threads for the
+transfer only, never while a scorer computes. The KL annotation runs here too, so
+scored rollouts never pass through the driver. A chunk id is stored at
 most once: a second put_chunk of the same id (a redispatched chunk whose first put did
 land) stores nothing and says so. take(n, world_size, ...) returns the learner shards
 and a BatchSummary as separate objects (call it with ``num_returns=world_size + 1``):
@@ -51,6 +54,7 @@ from typing import Optional
 
 from core.annotate import RewardShaping, annotate_valid
 from core.rollout import BatchSummary, ScoredRollout, shard_rollouts, staleness
+from core.transfer import Transfer, pull_args
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class ChunkReport:
     errors: tuple = ()            # one line per reward problem
     held: tuple = ()              # (prompt_index, rollouts stored) for each prompt now in the buffer
     duplicate: bool = False       # this chunk id was stored before: nothing stored now
+    transfer: Transfer = Transfer()  # what pulling the chunk's objects moved between nodes
 
 
 def _prompt_group(x: ScoredRollout):
@@ -173,13 +178,16 @@ class RolloutBuffer:
                   shaping: RewardShaping, timeout: Optional[float] = None) -> ChunkReport:
         """Annotate one chunk's rollouts (scores: the reward's ScoreResult) and put them, once.
 
-        A duplicate chunk id (already stored, or being stored right now) stores nothing.
+        Each of rollouts, reference_logprobs and scores is a value or a core.transfer.Pull
+        (pulled here; a lost object raises as ray.get does, and nothing is stored). A duplicate
+        chunk id (already stored, or being stored right now) pulls and stores nothing.
         """
         with self._cond:
             if chunk_id in self._chunks or chunk_id in self._chunks_pending:
                 return ChunkReport(chunk_id, duplicate=True, held=self._chunks.get(chunk_id, ()))
             self._chunks_pending.add(chunk_id)
         try:
+            (rollouts, reference_logprobs, scores), moved = pull_args(rollouts, reference_logprobs, scores)
             scored, invalid, empty = annotate_valid(rollouts, reference_logprobs, scores.scores,
                                                     scores.valid, shaping)
             for x in scored:
@@ -196,7 +204,7 @@ class RolloutBuffer:
             with self._cond:
                 self._chunks_pending.discard(chunk_id)
         return ChunkReport(chunk_id, stored=len(scored), invalid_scores=invalid, empty_responses=empty,
-                           errors=tuple(scores.errors), held=held)
+                           errors=tuple(scores.errors), held=held, transfer=moved)
 
     def take(self, n: int, *, world_size: int, min_version: int = 0, current_version: int = 0,
              timeout: Optional[float] = None) -> tuple:

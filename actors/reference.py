@@ -24,6 +24,7 @@ from core.layout import pad_prompt_response, position_ids
 from core.logprobs import logprobs_from_logits
 from core.sampling import check_truncation, is_truncated, pad_kept_ids
 from core.threads import fit_threads
+from core.transfer import Pull, Transfer, pull_args
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,12 @@ class Reference:
         """logprobs() of Rollouts, for a caller that passes the generator's output by reference."""
         return self.logprobs([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
                              [r.kept_ids for r in rollouts] if self.truncated else None)
+
+    def reference_logprobs_pulled(self, rollouts: Pull) -> tuple[list[np.ndarray], Transfer]:
+        """reference_logprobs() of Rollouts this call pulls itself (call it with num_returns=2):
+        the log-probs, and what the pull moved between nodes (core/transfer.py)."""
+        (rollouts,), moved = pull_args(rollouts)
+        return self.reference_logprobs(rollouts), moved
 
     @property
     def truncated(self) -> bool:

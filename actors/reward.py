@@ -23,6 +23,7 @@ from core.dtypes import torch_dtype
 from core.errors import type_and_first_line
 from core.layout import pad_right, pool_last_token
 from core.threads import fit_threads
+from core.transfer import Pull, Transfer, pull_args
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,12 @@ class Reward:
     def score_rollouts(self, rollouts: list) -> ScoreResult:
         """score() of Rollouts, for a caller that passes the generator's output by reference."""
         return self.score([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts])
+
+    def score_rollouts_pulled(self, rollouts: Pull) -> tuple[ScoreResult, Transfer]:
+        """score_rollouts() of Rollouts this call pulls itself (call it with num_returns=2): the
+        scores, and what the pull moved between nodes (core/transfer.py)."""
+        (rollouts,), moved = pull_args(rollouts)
+        return self.score_rollouts(rollouts), moved
 
     def gold_scores(self, rollouts: list) -> ScoreResult:
         """The ``gold`` function's scores of Rollouts (evaluation only; not counted in stats())."""

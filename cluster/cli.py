@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "pipeline": ("cluster.pipeline", "SFT, gold-labelled pairs, a proxy reward model and PPO in one run folder"),
     "sweep": ("cluster.sweep", "a pipeline's PPO stage rerun at several KL coefficients"),
     "scale": ("cluster.scale", "resize a running job's pools"),
+    "cluster": ("cluster.local_cluster", "a multi-node Ray cluster on this machine to try tether on"),
 }
 
 

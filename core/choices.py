@@ -1,6 +1,6 @@
 """The named choices of the configs as Literal types: PPO's (KL estimators and placements, loss
 aggregations, off-policy corrections, where pi_old comes from), the learner's (optimizer, lr
-decay, dtype, critic, weight transport) and the run's (mode, CPU threads, pair labels), with
+decay, dtype, critic, weight transport) and the run's (mode, CPU threads, placement, pair labels), with
 the tuples of PPO's names and the one cross-check between them. A config key typed with one of
 these is checked against it by the loader (core/schema.py), never by a hand-written test.
 
@@ -24,6 +24,7 @@ Critic = Literal["shared", "separate"]
 WeightSync = Literal["cpu", "nccl"]  # learner -> generator transports (learner/weight_sync.py, learner/nccl_sync.py)
 RunMode = Literal["sync", "async"]
 CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/threads.py
+PlacementStrategy = Literal["pack", "spread"]  # a pool's replicas by node (cluster/runtime/placement.py)
 PairLabels = Literal["hard", "bradley_terry"]  # cluster/demo/sentiment.py label_pairs
 
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)

@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 
 from core.errors import type_and_first_line
+from core.transfer import Pull
 from learner.config import LearnerConfig
 from learner.rendezvous import RendezvousError, StoreAddress
 from learner.weight_sync import DEFAULT_BUCKET_BYTES
@@ -31,6 +32,15 @@ class LearnerRankDied(RuntimeError):
 
     def __init__(self, rank: int, what: str, detail: str) -> None:
         super().__init__(f"learner rank {rank} died during {what}: {detail}")
+        self.rank = rank
+
+
+class LearnerInputLost(LearnerRankDied):
+    """A rank's input (its shard of rollouts) was lost with the node that held it. The group is
+    as useless as after a death (the other ranks may wait in a collective): same recovery."""
+
+    def __init__(self, rank: int, what: str, detail: str) -> None:
+        RuntimeError.__init__(self, f"learner rank {rank} lost its input during {what}: {detail}")
         self.rank = rank
 
 
@@ -119,8 +129,9 @@ class LearnerGroup:
 
     def train(self, shards: list, ptx_rows: Optional[np.ndarray] = None, kl_coef: float = 0.0) -> dict:
         """One PPO update. ``shards``: one entry per rank (core.rollout.shard_rollouts makes
-        them), each a list of ScoredRollout or a Ray ObjectRef to one; a ref is resolved by
-        Ray inside its rank, so the rollouts never pass through this process.
+        them), each a list of ScoredRollout or a Ray ObjectRef to one; a ref is pulled by its
+        rank (core.transfer), so the rollouts never pass through this process, and the ranks'
+        ``transfer/to_learner_*`` (bytes and seconds across nodes) are summed.
         ``ptx_rows``: [N, T] token ids of pretraining text for the PTX loss; rank r gets the
         r-th of W equal consecutive blocks, so N must be a multiple of the world size.
         ``kl_coef``: beta of the KL loss term (``kl_loss_estimator`` set; ignored otherwise)."""
@@ -128,7 +139,8 @@ class LearnerGroup:
         if len(shards) != self.world_size:
             raise ValueError(f"learner.train: got {len(shards)} shards for {self.world_size} ranks; "
                              "pass exactly one per rank (core.rollout.shard_rollouts)")
-        refs = [w.train.remote(shard, rows, kl_coef)
+        import ray
+        refs = [w.train.remote(Pull(shard) if isinstance(shard, ray.ObjectRef) else shard, rows, kl_coef)
                 for w, shard, rows in zip(self.workers, shards, split_rows(ptx_rows, self.world_size))]
         metrics = _merge_metrics(self._gather(refs, "train"))
         metrics["perf/learner_group_seconds"] = time.perf_counter() - t0
@@ -193,11 +205,15 @@ class LearnerGroup:
             ray.kill(w)
         self.workers = []
 
-    def restart(self) -> None:
-        """New ranks (fresh weights from ``model``) after a rank died; load a checkpoint next."""
+    def restart(self, placement_timeout_s: float = 600.0) -> None:
+        """New ranks (fresh weights from ``model``) after a rank died; load a checkpoint next.
+        A rank's bundle on a node that died is re-placed by Ray on a node with room; after
+        ``placement_timeout_s`` without one, LearnerPlacementError."""
         import ray
         names = [f"{self._actor_options['name_prefix']}-{r}" for r in range(self.world_size)]
         self.shutdown()
+        if self._actor_options["placement_group"] is not None:
+            _wait_placed(self._actor_options["placement_group"], placement_timeout_s, self.world_size)
         deadline = time.monotonic() + 60
         for name in names:  # a killed actor's name frees a moment later
             while time.monotonic() < deadline:
@@ -213,6 +229,24 @@ class LearnerGroup:
 
     def _gather(self, refs: list, what: str, timeout: Optional[float] = None) -> list:
         return _gather(refs, what, timeout or self.call_timeout_s)
+
+
+class LearnerPlacementError(RuntimeError):
+    """The learner's ranks cannot all be placed again (a node died and no other has room)."""
+
+
+def _wait_placed(pg, timeout_s: float, ranks: int) -> None:
+    """Until every bundle of ``pg`` is placed on a live node (Ray re-places the bundles of a dead
+    node by itself), or LearnerPlacementError after ``timeout_s``."""
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + timeout_s
+    while (state := placement_group_table(pg)["state"]) != "CREATED":
+        if time.monotonic() > deadline:
+            raise LearnerPlacementError(
+                f"learner: its {ranks} rank(s) could not be placed again within {timeout_s:.0f}s after losing a "
+                f"node (placement {state.lower()}); add a node with room for a rank, or lower learner.replicas")
+        time.sleep(0.1)
 
 
 def split_rows(rows: Optional[np.ndarray], world_size: int) -> list:
@@ -237,7 +271,7 @@ def _placement(pg, bundle: int) -> dict:
 def _gather(refs: list, what: str, timeout: float) -> list:
     """Results in rank order; the first failure raises, naming its rank (ValueError stays one)."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
     rank_of = {ref: r for r, ref in enumerate(refs)}
     results: list = [None] * len(refs)
@@ -254,6 +288,8 @@ def _gather(refs: list, what: str, timeout: float) -> list:
         except RayTaskError as e:
             _drain(pending)
             cause = e.cause if getattr(e, "cause", None) is not None else e
+            if isinstance(cause, ObjectLostError):
+                raise LearnerInputLost(rank, what, type_and_first_line(cause)) from e
             kind = ValueError if isinstance(cause, ValueError) else RuntimeError
             raise kind(f"learner rank {rank} failed in {what}: {type(cause).__name__}: {cause}") from e
         except RayActorError as e:
@@ -273,7 +309,8 @@ def _drain(refs: list, timeout: float = 2.0) -> None:
 
 
 def _merge_metrics(per_rank: list[dict]) -> dict:
-    """Workers already all-reduce, so values agree; mean for safety, lr from rank 0, slowest time."""
+    """Workers already all-reduce, so values agree; mean for safety, lr from rank 0, slowest time,
+    and each rank's own transfer/* (bytes, seconds of taking its shard) summed."""
     out = {}
     for key in per_rank[0]:
         values = [m[key] for m in per_rank]
@@ -281,6 +318,8 @@ def _merge_metrics(per_rank: list[dict]) -> dict:
             out[key] = values[0]
         elif key == "perf/learner_seconds":
             out[key] = max(values)
+        elif key.startswith("transfer/"):
+            out[key] = sum(values)
         else:
             out[key] = float(np.mean(values))
     return out

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from core.rollout import ScoredRollout
 from core.threads import fit_threads
+from core.transfer import Pull, pull_args
 from learner import rendezvous
 from learner.checkpoint import Checkpointer
 from learner.collectives import Collectives
@@ -34,6 +35,8 @@ from learner.update import PPOUpdate
 from learner.weight_sync import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
+
+TO_LEARNER = "transfer/to_learner"  # train()'s transfer/to_learner_{bytes,seconds,local_bytes}
 
 
 class LearnerWorker:
@@ -104,12 +107,14 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ training
 
-    def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None,
+    def train(self, shard: list[ScoredRollout] | Pull, ptx_rows: Optional[np.ndarray] = None,
               kl_coef: float = 0.0) -> dict:
         """One PPO update (``ppo_epochs`` passes) on this rank's shard, with this rank's
         [n, T] PTX rows when ``ppo.ptx_coef`` > 0 and beta ``kl_coef`` for a KL loss term;
-        every rank must call it."""
-        return self.update.train(shard, ptx_rows, kl_coef)
+        every rank must call it. A shard in a core.transfer.Pull is pulled here: what that
+        moved between nodes comes back as ``transfer/to_learner_*`` (0 for a plain list)."""
+        (shard,), moved = pull_args(shard)
+        return {**self.update.train(shard, ptx_rows, kl_coef), **moved.as_metrics(TO_LEARNER)}
 
     def ptx_rows(self) -> Optional[np.ndarray]:
         """The PTX rows this rank trained on in its last update (for checks and debugging)."""

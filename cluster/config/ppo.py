@@ -18,8 +18,9 @@ from typing import Optional
 
 from actors.config import EngineConfig, SamplingConfig
 from cluster.config import loader
+from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
-from core.choices import CPUThreads, KLEstimator, KLPlacement, RunMode, kl_placement_error
+from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, RunMode, kl_placement_error
 from core.schema import config_class, setting
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
@@ -44,6 +45,11 @@ class PoolConfig:
     replicas: int = setting(1, "actors in this pool")
     num_cpus: float = setting(1.0, "CPUs reserved per replica")
     num_gpus: float = setting(0.0, "GPUs reserved per replica")
+    node_labels: Optional[str] = setting(None, "place this pool's replicas only on Ray nodes carrying these labels: "
+                                               "'key=value[,key=value]' (as `ray start --labels`); null = any node")
+    strategy: PlacementStrategy = setting("pack", "pack: replicas fill as few nodes as possible (Ray's PACK) | "
+                                                  "spread: each new replica goes to the matching node holding the "
+                                                  "fewest of this pool's replicas (else any matching node with room)")
 
 
 @config_class
@@ -87,6 +93,8 @@ class BufferConfig:
     capacity: int = setting(1024, "rollouts held; producers block when full (backpressure)")
     max_staleness: int = setting(1, "async mode: drop rollouts older than this many versions")
     timeout_s: float = setting(600.0, "a step waiting this long for rollouts (or a producer for room) fails")
+    node_labels: Optional[str] = setting(None, "place the buffer only on a Ray node carrying these labels: "
+                                               "'key=value[,key=value]'; null = any node")
 
 
 @config_class
@@ -246,6 +254,8 @@ def _check_pools(cfg: TetherConfig) -> None:
             raise ConfigError(f"config: {name}.replicas={pool.replicas} must be >= 1")
         if pool.num_cpus < 0 or pool.num_gpus < 0:
             raise ConfigError(f"config: {name}.num_cpus/num_gpus must be >= 0")
+        check_node_labels(f"{name}.node_labels", pool.node_labels)
+    check_node_labels("buffer.node_labels", cfg.buffer.node_labels)
     if cfg.generator.tensor_parallel > 1 and cfg.generator.num_gpus < cfg.generator.tensor_parallel:
         raise ConfigError(f"config: generator.tensor_parallel={cfg.generator.tensor_parallel} needs "
                           f"generator.num_gpus >= {cfg.generator.tensor_parallel} per replica")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from cluster.config import loader
+from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.ppo import BUILTIN_POLICY, LearnerPoolConfig, ResourcesConfig, check_run_name
 from core.schema import config_class, setting
@@ -93,6 +94,7 @@ class StageConfig(RootConfig):
         t, d, lp = self.train, self.data, self.learner
         if lp.replicas < 1 or lp.num_cpus < 0 or lp.num_gpus < 0:
             raise ConfigError("config: learner.replicas must be >= 1 and learner.num_cpus/num_gpus >= 0")
+        check_node_labels("learner.node_labels", lp.node_labels)
         if min(t.epochs, t.batch_size, t.micro_batch_size) < 1:
             raise ConfigError("config: train.epochs, train.batch_size and train.micro_batch_size must be >= 1")
         per_step = lp.replicas * t.micro_batch_size

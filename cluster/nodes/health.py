@@ -8,10 +8,12 @@ Until then an actor on a dead node looks alive: calls to it just wait. Ray's def
 The cost: the GCS sends one small RPC per node per second instead of one per three, and a
 raylet that cannot answer for 3 s (a swapping or badly overloaded machine) is declared
 dead and its actors are replaced, which a run survives but pays for in a recovery.
-A lost head ends every job on it: its drivers exit ~10 s later, and a resubmitted run
-(``run.resume=auto``) continues from its last checkpoint. These apply to a cluster's head node only, at its start: the local cluster a job starts
-for itself, the try-out cluster (``tether cluster up``) and the test fixtures use them;
-on your own cluster pass them to ``ray start --head --system-config``.
+A lost head ends every job on it: its processes exit ~10 s later, and a resubmitted run
+(``run.resume=auto``) continues from its last checkpoint.
+
+These apply to a cluster's head node only, at its start: the try-out cluster (``tether
+cluster up``) and the test fixtures use them; on your own cluster pass them to
+``ray start --head --system-config``.
 """
 from __future__ import annotations
 

@@ -143,12 +143,14 @@ def learner_group(cfg, kind: str, base: str, cleanup: ExitStack):
     """The stage's learner ranks in a placement group of their own; ``cleanup`` releases both."""
     from ray.util.placement_group import remove_placement_group
 
+    from cluster.config.labels import parse_labels
     from cluster.runtime.pools import PlacementError, actor_env, reserve
     from learner.group import LearnerGroup
 
     lp = cfg.learner
     try:
-        pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus, cfg.resources.placement_timeout_s)
+        pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus, cfg.resources.placement_timeout_s,
+                     labels=parse_labels(lp.node_labels), strategy=lp.strategy)
     except PlacementError as e:
         raise UserError(str(e)) from None
     cleanup.callback(remove_placement_group, pg)

@@ -31,17 +31,21 @@ from ray.exceptions import RayActorError
 from cluster.config.ppo import TetherConfig
 from cluster.runtime import checkpoint, evaluation, recovery, scaling
 from cluster.runtime.alarms import OveroptimizationAlarm
+from cluster.runtime.background import BackgroundProducer
 from cluster.runtime.checkpoint import RunState
 from cluster.runtime.metrics import RayMetrics, RunMetrics, progress_line
 from cluster.runtime.pools import Pools, alive
+from cluster.runtime.produced import Produced, transfer_metrics
 from cluster.runtime.reward_check import check_invalid_scores
-from cluster.runtime.rollouts import BackgroundProducer, Produced, RolloutProducer
+from cluster.runtime.rollouts import RolloutProducer
 from cluster.runtime.threads import chunks_per_generator
 from core.annotate import RewardShaping
 from core.files import publish_dir
 from core.kl import AdaptiveKLController, FixedKLController
+from core.transfer import Transfer
 from core.weights import WEIGHT_UPDATE_GROUP
 from learner.group import LearnerRankDied
+from learner.worker import TO_LEARNER
 
 log = logging.getLogger("tether")
 
@@ -223,6 +227,7 @@ class Driver:
             self.checkpoint()
 
     def _step_metrics(self, batch, produced: Produced, learn: dict, sync: dict, seconds: dict) -> dict:
+        moved = transfer_metrics(produced, Transfer.pop_metrics(learn, TO_LEARNER))  # learn keeps the rest
         m = {"reward/mean": batch.scores.mean(), "reward/std": batch.scores.std(),
              "kl/mean": batch.kl_sums.mean(), "kl/beta": self.kl_ctl.value,
              "response/length_mean": batch.response_lengths.mean(),
@@ -247,7 +252,7 @@ class Driver:
              "perf/buffer_wait_seconds": seconds["buffer_wait"], "perf/learn_seconds": seconds["learn"],
              "perf/sync_seconds": sync.get("seconds", seconds["sync"]), "perf/sync_bytes": sync.get("bytes", 0),
              "perf/sync_wait_seconds": sync.get("wait_seconds", 0.0),
-             "perf/tokens_per_s": produced.tokens / max(produced.generate_seconds, 1e-9), **learn}
+             "perf/tokens_per_s": produced.tokens / max(produced.generate_seconds, 1e-9), **moved, **learn}
         for g, tps in produced.per_generator_tps.items():
             self.ray_metrics.record({"generator/tokens_per_s": tps}, {"pool": "generator", "replica": g})
         for pool, lat in produced.score_latency.items():
@@ -322,7 +327,8 @@ class Driver:
         self._stop_producer(producer)
         self.rollbacks.append(recovery.roll_back(
             error, pools=self.pools, rollouts=self.rollouts, learner_lock=self._learner_lock,
-            run_dir=self.metrics.run_dir, restore=self.restore, failed_at=self.step_count, detected_at=detected_at))
+            run_dir=self.metrics.run_dir, restore=self.restore, failed_at=self.step_count, detected_at=detected_at,
+            placement_timeout_s=self.cfg.resources.placement_timeout_s))
         return self._start_producer()
 
     def _start_producer(self):

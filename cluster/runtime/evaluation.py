@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ObjectLostError, RayActorError
 
 log = logging.getLogger("tether")
 
@@ -27,7 +27,7 @@ def evaluate(eval_dataset, pools, *, gold: bool) -> dict:
         gold_ref = reward.gold_scores.remote(rollouts_ref) if gold else None
         scores = ray.get(scores_ref)
         gold_scores = ray.get(gold_ref) if gold_ref is not None else None
-    except RayActorError as e:  # the producer replaces the replica; this eval is skipped
+    except (RayActorError, ObjectLostError) as e:  # a replica or its node died: replaced by the producer
         log.warning("eval skipped: a replica died (%s)", type(e).__name__)
         return {}
     out = {"eval/score_mean": _valid_mean(scores), "eval/response_len": summary.generated_tokens / summary.rollouts}

@@ -12,6 +12,7 @@ import ray
 from actors.generator import actor_class as generator_actor
 from actors.reference import Reference
 from actors.reward import Reward
+from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
 from cluster.runtime.pools import BufferSlot, Pool, Pools, actor_env, free_placement, kill_replica, pool_env, reserve
 from cluster.runtime.threads import node_cores, plan_threads, thread_env
@@ -69,7 +70,8 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
             model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
             normalize=w.normalize, gold=w.gold)
 
-    return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t)
+    return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t,
+                      node_labels=p.node_labels, strategy=p.strategy)
                  for role, start, p in (("generator", generator, g), ("reference", reference, r),
                                         ("reward", reward, w)))
 
@@ -84,8 +86,8 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) ->
     try:
         for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.replicas, cfg.reward.replicas)):
             reserved.append(pool.reserve(n))
-        learner_pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus,
-                             cfg.resources.placement_timeout_s)
+        learner_pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus, cfg.resources.placement_timeout_s,
+                             labels=parse_labels(lp.node_labels), strategy=lp.strategy)
         # Every engine loads at once: the pools' actors, then the learner ranks in a thread.
         for pool, pgs in zip(pools, reserved):
             launched.append(pool.launch(pgs))
@@ -93,7 +95,8 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) ->
             model=policy_path, config=cfg.learner_config(), world_size=lp.replicas, num_cpus_per_rank=lp.num_cpus,
             num_gpus_per_rank=lp.num_gpus, placement_group=learner_pg,
             env={**actor_env(cfg), **thread_env(threads["learner"])}))
-        buffer = BufferSlot(capacity=cfg.buffer.capacity, env=actor_env(cfg))
+        buffer = BufferSlot(capacity=cfg.buffer.capacity, env=actor_env(cfg), node_labels=cfg.buffer.node_labels,
+                            placement_timeout_s=cfg.resources.placement_timeout_s)
         errors = []
         for pool, replicas in zip(pools, launched):
             try:

@@ -6,7 +6,8 @@ the live set of one role's replicas: it knows each replica's handle and load, ha
 out the least-loaded one, and can add or remove replicas without restarting anything
 else. Every replica reserves its resources through its own placement group, so a
 replica added mid-run needs no room in a group made at start-up, and one that cannot
-be placed fails fast with a message naming the pool and what it asked for.
+be placed fails fast with a message naming the pool and what it asked for. A pool's
+``node_labels`` and ``strategy`` choose its nodes (cluster/runtime/placement.py).
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.buffer import RolloutBuffer
 from actors.generator import engine_process_env
+from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
+from cluster.runtime.placement import PlacementError, cannot_place, carrying, group_nodes, pack_target, spread_target
 from cluster.runtime.threads import thread_env
 from learner.group import LearnerGroup
 
@@ -34,10 +37,6 @@ log = logging.getLogger(__name__)
 # Warnings and errors still show, from every library.
 QUIET_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TRANSFORMERS_VERBOSITY": "warning",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
-
-
-class PlacementError(RuntimeError):
-    """A pool's resources cannot be reserved on this cluster."""
 
 
 def quiet_libraries() -> None:
@@ -64,25 +63,29 @@ def pool_env(cfg: TetherConfig, pool: str, threads: int) -> dict:
 
 
 def reserve(pool: str, bundles: int, num_cpus: float, num_gpus: float, timeout_s: float,
-            name: str | None = None):
+            name: str | None = None, *, labels: dict | None = None, strategy: str = "pack",
+            target: str | None = None):
     """A placement group of ``bundles`` equal bundles, or PlacementError naming the pool.
 
     ``name`` (default: the pool's) must be unique among the run's live placement groups.
+    ``labels``: only on nodes carrying them; ``strategy``: pack or spread (Ray's PACK / SPREAD);
+    ``target``: a node id the group prefers, placed elsewhere (among ``labels``' nodes) when that
+    node has no room.
     """
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-    pg = placement_group([dict(bundle) for _ in range(bundles)], strategy="PACK",
-                         name=f"tether-{name or pool}")
+    options = {"strategy": "SPREAD" if strategy == "spread" else "PACK"}
+    if labels:
+        options["bundle_label_selector"] = [dict(labels) for _ in range(bundles)]
+    if target is not None:
+        # _soft_target_node_id: an experimental keyword of Ray's public placement_group (STRICT_PACK
+        # only): Ray places on the target when it has room, else on any other node that fits, at once.
+        options.update(strategy="STRICT_PACK", _soft_target_node_id=target)
+    pg = placement_group([dict(bundle) for _ in range(bundles)], name=f"tether-{name or pool}", **options)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
-        raise PlacementError(_cannot_place(pool, bundles, bundle, timeout_s))
+        raise PlacementError(cannot_place(pool, bundles, bundle, timeout_s, labels))
     return pg
-
-
-def _cannot_place(pool: str, replicas: int, bundle: dict, timeout_s: float) -> str:
-    available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-    return (f"pool {pool}: cannot place {replicas} replica(s) x {bundle} within {timeout_s:.0f}s "
-            f"(cluster has {available} free); lower {pool}.replicas or its num_cpus/num_gpus")
 
 
 def on_bundle(pg, index: int = 0) -> dict:
@@ -108,9 +111,12 @@ class Pool:
     """
 
     def __init__(self, role: str, *, start: Callable[[str, int, dict], object], num_cpus: float,
-                 num_gpus: float, placement_timeout_s: float) -> None:
+                 num_gpus: float, placement_timeout_s: float, node_labels: str | None = None,
+                 strategy: str = "pack") -> None:
         self.role, self._start = role, start
         self._resources = (num_cpus, num_gpus, placement_timeout_s)
+        self._labels, self._strategy = parse_labels(node_labels), strategy
+        self._nodes: dict[int, str] = {}  # replica index -> the node its placement group is on
         self._replicas: dict[str, Replica] = {}
         self._serial = itertools.count()
         self._lock = threading.Lock()
@@ -120,18 +126,27 @@ class Pool:
         """(index, placement group) for n new replicas: phase 1 of add, which fails before any
         model loads. An index is never reused, so neither is a replica's name."""
         num_cpus, num_gpus, timeout = self._resources
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
         reserved = []
         try:
             for _ in range(n):
-                index = next(self._serial)
-                reserved.append((index, reserve(self.role, 1, num_cpus, num_gpus, timeout,
-                                                name=f"{self.role}-{index}")))
+                index, target = next(self._serial), self._target(bundle, reserved)
+                reserved.append((index, reserve(self.role, 1, num_cpus, num_gpus, timeout, name=f"{self.role}-{index}",
+                                                labels=self._labels, target=target)))
+                self._nodes[index] = group_nodes(reserved[-1][1]).get(0, "")
         except PlacementError:
             for _, pg in reserved:
                 free_placement(pg)
-            bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-            raise PlacementError(_cannot_place(self.role, n, bundle, timeout)) from None
+            raise PlacementError(cannot_place(self.role, n, bundle, timeout, self._labels)) from None
         return reserved
+
+    def _target(self, bundle: dict, reserved: list[tuple[int, object]]) -> str | None:
+        """The node the next replica prefers (cluster/runtime/placement.py): by this pool's
+        replicas, live or just reserved, per node."""
+        with self._lock:
+            indices = [int(rid.rsplit("-", 1)[1]) for rid in self._replicas]
+        held = [self._nodes[i] for i in indices + [i for i, _ in reserved] if self._nodes.get(i)]
+        return spread_target(self._labels, bundle, held) if self._strategy == "spread" else pack_target(held)
 
     def start(self, reserved: list[tuple[int, object]]) -> list[str]:
         """Start one replica in each reserved group and wait until each answers health()."""
@@ -215,6 +230,11 @@ class Pool:
         with self._lock:
             return {rid: r.handle for rid, r in self._replicas.items() if not r.retiring}
 
+    def placements(self) -> dict:
+        """replica id -> (actor handle, placement group) of the serving replicas, a snapshot."""
+        with self._lock:
+            return {rid: (r.handle, r.placement_group) for rid, r in self._replicas.items() if not r.retiring}
+
     def first(self):
         with self._lock:
             return next(r for r in self._replicas.values() if not r.retiring).handle
@@ -252,19 +272,33 @@ class BufferSlot:
     one under a new name (buffer-0, buffer-1, ...). What the dead one held is not restored
     from it: the ledger knows those prompts and the producer generates them again."""
 
-    def __init__(self, *, capacity: int, env: dict) -> None:
+    def __init__(self, *, capacity: int, env: dict, node_labels: str | None = None,
+                 placement_timeout_s: float = 60.0) -> None:
         self._capacity, self._env = capacity, env
+        self._labels, self._timeout_s = parse_labels(node_labels), placement_timeout_s
         self._serial, self._lock = itertools.count(), threading.Lock()
         self.id, self.handle = self._start()
 
     def _start(self):
         rid = f"buffer-{next(self._serial)}"
         # Many producers may block in put() at once; leave room for stats()/health().
+        placed = {"label_selector": dict(self._labels)} if self._labels else {}
         handle = ray.remote(RolloutBuffer).options(name=rid, num_cpus=0, max_concurrency=16,
-                                                   runtime_env={"env_vars": self._env}).remote(
+                                                   runtime_env={"env_vars": self._env}, **placed).remote(
             capacity=self._capacity)
+        self._wait_placed(handle)
         ray.get(handle.health.remote())
         return rid, handle
+
+    def _wait_placed(self, handle) -> None:
+        """With node labels: PlacementError if no alive node carries them after the timeout
+        (a matching node that is merely slow to start the buffer is waited for)."""
+        if not self._labels:
+            return
+        ready, _ = ray.wait([handle.health.remote()], timeout=self._timeout_s)
+        if not ready and not carrying(self._labels):
+            ray.kill(handle)
+            raise PlacementError(cannot_place("buffer", 1, {"CPU": 0.0}, self._timeout_s, self._labels))
 
     def replace(self, dead_id: str) -> bool:
         """Start a new buffer if ``dead_id`` is still the current one; False if another

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Callable
 
 from cluster.runtime import checkpoint
+from cluster.runtime.background import ProducerStuck
 from cluster.runtime.checkpoint import RunState
 from cluster.runtime.pools import alive
-from cluster.runtime.rollouts import ProducerStuck
 from learner.group import LearnerRankDied
 
 log = logging.getLogger("tether")
@@ -61,7 +61,8 @@ def stop_producer(producer, *, timeout_s: float, run_dir: Path, at_end: bool = F
 
 
 def roll_back(error: LearnerRankDied, *, pools, rollouts, learner_lock: threading.Lock, run_dir: Path,
-              restore: Callable[[Path | None], RunState], failed_at: int, detected_at: float) -> dict:
+              restore: Callable[[Path | None], RunState], failed_at: int, detected_at: float,
+              placement_timeout_s: float = 600.0) -> dict:
     """A learner rank died (at ``detected_at``, a perf_counter() time, while making step
     ``failed_at`` + 1) and the producer is stopped: a fresh buffer and ledger, new learner ranks,
     and ``restore`` (the driver's) back to the last checkpoint. Returns the rollback's record."""
@@ -69,7 +70,7 @@ def roll_back(error: LearnerRankDied, *, pools, rollouts, learner_lock: threadin
     slot.replace(slot.id)  # rollouts of the abandoned steps must not be trained on
     rollouts.reset()
     with learner_lock:
-        pools.learner.restart()
+        pools.learner.restart(placement_timeout_s)
     t_rebuilt = time.perf_counter()
     path = checkpoint.latest(run_dir)
     state = restore(path)

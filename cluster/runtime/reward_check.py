@@ -15,7 +15,7 @@ class InvalidScores(ValueError):
 
 
 def check_invalid_scores(produced, reward, step: int) -> None:
-    """Raise InvalidScores if ``produced`` (cluster.runtime.rollouts.Produced, what fed step ``step``)
+    """Raise InvalidScores if ``produced`` (cluster.runtime.produced.Produced, what fed step ``step``)
     has more invalid scores than ``reward.max_invalid_fraction`` (the config's reward section) allows."""
     scored = produced.stored + produced.invalid_scores + produced.empty_responses
     if not scored or produced.invalid_scores <= reward.max_invalid_fraction * scored:

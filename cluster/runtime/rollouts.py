@@ -2,25 +2,23 @@
 
 The driver holds object references and small summaries only:
 
-    generator.sample(chunk)          -> (rollouts_ref, GenerationSummary)   num_returns=2
-    reference.reference_logprobs(rollouts_ref)                  -> ref_lp_ref
-    reward.score_rollouts(rollouts_ref)                         -> score_ref
-    buffer.put_chunk(id, rollouts_ref, ref_lp_ref, score_ref)   -> ChunkReport
+    generator.sample(chunk)                         -> (rollouts_ref, GenerationSummary)  num_returns=2
+    reference.reference_logprobs_pulled(rollouts_ref)  -> (ref_lp_ref, Transfer)        num_returns=2
+    reward.score_rollouts_pulled(rollouts_ref)         -> (score_ref, Transfer)         num_returns=2
+    then, both done: buffer.put_chunk(id, rollouts_ref, ref_lp_ref, score_ref) -> ChunkReport
 
-Ray resolves each reference inside the actor that takes it, so a rollout goes from
-the generator to the scorers and the buffer, never through this process. Each chunk
-is dispatched to the least-loaded replica of each pool and tracked in the ledger.
+Each actor pulls the references it takes itself (passed in a core.transfer.Pull), and says
+what crossed nodes; so a rollout goes from the generator to the scorers and the buffer
+and is never unpickled in this process. A put is sent once its chunk's scorers are done:
+it waits in the buffer for the transfer only. Each chunk is dispatched to the least-loaded replica of
+each pool and tracked in the ledger.
 """
 from __future__ import annotations
 
 import logging
-import sys
-import sysconfig
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import ray
@@ -28,39 +26,12 @@ from ray.exceptions import RayActorError, RayError
 
 from cluster.runtime.ledger import ChunkState, Ledger
 from cluster.runtime.pools import alive
+from cluster.runtime.produced import Produced
+from core.transfer import Pull
 
 log = logging.getLogger("tether")
 
 STOP_POLL_S = 0.5  # how often a stoppable produce() waiting on remote calls looks at its stop
-# Python's and the installed libraries' files: not where a stuck producer's own code waits.
-_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
-
-
-@dataclass
-class Produced:
-    """One batch of prompts turned into scored rollouts in the buffer, with what was lost on the way."""
-    stored: int = 0               # scored rollouts put into the buffer
-    prompts: int = 0
-    skipped_prompts: int = 0      # too long for the model
-    invalid_scores: int = 0       # reward returned NaN/inf or raised
-    empty_responses: int = 0
-    duplicate_chunks: int = 0     # chunks the buffer had already stored (exactly-once at work)
-    redispatched_chunks: int = 0  # chunks sent again because the replica holding them died
-    generate_seconds: float = 0.0
-    score_seconds: float = 0.0    # scoring time not hidden behind generation
-    tokens: int = 0
-    per_generator_tps: dict = field(default_factory=dict)  # replica id -> tokens/s
-    score_latency: dict = field(default_factory=dict)      # pool -> seconds of each scoring call
-
-    def merge(self, other: "Produced") -> "Produced":
-        """Accounting of two batches together (async mode sums what fed one step)."""
-        latency = {k: self.score_latency.get(k, []) + other.score_latency.get(k, [])
-                   for k in set(self.score_latency) | set(other.score_latency)}
-        sums = {f: getattr(self, f) + getattr(other, f) for f in
-                ("stored", "prompts", "skipped_prompts", "invalid_scores", "empty_responses",
-                 "duplicate_chunks", "redispatched_chunks", "generate_seconds", "score_seconds", "tokens")}
-        return Produced(**sums, per_generator_tps={**self.per_generator_tps, **other.per_generator_tps},
-                        score_latency=latency)
 
 
 class RolloutProducer:
@@ -125,7 +96,7 @@ class RolloutProducer:
             elif job.stage == "stored":
                 try:
                     report = ray.get(done)  # a ChunkReport: counts only
-                except RayError as e:  # the buffer died, or a scorer did and the put lost an argument
+                except RayError as e:  # the buffer died, or an input was lost with its node
                     self._recover(job, e, pending, out)
                     continue
                 if not self._record(out, report, job.replica):  # it went into a buffer that died since
@@ -133,9 +104,8 @@ class RolloutProducer:
                     if self.ledger.get(job.chunk_id).state is ChunkState.PENDING:
                         pending.update(self._generate(self.ledger.get(job.chunk_id)))
                         out.redispatched_chunks += 1
-            else:  # a scorer finished (or failed: the put then says so): free its slot
-                job.pool.release(job.replica)
-                out.score_latency.setdefault(job.stage, []).append(time.perf_counter() - job.started)
+            else:  # a scorer finished (or failed): the put goes once both scorers are done
+                self._on_scored(job, done, pending, out)
             self._dispatch_backlog(pending, out, stop)
         t_end = time.perf_counter()
         out.generate_seconds = (t_generated or t_end) - t0
@@ -168,6 +138,24 @@ class RolloutProducer:
         tps.setdefault(job.replica, []).append(summary.tokens_per_second)
         pending.update(self._score(job.chunk_id, summary, job.rollouts_ref, shaping))
         return True
+
+    def _on_scored(self, job, done, pending: dict, out: Produced) -> None:
+        """A scorer call ended: free its slot and count its pull; once both of the chunk's scorers
+        are done, send the put (which then waits in the buffer for the transfer only)."""
+        job.pool.release(job.replica)
+        out.score_latency.setdefault(job.stage, []).append(time.perf_counter() - job.started)
+        try:
+            out.to_scorers += ray.get(done)  # a Transfer: what the scorer's pull moved
+        except RayError as e:  # the scorer died or failed, or the rollouts were lost with a node
+            self._abandoned.append(job.put.output_of(job.stage))  # the same error: collected, not logged
+            self._recover(job, e, pending, out)
+            return
+        put = job.put
+        put.waiting -= 1
+        if put.waiting == 0:
+            ref = put.handle.put_chunk.remote(job.chunk_id, *map(Pull, put.refs), put.shaping,
+                                              timeout=self.put_timeout_s)
+            pending[ref] = _InFlight("stored", job.chunk_id, put.buffer_id)
 
     # ------------------------------------------------------------------ replicas that died
     def buffer_died(self, buffer_id: str) -> None:
@@ -221,6 +209,9 @@ class RolloutProducer:
         """Replace every dead replica the failed call involved; redispatch what they held."""
         chunk = self.ledger.get(job.chunk_id)
         dead = [(role, rid) for role, rid in chunk.replicas.items() if not self._alive(role, rid)]
+        if not dead and lost_with_a_node(error):  # e.g. its rollouts, with the generator's node
+            self._regenerate(chunk.id, pending, out)
+            return
         if not dead:
             raise error  # no replica died: a genuine failure of the call
         for role, rid in dead:
@@ -241,6 +232,17 @@ class RolloutProducer:
                 out.redispatched_chunks += 1
             if pool is not None:
                 self._add_replacement(pool, rid, detected)
+
+    def _regenerate(self, chunk_id: int, pending: dict, out: Produced) -> None:
+        """A scoring chunk whose input objects were lost (their node died, though every replica
+        it now uses lives): generate it again. The replica that made them is found dead, and
+        replaced, when it is next given work."""
+        log.warning("chunk %d: its rollouts were lost with a node; generating them again", chunk_id)
+        self._forget(chunk_id, pending)
+        chunk = self.ledger.reopen(chunk_id)
+        if chunk is not None:
+            pending.update(self._generate(chunk))
+            out.redispatched_chunks += 1
 
     def _add_replacement(self, pool, dead_id: str, detected: float) -> None:
         (new_id,) = pool.add(1)
@@ -297,16 +299,15 @@ class RolloutProducer:
         refs, rewards, buffer = self.pools.references, self.pools.rewards, self.pools.buffer_slot
         ref, rew = refs.acquire(), rewards.acquire()
         self.ledger.scoring(chunk_id, ref.id, rew.id, buffer.id)
-        ref_lp = ref.handle.reference_logprobs.remote(rollouts_ref)
-        scores = rew.handle.score_rollouts.remote(rollouts_ref)
-        put = buffer.handle.put_chunk.remote(chunk_id, rollouts_ref, ref_lp, scores, shaping,
-                                             timeout=self.put_timeout_s)
-        return {ref_lp: _InFlight("reference", chunk_id, ref.id, pool=refs),
-                scores: _InFlight("reward", chunk_id, rew.id, pool=rewards),
-                put: _InFlight("stored", chunk_id, buffer.id)}
+        ref_lp, ref_moved = ref.handle.reference_logprobs_pulled.options(num_returns=2).remote(Pull(rollouts_ref))
+        scores, rew_moved = rew.handle.score_rollouts_pulled.options(num_returns=2).remote(Pull(rollouts_ref))
+        put = _Put(buffer.id, buffer.handle, (rollouts_ref, ref_lp, scores), shaping)  # the ledger's buffer
+        return {ref_moved: _InFlight("reference", chunk_id, ref.id, pool=refs, put=put),
+                rew_moved: _InFlight("reward", chunk_id, rew.id, pool=rewards, put=put)}
 
     def _record(self, out: Produced, report, buffer_id: str) -> bool:
         """Account a put's report; False (chunk reopened, to redo) if its buffer has died since."""
+        out.to_buffer += report.transfer  # it moved, wherever it went
         with self._store_lock:
             if buffer_id != self.pools.buffer_slot.id:
                 self.ledger.reopen(report.chunk_id)
@@ -331,65 +332,27 @@ class _InFlight:
     replica: str | None
     pool: object = None           # the pool to release the replica to (scorers)
     rollouts_ref: object = None   # generation: the rollouts, left in the object store
+    put: "_Put" = None            # scorers: their chunk's put, sent once both are done
     started: float = field(default_factory=time.perf_counter)
 
 
-class BackgroundProducer:
-    """Async mode: keeps generating and scoring with whatever weights the generators hold.
+@dataclass
+class _Put:
+    """A chunk's buffer.put_chunk, waiting for its reference and reward calls to end."""
+    buffer_id: str
+    handle: object
+    refs: tuple                   # rollouts, reference log-probs, scores: each goes in a Pull
+    shaping: object
+    waiting: int = 2              # scorer calls not done yet
 
-    ``issue()`` draws the next chunks, ``shaping()`` gives the current reward shaping.
-    take() returns the accounting of everything produced since the previous take(), so
-    each step reports the generation work done during it.
-    """
-
-    def __init__(self, rollouts: RolloutProducer, *, issue, shaping) -> None:
-        self._rollouts, self._issue, self._shaping = rollouts, issue, shaping
-        self._stop = threading.Event()
-        self._pending, self._lock, self._error = Produced(), threading.Lock(), None
-        self._thread = threading.Thread(target=self._loop, name="tether-producer", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                produced = self._rollouts.produce(self._issue(), self._shaping(), stop=self._stop)
-                with self._lock:
-                    self._pending = self._pending.merge(produced)
-        except Exception as e:  # noqa: BLE001 - surfaced by take() in the main thread
-            self._error = e
-
-    def take(self) -> Produced:
-        if self._error is not None:
-            raise self._error
-        with self._lock:
-            out, self._pending = self._pending, Produced()
-        return out
-
-    def stop(self) -> None:
-        """Ask the thread to stop: it abandons what is in flight within STOP_POLL_S, unless it
-        is inside a call that does not look (starting a replacement replica, a health check)."""
-        self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
-    def join(self, timeout_s: float = 60.0) -> None:
-        """Wait for the thread to end; ProducerStuck if it still runs after ``timeout_s``."""
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise ProducerStuck(f"the rollout producer thread still runs {timeout_s:g}s after its stop "
-                                f"(at {_where(self._thread)})")
+    def output_of(self, stage: str):
+        """The result object of the chunk's scorer call ``stage`` ("reference" | "reward")."""
+        return self.refs[1 if stage == "reference" else 2]
 
 
-class ProducerStuck(RuntimeError):
-    """A stopped producer thread outlived the wait for it (the message is one line)."""
+def lost_with_a_node(error: Exception) -> bool:
+    """Whether a call failed because an object it took was lost (the node holding it died)."""
+    from ray.exceptions import ObjectLostError, RayTaskError
 
-
-def _where(thread: threading.Thread) -> str:
-    """``file:line function`` of the thread's innermost frame outside Python's and the libraries'
-    files: the project's own code that waits."""
-    frame = sys._current_frames().get(thread.ident)
-    stack = traceback.extract_stack(frame) if frame is not None else []
-    ours = [f for f in stack if not f.filename.startswith(_LIBRARY_DIRS)] or stack
-    return f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}" if ours else "an unknown place"
+    cause = error.cause if isinstance(error, RayTaskError) else error
+    return isinstance(cause, ObjectLostError)

@@ -89,11 +89,12 @@ def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, re
     """The driver's loop from the control actor to the final checkpoint, status.json at each turn."""
     from cluster.runtime.driver import Driver
     from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.placement import actor_nodes, actors_line
 
-    actors = pools.actor_names()
-    log.info("actors: %s", ", ".join(actors))
+    actors, nodes = pools.actor_names(), actor_nodes(pools)
+    log.info("actors: %s", actors_line(nodes))
     control, control_info = start_control(run_dir, pools)
-    write_status(run_dir, "running", actors=actors, control=control_info)
+    write_status(run_dir, "running", actors=actors, nodes=nodes, control=control_info)
     metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every, tensorboard=cfg.run.tensorboard)
     driver = Driver(cfg, pools=pools, dataset=inputs["dataset"], eval_dataset=inputs["eval_dataset"],
                     tokenizer=inputs["tokenizer"], metrics=metrics, ptx=inputs["ptx"], control=control)
@@ -106,7 +107,8 @@ def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, re
         metrics.rewind(-1)
     driver.startup_metrics = startup.metrics()
     log.info(startup.line())
-    write_status(run_dir, "running", actors=actors, control=control_info, startup=startup.seconds, **resumed)
+    write_status(run_dir, "running", actors=actors, nodes=nodes, control=control_info, startup=startup.seconds,
+                 **resumed)
     with StopSignals(driver.stop_requested.set) as signals:
         final = driver.run()
     if signals.received:
@@ -118,7 +120,9 @@ def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, re
                       f"run.resume={run_dir}", signals.exit_code, run_dir=run_dir)
     final_dir = driver.save_checkpoint("final")
     metrics.close()
-    write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=final_dir, actors=actors,
+    # where the actors are now: a lost replica's replacement may run elsewhere
+    write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=final_dir, actors=pools.actor_names(),
+                 nodes=actor_nodes(pools),
                  final={k: v for k, v in final.items() if isinstance(v, (int, float))},
                  rollbacks=driver.rollbacks, **resumed)
     return final

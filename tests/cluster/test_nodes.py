@@ -51,3 +51,22 @@ def test_node_kill_takes_exactly_that_node(ray_nodes):
     assert ray.get(actor_b.node.remote()) == (b, pid_b)  # the other node never noticed
     with pytest.raises(NodeNotFound):
         kill_node(a)
+
+
+def test_actor_threads_fit_the_cores_of_a_node_that_advertises_more(ray_nodes):
+    """A node may advertise more CPUs than its processes can use (several raylets on one
+    machine): the threads planned from its CPUs are cut to the cores there (vLLM's CPU
+    attention refuses more threads than it can bind)."""
+    from cluster.runtime.threads import thread_env
+    from core.threads import fit_threads
+
+    cores = len(os.sched_getaffinity(0))
+    ray_nodes.add(num_cpus=cores + 2, labels={"tether.test": "big"})
+
+    def threads():
+        import torch
+        return fit_threads(), int(os.environ["OMP_NUM_THREADS"]), torch.get_num_threads()
+
+    probe = ray.remote(num_cpus=1)(threads).options(label_selector={"tether.test": "big"},
+                                                    runtime_env={"env_vars": thread_env(cores + 2)})
+    assert ray.get(probe.remote()) == (cores, cores, cores)

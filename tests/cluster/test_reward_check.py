@@ -2,7 +2,7 @@
 import pytest
 
 from cluster.config.ppo import ConfigError, load_config
-from cluster.runtime.rollouts import Produced
+from cluster.runtime.produced import Produced
 
 pytestmark = pytest.mark.unit
 

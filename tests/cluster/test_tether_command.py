@@ -38,4 +38,5 @@ def test_unknown_subcommand_names_the_valid_ones_and_exits_2():
     result = tether("trian")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        "tether: error: unknown subcommand 'trian'; choose one of train, sft, reward-model, pipeline, sweep, scale"]
+        "tether: error: unknown subcommand 'trian'; choose one of train, sft, reward-model, pipeline, sweep, scale, "
+        "cluster"]

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import ray
+from accounting import Accounting
 
 from cluster.config.ppo import DEFAULT_CONFIG
 from cluster.runtime.ledger import ChunkState
@@ -62,28 +63,6 @@ class Killer(threading.Thread):
         if self.state is ChunkState.STORED:  # the buffer holds a chunk
             return self.ledger.held_rollouts() > 0
         return any(c.state is self.state and self.replica in c.replicas.values() for c in self.ledger.in_flight())
-
-
-class Accounting:
-    """Every prompt the driver issued and every rollout the learner took, by prompt index."""
-
-    def __init__(self, driver):
-        self.issued, self.trained = [], []
-        issue, consumed = driver.issue, driver.rollouts.ledger.consumed
-
-        def issue_and_note():
-            chunks = issue()
-            self.issued += [i for c in chunks for i in c.prompt_indices]
-            return chunks
-
-        def consumed_and_note(pairs):
-            self.trained += [i for _, i in pairs]
-            return consumed(pairs)
-
-        driver.issue, driver.rollouts.ledger.consumed = issue_and_note, consumed_and_note
-
-    def assert_each_prompt_trained_once(self, samples=4):
-        assert sorted(self.trained) == sorted(i for i in self.issued for _ in range(samples))
 
 
 def steps_until(driver, killer, max_steps=4):

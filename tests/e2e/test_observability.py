@@ -536,6 +536,8 @@ def test_run_folder(live):
     run = live.run_dir
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "succeeded" and status["steps"] == STEPS, status
+    nodes = status["nodes"]  # where each actor ran: all on this one-node cluster
+    assert set(nodes) == set(ACTORS) and len({n["node_id"] for n in nodes.values()}) == 1, nodes
     rows = [_strict_json(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
     assert "eval/score_mean" in rows[0]

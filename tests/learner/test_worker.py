@@ -369,6 +369,9 @@ def test_two_ranks_update_matches_plain_torch(groups, rollouts, initial, referen
     check_against_reference(group.state_dict(), metrics, initial, references(group.config),
                             f"2 ranks ZeRO-{stage}")
     assert set(METRIC_KEYS) <= set(metrics) and "learner/dropped_rollouts" not in metrics
+    # Each rank pulls a shard handed by reference (core.transfer): one node, so nothing crossed.
+    assert metrics["transfer/to_learner_bytes"] == 0 and metrics["transfer/to_learner_seconds"] == 0.0
+    assert (metrics["transfer/to_learner_local_bytes"] > 0) is by_reference  # both ranks' shards, summed
     print(f"2 ranks ZeRO-{stage}: {metrics['perf/learner_seconds']:.3f} s/update, "
           f"{metrics['perf/learner_tokens_per_s']:.0f} tokens/s")
 

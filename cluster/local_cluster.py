@@ -1,0 +1,159 @@
+"""A multi-node Ray cluster on this machine to try tether on: tether cluster up|status|down|kill-node
+
+`up` starts a head (no CPUs: the job's driver) and worker nodes (the actors), each its own
+raylet and object store, with this environment's `ray start`; the OS picks the ports (all
+but the Ray Client server's: --client-port).
+It records what it started in ./.tether-cluster.json; `status` lists the nodes and the
+`ray job submit` command for this cluster; `kill-node` SIGKILLs one worker node whole, to watch
+a job survive it; `down` stops exactly what `up` started (never `ray stop`, which would stop
+every Ray on the machine). Exit 0 on success, 2 on a mistake (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from cluster.job.errors import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, report, user_error
+from cluster.nodes import local
+from core.errors import one_line
+
+PROG = "tether cluster"
+
+
+class _Mistake(Exception):
+    """A bad command line, reported in one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise _Mistake(f"{message} ({self.prog} --help)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description=__doc__, exit_on_error=False,
+                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog="Each subcommand has its own --help. The record lives in the current directory: "
+                        "run every subcommand from the same one (the repository root).")
+    sub = ap.add_subparsers(dest="command", metavar="{up,status,down,kill-node}", parser_class=_Parser)
+    sub.required = True
+    up = sub.add_parser("up", help="start a head and worker nodes", description=(
+        "Start a head node (0 CPUs) and --workers worker nodes, each its own raylet and object store, "
+        "labelled tether.node=worker-<i>; print the nodes and the `ray job submit` command."))
+    up.add_argument("--workers", type=int, default=2, metavar="N", help="worker nodes (default 2)")
+    up.add_argument("--cpus-per-worker", type=int, nargs="+", default=[2], metavar="C",
+                    help="logical CPUs of each worker node: one value for all, or one per worker (default 2; "
+                         "the default job needs 4 in all, plus one node's worth to survive a node's loss)")
+    up.add_argument("--labels-per-worker", nargs="+", default=[""], metavar="K=V[,K=V]",
+                    help="extra node labels: one set for all workers, or one per worker, in order "
+                         "(e.g. tether.pool=gen tether.pool=score); pools pick nodes by label with "
+                         "<pool>.node_labels")
+    up.add_argument("--client-port", type=int, default=10001, metavar="PORT",
+                    help="the head's Ray Client server port (Ray needs a fixed one; default 10001)")
+    status = sub.add_parser("status", help="list the nodes and the job submit command",
+                            description="List the cluster's nodes (id, name, labels, CPUs, alive) and print "
+                                        "the `ray job submit` command for it.")
+    status.add_argument("--json", action="store_true", help="print the record and the nodes as JSON")
+    sub.add_parser("down", help="stop exactly what `up` started", description=(
+        "Stop the processes of the recorded cluster only, found by node id: SIGTERM, then SIGKILL "
+        "after a few seconds; forget the record. Other Ray clusters on this machine are left alone."))
+    kill = sub.add_parser("kill-node", help="SIGKILL one worker node (raylet and all it started)",
+                          description="SIGKILL one worker node whole, as a machine lost: its raylet and "
+                                      "every process it started. Ray declares it dead within ~3 s.")
+    kill.add_argument("node", help="the node's name (worker-2), id or a unique prefix of its id")
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ["RAY_AUTH_MODE"] = "token"  # before anything imports Ray: its clients need the token
+    try:
+        args = parser().parse_args(argv)
+        return COMMANDS[args.command](args, Path.cwd() / local.STATE_FILE)
+    except (_Mistake, argparse.ArgumentError, local.LocalClusterError) as e:
+        return user_error(str(e))
+    except KeyboardInterrupt:
+        return report("interrupted", EXIT_INTERRUPTED)
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback
+        return report(f"failed: {one_line(e)}", EXIT_FAILED)
+
+
+def _per_worker(values: list, n: int, what: str) -> list:
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise _Mistake(f"{len(values)} values for {what}, but {n} workers: give one, or one per worker")
+    return values
+
+
+def cmd_up(args, path: Path) -> int:
+    recorded = local.load(path)
+    if recorded is not None and local.running(recorded):
+        raise _Mistake(f"a cluster recorded in {path} is still up; stop it first with `tether cluster down`")
+    if args.workers < 1 or not 1024 <= args.client_port <= 65535:
+        raise _Mistake("--workers must be >= 1 and --client-port within 1024..65535")
+    cpus = _per_worker(args.cpus_per_worker, args.workers, "--cpus-per-worker")
+    if min(cpus) < 1:
+        raise _Mistake("--cpus-per-worker must be >= 1")
+    labels = [local.parse_labels(s) for s in _per_worker(args.labels_per_worker, args.workers, "--labels-per-worker")]
+    print(f"tether: starting a head and {args.workers} worker node(s) ...", flush=True)
+    state = local.up(cpus, labels, client_port=args.client_port, workdir=path.parent)
+    local.save(state, path)
+    print(f"tether: cluster up; recorded in {path}")
+    return _print_status(state)
+
+
+def cmd_status(args, path: Path) -> int:
+    state = _recorded(path)
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(state), "nodes": local.nodes(state),
+                          "submit": local.submit_command(state)}, indent=1))
+        return EXIT_DONE
+    return _print_status(state)
+
+
+def _print_status(state) -> int:
+    rows = local.nodes(state)
+    print(f"\n{'node':<10} {'id':<56}  {'CPUs':>4}  {'alive':<5}  labels")
+    for r in rows:
+        labels = ",".join(f"{k}={v}" for k, v in r["labels"].items())
+        print(f"{r['name']:<10} {r['id']:<56}  {r['cpus']:>4g}  {'yes' if r['alive'] else 'NO':<5}  {labels}")
+    print(f"\ndashboard: {state.dashboard_url} (token: ~/.ray/auth_token)   GCS: {state.gcs_address}")
+    print(f"Ray's logs: {state.temp_dir}/session_latest/logs")
+    print("\nsubmit the default job (from this directory; its run folder lands in ./runs):\n")
+    print(local.submit_command(state))
+    return EXIT_DONE
+
+
+def cmd_down(args, path: Path) -> int:
+    state = _recorded(path)
+    pids = local.stop(state)
+    path.unlink(missing_ok=True)
+    print(f"tether: cluster down: stopped {len(pids)} processes of head {state.head_id[:12]}; "
+          f"Ray's logs are kept in {state.temp_dir}")
+    return EXIT_DONE
+
+
+def cmd_kill_node(args, path: Path) -> int:
+    state = _recorded(path)
+    node_id, pids = local.kill(state, args.node)
+    name = state.workers[node_id].get(local.NODE_LABEL)
+    print(f"tether: killed node {name} ({node_id}): {len(pids)} processes SIGKILLed; "
+          "Ray declares it dead within ~3 s")
+    return EXIT_DONE
+
+
+def _recorded(path: Path):
+    state = local.load(path)
+    if state is None:
+        raise _Mistake(f"no cluster is recorded here ({path} does not exist); start one with `tether cluster up`")
+    return state
+
+
+COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "kill-node": cmd_kill_node}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Transfer arithmetic and Pull (no Ray: values passed directly are never pulled)."""
+import dataclasses
+
+import pytest
+
+from core.transfer import Pull, Transfer, pull_args
+
+pytestmark = pytest.mark.unit
+
+
+def test_transfers_add_field_by_field_and_stay_frozen():
+    a, b = Transfer(100, 0.5, 7), Transfer(20, 0.25, 3)
+    assert a + b == Transfer(120, 0.75, 10)
+    assert Transfer.total([a, b, Transfer()]) == a + b
+    assert Transfer.total([]) == Transfer() == Transfer(0, 0.0, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.bytes_cross_node = 1
+    with pytest.raises(TypeError):
+        a + 1  # noqa: B018 - not a Transfer
+
+
+def test_as_metrics_and_pop_metrics_round_trip():
+    t = Transfer(8_000_253, 0.03, 342)
+    metrics = {"ppo/lr": 1e-5, **t.as_metrics("transfer/to_learner")}
+    assert metrics["transfer/to_learner_bytes"] == 8_000_253
+    assert Transfer.pop_metrics(metrics, "transfer/to_learner") == t
+    assert metrics == {"ppo/lr": 1e-5}  # the keys are gone
+    assert Transfer.pop_metrics({}, "transfer/to_learner") == Transfer()  # absent: nothing moved
+
+
+def test_values_passed_directly_are_not_pulled():
+    rollouts = [object()]
+    values, moved = pull_args(rollouts, 3, None)
+    assert values == [rollouts, 3, None] and values[0] is rollouts
+    assert moved == Transfer()
+    assert Pull("ref").ref == "ref"
