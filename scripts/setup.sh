@@ -28,7 +28,7 @@ fi
 VENV=.venv
 STAMP=$VENV/.tether-installed
 # Re-install only when the dependency list or the pins changed since the last successful run.
-WANT=$(cat pyproject.toml scripts/setup.sh constraints/cpu.txt | sha256sum | cut -c1-16)
+WANT=$(cat pyproject.toml scripts/setup.sh constraints/cpu.txt constraints/gpu.txt | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
@@ -43,10 +43,9 @@ pip_install() {
 }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  # Unpinned: resolves pyproject.toml's ranges afresh. This path has never run (no GPU while
-  # it was written), so there is no tested set of versions to pin it to yet.
-  echo "setup: NVIDIA GPU found; installing the CUDA vLLM build (unpinned)" >&2
-  pip_install -e ".[gpu,test]"
+  # Pinned by constraints/gpu.txt (resolved without a GPU; not yet installed on one).
+  echo "setup: NVIDIA GPU found; installing the CUDA vLLM build, pinned by constraints/gpu.txt" >&2
+  pip_install -c constraints/gpu.txt -e ".[gpu,test]"
 else
   # Pinned: constraints/cpu.txt holds the exact versions of the whole CPU stack, so a fresh
   # install resolves the stack this project was tested with (README "Moving the pins").
