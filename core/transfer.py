@@ -113,3 +113,12 @@ def pull_args(*args) -> tuple[list, Transfer]:
     values, moved = pull(wanted)
     it = iter(values)
     return [next(it) if isinstance(a, Pull) else a for a in args], moved
+
+
+def lost_with_a_node(error: BaseException) -> bool:
+    """Whether a call failed because an object it took was lost (the node holding it died):
+    the producer generates such a chunk again, the learner rolls back."""
+    from ray.exceptions import ObjectLostError, RayTaskError
+
+    cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+    return isinstance(cause, ObjectLostError)

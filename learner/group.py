@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from core.errors import type_and_first_line
-from core.transfer import Pull
+from core.transfer import Pull, lost_with_a_node
 from learner.config import LearnerConfig
 from learner.rendezvous import RendezvousError, StoreAddress
 from learner.weight_sync import DEFAULT_BUCKET_BYTES
@@ -271,7 +271,7 @@ def _placement(pg, bundle: int) -> dict:
 def _gather(refs: list, what: str, timeout: float) -> list:
     """Results in rank order; the first failure raises, naming its rank (ValueError stays one)."""
     import ray
-    from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     rank_of = {ref: r for r, ref in enumerate(refs)}
     results: list = [None] * len(refs)
@@ -288,7 +288,7 @@ def _gather(refs: list, what: str, timeout: float) -> list:
         except RayTaskError as e:
             _drain(pending)
             cause = e.cause if getattr(e, "cause", None) is not None else e
-            if isinstance(cause, ObjectLostError):
+            if lost_with_a_node(e):
                 raise LearnerInputLost(rank, what, type_and_first_line(cause)) from e
             kind = ValueError if isinstance(cause, ValueError) else RuntimeError
             raise kind(f"learner rank {rank} failed in {what}: {type(cause).__name__}: {cause}") from e

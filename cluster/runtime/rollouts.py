@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError, RayError
 from cluster.runtime.ledger import ChunkState, Ledger
 from cluster.runtime.pools import alive
 from cluster.runtime.produced import Produced
-from core.transfer import Pull
+from core.transfer import Pull, lost_with_a_node
 
 log = logging.getLogger("tether")
 
@@ -348,11 +348,3 @@ class _Put:
     def output_of(self, stage: str):
         """The result object of the chunk's scorer call ``stage`` ("reference" | "reward")."""
         return self.refs[1 if stage == "reference" else 2]
-
-
-def lost_with_a_node(error: Exception) -> bool:
-    """Whether a call failed because an object it took was lost (the node holding it died)."""
-    from ray.exceptions import ObjectLostError, RayTaskError
-
-    cause = error.cause if isinstance(error, RayTaskError) else error
-    return isinstance(cause, ObjectLostError)

@@ -34,3 +34,15 @@ def test_values_passed_directly_are_not_pulled():
     assert values == [rollouts, 3, None] and values[0] is rollouts
     assert moved == Transfer()
     assert Pull("ref").ref == "ref"
+
+
+def test_lost_with_a_node_sees_a_lost_object_however_ray_wraps_it():
+    from ray.exceptions import ObjectReconstructionFailedError, RayTaskError
+
+    from core.transfer import lost_with_a_node
+
+    lost = ObjectReconstructionFailedError(b"\x00" * 28)
+    wrapped = RayTaskError("put_chunk", "traceback", lost)  # an actor task whose argument was lost
+    assert lost_with_a_node(lost) and lost_with_a_node(wrapped)
+    assert not lost_with_a_node(RayTaskError("put_chunk", "traceback", ValueError("bad reward")))
+    assert not lost_with_a_node(ValueError("no"))
