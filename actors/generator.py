@@ -29,6 +29,7 @@ from actors import kept_set
 from actors.config import EngineConfig, SamplingConfig
 from actors.engine_turns import EngineTurns
 from actors.reference import resolve_model_path
+from actors.vllm_support import check_served
 from actors.weight_receiver import EngineWeights
 from core.rollout import Rollout
 from core.sampling import is_truncated
@@ -123,6 +124,7 @@ class Generator:
             raise ValueError(f"{name}: weight_sync='nccl' needs CUDA (NCCL broadcast into "
                              "vLLM's GPU workers); this generator has no GPU: use 'cpu' or give it num_gpus")
         t0 = time.perf_counter()
+        check_served(model)  # one line for an architecture vLLM does not serve, not a failed engine
         self._llm = self._start_engine(model)
         self.weights = EngineWeights(llm=self._llm, turns=self._turns, name=name, weight_sync=weight_sync,
                                      partial_rollouts=self.partial_rollouts)

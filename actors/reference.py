@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from core.architectures import load_pretrained
 from core.dtypes import torch_dtype
 from core.layout import pad_prompt_response, position_ids
 from core.logprobs import logprobs_from_logits
@@ -112,7 +113,7 @@ class Reference:
         self.dtype = torch_dtype(dtype, role)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+            self.model = load_pretrained(AutoModelForCausalLM, self.model_path, dtype=self.dtype)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{role}: cannot load a causal LM from {self.model_path!r}: "
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

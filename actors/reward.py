@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
+from core.architectures import load_pretrained
 from core.dtypes import torch_dtype
 from core.errors import type_and_first_line
 from core.layout import pad_right, pool_last_token
@@ -169,7 +170,7 @@ class Reward:
 
         self.model_path = resolve_model_path(model, "Reward")
         try:
-            m = AutoModelForSequenceClassification.from_pretrained(self.model_path, dtype=dtype)
+            m = load_pretrained(AutoModelForSequenceClassification, self.model_path, dtype=dtype)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"Reward: cannot load a sequence classifier from {self.model_path!r}: "
                              f"{type_and_first_line(e)}") from None

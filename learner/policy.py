@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from core.architectures import load_pretrained
 from core.dtypes import torch_dtype
 from core.logprobs import entropy_from_logits, logprobs_from_logits
 from learner.batch import Batch, response_slice
@@ -102,6 +103,22 @@ class PolicyWithValueHead(HFWrapper):
                    use_cache=False)
         return out.last_hidden_state
 
+    def _lm(self, input_ids, attention_mask, position_ids, keep: int = 0):
+        """(logits of the last ``keep`` positions, all when 0; the body's last hidden state [B, T, H]).
+
+        The LM's own forward makes the logits, so whatever a family does after its head
+        (Gemma's final soft-capping, a logit scale) is done as vLLM does it, with no per-family
+        code here; a hook on the body keeps its last hidden state for the value head.
+        """
+        seen = []
+        hook = body_of(self.lm).register_forward_hook(lambda _module, _args, out: seen.append(out[0]))
+        try:
+            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False, logits_to_keep=keep)
+        finally:
+            hook.remove()
+        return out.logits, seen[-1]
+
     def _values(self, policy_hidden, input_ids, attention_mask, position_ids, cols=None):
         if self.critic_body is None:
             hidden = policy_hidden
@@ -117,7 +134,7 @@ class PolicyWithValueHead(HFWrapper):
 
         With ``prompt_len`` = P (the batch layout of learner.batch): (logprobs, values,
         entropy), each [B, R] for the response tokens input_ids[:, P:]; the LM head runs on
-        those columns only. Log-probs and entropy are of the sampled distribution: logits /
+        those columns only (``logits_to_keep``). Log-probs and entropy are of the sampled distribution: logits /
         temperature, renormalised over the sampler's kept sets ``kept_ids`` [B, R, K] when
         given, else truncated by top_k/top_p as these weights would sample (core.sampling).
         ``values_only``: (None, values, None); a separate critic then runs without the policy
@@ -129,14 +146,15 @@ class PolicyWithValueHead(HFWrapper):
         cols = lambda t: response_slice(t, prompt_len, R)  # noqa: E731
         if values_only and prompt_len is not None and self.critic_body is not None:
             return None, self._values(None, input_ids, attention_mask, position_ids, cols), None
-        hidden = self._hidden(body_of(self.lm), input_ids, attention_mask, position_ids)
-        head = self.lm.get_output_embeddings()
         if prompt_len is None:
-            return head(hidden), self._values(hidden, input_ids, attention_mask, position_ids)
-        hidden = cols(hidden)
+            logits, hidden = self._lm(input_ids, attention_mask, position_ids)
+            return logits, self._values(hidden, input_ids, attention_mask, position_ids)
         if values_only:
+            hidden = cols(self._hidden(body_of(self.lm), input_ids, attention_mask, position_ids))
             return None, self._values(hidden, input_ids, attention_mask, position_ids, cols), None
-        logits = head(hidden)
+        # The head runs on the response columns only: the logits at P-1 .. T-2 predict tokens P .. T-1.
+        logits, hidden = self._lm(input_ids, attention_mask, position_ids, keep=R + 1)
+        logits, hidden = logits[:, :R], cols(hidden)
         tokens = input_ids[:, prompt_len:]
         truncation = dict(top_k=top_k, top_p=top_p, kept_ids=kept_ids)
         logprobs = logprobs_from_logits(logits, tokens, temperature, **truncation)
@@ -198,7 +216,7 @@ class PolicyWithValueHead(HFWrapper):
 
         path = Path(path)
         dtype = torch_dtype(dtype, "learner")
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        lm = load_pretrained(AutoModelForCausalLM, path, dtype=dtype)
         critic_body, head = None, None
         if critic == "separate":
             critic_body, head = _load_critic(path, critic_model, dtype)
@@ -220,11 +238,11 @@ def _load_critic(path: Path, critic_model: Optional[str], dtype):
 
     saved = path / CRITIC_DIR
     if saved.is_dir():
-        return AutoModel.from_pretrained(saved, dtype=dtype), None
+        return load_pretrained(AutoModel, saved, dtype=dtype), None
     if not critic_model:
         raise ValueError("PolicyWithValueHead: critic='separate' needs critic_model "
                          "(a sequence-classification checkpoint, e.g. the reward model)")
-    seq = AutoModelForSequenceClassification.from_pretrained(critic_model, dtype=dtype)
+    seq = load_pretrained(AutoModelForSequenceClassification, critic_model, dtype=dtype)
     body = body_of(seq)
     head = nn.Linear(body.config.hidden_size, 1)
     nn.init.zeros_(head.bias)

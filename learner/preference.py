@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from core.architectures import load_pretrained
 from core.dtypes import torch_dtype
 from core.layout import pool_last_token
 from core.preference import bradley_terry_loss
@@ -60,7 +61,7 @@ class RewardModule(HFWrapper):
         drawn from the current torch seed) or a reward-model checkpoint (kept whole)."""
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1,
+        model = load_pretrained(AutoModelForSequenceClassification, str(path), num_labels=1,
                                                                    dtype=torch_dtype(dtype, "learner"))
         if model.config.pad_token_id is None and pad_token_id is not None:
             model.config.pad_token_id = pad_token_id  # HF's own forward needs it for batches > 1

@@ -67,6 +67,8 @@ def check_reference(path: str, tokenizer, tokenizer_path: str, policy: str) -> s
     if not (p / "config.json").is_file():
         raise ValueError(f"reference.model={path!r} is not a Hugging Face model directory (no config.json); "
                          "point it at a causal-LM checkpoint, or leave it unset to use the policy")
+    from core.architectures import check_policy_config
+    check_policy_config(AutoConfig.from_pretrained(path), "reference.model")  # the reference is a causal LM too
     vocab = getattr(AutoConfig.from_pretrained(path).get_text_config(), "vocab_size", None)
     policy_vocab = getattr(AutoConfig.from_pretrained(policy).get_text_config(), "vocab_size", None)
     if vocab != policy_vocab or (vocab and len(tokenizer) > vocab):

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from cluster.job.errors import UserError
+from core.architectures import check_policy_config, check_reward_config
 
 log = logging.getLogger("tether")
 
@@ -69,6 +70,7 @@ def check_reward_model(path: str, tokenizer, tokenizer_path: str) -> None:
         raise UserError(f"reward.model={path!r} does not exist; point it at a sequence-classification model "
                         "directory, or set reward.model=null and name a reward.function") from None
     config = check_vocabulary(tokenizer, tokenizer_path, path, "reward.model")
+    check_reward_config(config)
     if getattr(config, "num_labels", 1) != 1:
         raise UserError(f"reward.model={path!r} has num_labels={config.num_labels}; a reward model outputs one "
                         "score (num_labels=1): use a reward checkpoint, or a reward.function")
@@ -99,7 +101,7 @@ def prepare(cfg):
     tokenizer_path = cfg.model.tokenizer or policy
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     check_same_vocabulary(tokenizer, tokenizer_path, policy)
-    check_vocabulary(tokenizer, tokenizer_path, policy, "model.policy")
+    check_policy_config(check_vocabulary(tokenizer, tokenizer_path, policy, "model.policy"))
     if cfg.reward.model:
         check_reward_model(cfg.reward.model, tokenizer, tokenizer_path)
         if cfg.reward.normalize:  # the actors would fail on it one by one: refuse here, in one line

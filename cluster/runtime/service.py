@@ -12,6 +12,7 @@ from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.signals import StopSignals
 from cluster.job.startup import StartupClock, check_fits, connect_ray
 from cluster.runtime.prepare import prepare, prepare_ptx
+from core.architectures import unsupported_model
 from core.errors import one_line
 
 log = logging.getLogger("tether")
@@ -47,6 +48,10 @@ def _run(cfg, overrides: Sequence[str], library_log) -> dict:
             pools = create_pools(cfg, policy_path=inputs["policy"], tokenizer_path=inputs["tokenizer_path"])
         except PlacementError as e:
             raise UserError(str(e)) from None
+        except Exception as e:  # an actor that refused its model in its constructor: the user's to fix
+            if (refused := unsupported_model(e)) is None:
+                raise
+            raise UserError(refused) from None
         cleanup.callback(pools.shutdown)
         startup.lap("pools")
         return _train(cfg, run_dir, pools, inputs, startup, reused_dir=reused_dir, resume_from=resume_from)

@@ -1,0 +1,62 @@
+"""Three PPO steps of the whole service with each model family as policy, reference and reward
+model (the family's sequence classifier): every pool loads the family, the learner's weights
+reach vLLM after each step, and the run completes. A family vLLM does not serve is refused
+before the run starts, in one line, exit 2."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster import train
+from cluster.demo.families import FAMILIES, build_family_policy, build_family_reward
+
+REPO = Path(__file__).resolve().parents[2]
+# The default tier runs the families with the most of their own (soft-capping, a tied head, sliding
+# windows; vLLM's Transformers backend); the others are slow: their weight path is checked by default.
+DEFAULT_TIER = ("gemma2", "gpt-neox")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", [f if f in DEFAULT_TIER else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
+def test_three_ppo_steps(cluster, tmp_path, family):
+    argv = [f"run.dir={tmp_path}", "run.name=ppo", f"model.policy={build_family_policy(family)}",
+            f"reward.model={build_family_reward(family)}", "reward.function=null", "run.steps=3",
+            "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "data.prompts_per_step=8"]
+    assert train.main(argv) == 0
+    run_dir = tmp_path / "ppo"
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "succeeded"
+    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["step"] > 0]
+    print(f"family-table {family} PPO: 3 steps, logprob gap {max(m['ppo/logprob_gap_mean'] for m in steps):.1e}, "
+          f"reward {[round(m['reward/mean'], 3) for m in steps]}")
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    # Sync mode: every step trains on rollouts of the weights pushed after the step before.
+    assert all(m["ppo/logprob_gap_mean"] < 1e-3 for m in steps)
+    assert all(np.isfinite(m["reward/mean"]) and m["rollouts/invalid_scores"] == 0 for m in steps)
+    assert len({m["reward/mean"] for m in steps}) > 1, "the family's reward model scores what is sampled"
+
+
+@pytest.mark.e2e
+def test_a_family_vllm_does_not_serve_is_refused_in_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.train", f"model.policy={build_family_policy('gpt-neo')}",
+         f"run.dir={tmp_path}", "run.name=neo"], cwd=REPO, text=True, capture_output=True, timeout=600,
+        env={**os.environ, "RAY_ADDRESS": ""})
+    assert result.returncode == 2, result.stderr[-2000:]
+    [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("tether:")]
+    assert line.startswith("tether: error: model.policy: vLLM ") and "GPTNeoForCausalLM" in line
+    assert "Traceback" not in result.stderr
+    status = json.loads((tmp_path / "neo" / "status.json").read_text())
+    assert status["state"] == "failed" and "GPTNeoForCausalLM" in status["reason"]
