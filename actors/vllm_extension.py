@@ -10,10 +10,12 @@ import logging
 
 class _ExpectedReloadGaps(logging.Filter):
     """vLLM warns "<Layer>: Failed to load weights" for layers a checkpoint never carries:
-    rotary embeddings (no weights) and a tied LM head (its weight is the embedding's).
-    Those two are expected on every reload; any other layer's warning still shows."""
+    rotary embeddings (no weights), a tied LM head (its weight is the embedding's) and
+    Gemma's model-level ``normalizer`` (sqrt(hidden), a non-persistent buffer made from the
+    config, kept as it was). Those are expected on every reload; any other layer's warning shows."""
 
-    EXPECTED = ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights")
+    EXPECTED = tuple(f"{layer}: Failed to load weights" for layer in
+                     ("RotaryEmbedding", "ParallelLMHead", "Gemma2Model", "Gemma3Model"))
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(e in record.getMessage() for e in self.EXPECTED)

@@ -60,3 +60,17 @@ def test_a_family_vllm_does_not_serve_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr
     status = json.loads((tmp_path / "neo" / "status.json").read_text())
     assert status["state"] == "failed" and "GPTNeoForCausalLM" in status["reason"]
+
+
+@pytest.mark.integration
+def test_a_model_that_is_no_causal_lm_is_refused_before_ray_starts(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.train", f"model.policy={build_family_policy('bert')}",
+         f"run.dir={tmp_path}", "run.name=bert"], cwd=REPO, text=True, capture_output=True, timeout=600,
+        env={**os.environ, "RAY_ADDRESS": ""})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "tether: error: model.policy: architecture BertForMaskedLM is not a text causal LM that transformers' "
+        "AutoModelForCausalLM loads; tether trains decoder-only causal LMs (e.g. LlamaForCausalLM, "
+        "Qwen2ForCausalLM): use such a checkpoint"]
+    assert not (tmp_path / "bert").exists(), "refused before the run folder is made"

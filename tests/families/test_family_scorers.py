@@ -64,6 +64,15 @@ def test_a_policy_that_is_no_causal_lm_is_refused_in_one_line(family, refusal):
 
 
 @pytest.mark.unit
+def test_a_multimodal_checkpoint_is_refused():
+    from transformers import Gemma3Config
+    config = Gemma3Config(architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(UnsupportedModel, match=r"^model\.policy: architecture Gemma3ForConditionalGeneration is not "
+                                               r"a text causal LM"):
+        check_policy_config(config)
+
+
+@pytest.mark.unit
 def test_a_quantized_checkpoint_is_refused(tmp_path):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(build_family_policy("llama"))
