@@ -48,26 +48,28 @@ def test_three_ppo_steps(cluster, tmp_path, family):
     assert len({m["reward/mean"] for m in steps}) > 1, "the family's reward model scores what is sampled"
 
 
+def train_cli(family: str, run_dir: Path) -> subprocess.CompletedProcess:
+    """`python -m cluster.train` on ``family``'s tiny policy, in a Ray of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.train", f"model.policy={build_family_policy(family)}",
+         f"run.dir={run_dir}", f"run.name={family}"], cwd=REPO, text=True, capture_output=True, timeout=600,
+        env={**os.environ, "RAY_ADDRESS": ""})
+
+
 @pytest.mark.e2e
 def test_a_family_vllm_does_not_serve_is_refused_in_one_line(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "cluster.train", f"model.policy={build_family_policy('gpt-neo')}",
-         f"run.dir={tmp_path}", "run.name=neo"], cwd=REPO, text=True, capture_output=True, timeout=600,
-        env={**os.environ, "RAY_ADDRESS": ""})
+    result = train_cli("gpt-neo", tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("tether:")]
     assert line.startswith("tether: error: model.policy: vLLM ") and "GPTNeoForCausalLM" in line
     assert "Traceback" not in result.stderr
-    status = json.loads((tmp_path / "neo" / "status.json").read_text())
+    status = json.loads((tmp_path / "gpt-neo" / "status.json").read_text())
     assert status["state"] == "failed" and "GPTNeoForCausalLM" in status["reason"]
 
 
 @pytest.mark.integration
 def test_a_model_that_is_no_causal_lm_is_refused_before_ray_starts(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "cluster.train", f"model.policy={build_family_policy('bert')}",
-         f"run.dir={tmp_path}", "run.name=bert"], cwd=REPO, text=True, capture_output=True, timeout=600,
-        env={**os.environ, "RAY_ADDRESS": ""})
+    result = train_cli("bert", tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
         "tether: error: model.policy: architecture BertForMaskedLM is not a text causal LM that transformers' "
