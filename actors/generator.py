@@ -30,7 +30,7 @@ from actors.config import EngineConfig, SamplingConfig
 from actors.engine_turns import EngineTurns
 from actors.reference import resolve_model_path
 from actors.vllm_support import check_served
-from actors.weight_receiver import EngineWeights
+from actors.weight_receiver import GPU_TRANSFER, EngineWeights
 from core.rollout import Rollout
 from core.sampling import is_truncated
 from core.threads import fit_threads
@@ -104,13 +104,13 @@ class Generator:
                  engine: EngineConfig | dict | None = None, name: str = "generator",
                  tensor_parallel: int = 1, weight_sync: str = "cpu", partial_rollouts: bool = False) -> None:
         """tensor_parallel: GPUs the engine spans (a pool resource). weight_sync: the learner's
-        transport, "cpu" (load_weights of safetensors buckets) or "nccl" (vLLM's NCCL weight
-        transfer on GPU, on top of "cpu"). partial_rollouts: a weight push lands between two
-        engine steps of a generate call rather than after it (module docstring)."""
+        transport, "cpu" (load_weights of safetensors buckets), "nccl" or "ipc" (vLLM's NCCL or
+        CUDA IPC weight transfer on GPU, on top of "cpu"). partial_rollouts: a weight push lands
+        between two engine steps of a generate call rather than after it (module docstring)."""
         fit_threads()
         model = resolve_model_path(model, name)
-        if weight_sync not in ("cpu", "nccl"):
-            raise ValueError(f"{name}: weight_sync={weight_sync!r} is unknown; use 'cpu' or 'nccl'")
+        if weight_sync not in ("cpu", *GPU_TRANSFER):
+            raise ValueError(f"{name}: weight_sync={weight_sync!r} is unknown; use 'cpu', 'nccl' or 'ipc'")
         self.name, self.tensor_parallel, self.weight_sync = name, int(tensor_parallel), weight_sync
         self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**(sampling or {}))
         self.engine = engine if isinstance(engine, EngineConfig) else EngineConfig(**(engine or {}))
@@ -120,9 +120,9 @@ class Generator:
         self._skipped_total = 0
         self._generated_total = 0
         self._incomplete_kept_sets = 0  # positions whose kept set vLLM returned in part (top-k ties)
-        if weight_sync == "nccl" and not _has_cuda():
-            raise ValueError(f"{name}: weight_sync='nccl' needs CUDA (NCCL broadcast into "
-                             "vLLM's GPU workers); this generator has no GPU: use 'cpu' or give it num_gpus")
+        if weight_sync in GPU_TRANSFER and not _has_cuda():
+            raise ValueError(f"{name}: weight_sync={weight_sync!r} needs CUDA ({GPU_TRANSFER[weight_sync]}); "
+                             "this generator has no GPU: use 'cpu' or give it num_gpus")
         t0 = time.perf_counter()
         check_served(model)  # one line for an architecture vLLM does not serve, not a failed engine
         self._llm = self._start_engine(model)
@@ -147,9 +147,13 @@ class Generator:
                       worker_extension_cls="actors.vllm_extension.WeightReloadExtension")
         if on_gpu:
             kwargs["gpu_memory_utilization"] = e.gpu_memory_utilization
-            if self.weight_sync == "nccl":  # the worker builds vLLM's NCCLWeightTransferEngine after loading
+            if self.weight_sync in GPU_TRANSFER:  # the worker builds vLLM's transfer engine after loading
                 from vllm.config import WeightTransferConfig
-                kwargs["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
+                kwargs["weight_transfer_config"] = WeightTransferConfig(backend=self.weight_sync)
+            if self.weight_sync == "ipc":
+                # An IPC handle holds torch types, which vLLM's msgpack carries to its engine
+                # process only as a pickle; both ends of that socket are this generator's own.
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         else:
             kwargs["kv_cache_memory_bytes"] = e.kv_cache_bytes
         return LLM(**kwargs)
@@ -263,7 +267,7 @@ class Generator:
                        kept_ids=kept)
 
     # ---- weight updates: core.weights.WeightReceiver, received by EngineWeights (actors/weight_receiver.py).
-    # Ray calls them on this actor; load_weights, rewind and the NCCL round run in WEIGHT_UPDATE_GROUP.
+    # Ray calls them on this actor; load_weights, rewind and a GPU transfer round run in WEIGHT_UPDATE_GROUP.
     def load_weights(self, version: int, buckets: list[bytes]) -> dict:
         return self.weights.load_weights(version, buckets)
 
@@ -273,8 +277,8 @@ class Generator:
     def version(self) -> int:
         return self.weights.version()
 
-    def weight_transfer_gpus(self) -> list[str]:
-        return self.weights.weight_transfer_gpus()
+    def weight_transfer_gpus(self, transport: str) -> list[str]:
+        return self.weights.weight_transfer_gpus(transport)
 
     def init_weight_transfer(self, init_info: dict) -> None:
         self.weights.init_weight_transfer(init_info)

@@ -50,7 +50,8 @@ class WeightReloadExtension:
     def tether_device_uuid(self) -> str:
         """This worker's GPU UUID. The NCCL transport (learner/nccl_sync.py) counts the workers
         it must add to its group from these, and refuses a layout with two ranks on one GPU,
-        which NCCL rejects. The receive side itself is vLLM's own weight-transfer engine
+        which NCCL rejects; the IPC transport (learner/ipc_sync.py) refuses a worker that is not
+        on the learner's GPU. The receive side itself is vLLM's own weight-transfer engine
         (``weight_transfer_config``), not this extension."""
         import torch
 

@@ -1,10 +1,11 @@
 """EngineWeights: the receiving side of weight updates for one generator's vLLM engine.
 
 It owns the engine's policy version and implements the learner -> generator contract
-(``core.weights.WeightReceiver``) for both transports: "cpu" reloads safetensors buckets in
-place through the worker extension (actors/vllm_extension.py); "nccl" forwards to the
-RLOfflineMixin methods of ``vllm.LLM`` (entrypoints/rl/offline.py), which fan out to the
-workers with collective_rpc: only metadata crosses Ray, the tensors arrive over NCCL.
+(``core.weights.WeightReceiver``) for every transport: "cpu" reloads safetensors buckets in
+place through the worker extension (actors/vllm_extension.py); "nccl" and "ipc" forward to
+the RLOfflineMixin methods of ``vllm.LLM`` (entrypoints/rl/offline.py), which fan out to the
+workers with collective_rpc: only metadata (IPC: a memory handle) crosses Ray, the tensors
+arrive over NCCL or through CUDA IPC.
 
 Every update waits for the engine's turn (actors/engine_turns.py, shared with sampling): the
 end of a generate call or, with partial rollouts, the end of the current engine step. New
@@ -12,9 +13,15 @@ weights drop every KV block the old ones computed and label the next tokens with
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from actors.engine_turns import EngineTurns
+
+log = logging.getLogger(__name__)
+
+# vLLM weight-transfer backends a generator takes (learner.weight_sync), with what they need CUDA for.
+GPU_TRANSFER = {"nccl": "NCCL broadcast into vLLM's GPU workers", "ipc": "CUDA IPC into vLLM's GPU workers"}
 
 
 class EngineWeights:
@@ -24,6 +31,7 @@ class EngineWeights:
                  partial_rollouts: bool = False) -> None:
         self._llm, self._turns = llm, turns
         self.name, self.weight_sync, self.partial_rollouts = name, weight_sync, bool(partial_rollouts)
+        self._round_open = False  # a GPU transfer round started and not finished: the engine is held
         self._set_version(0)  # vLLM labels each token with it
 
     def version(self) -> int:
@@ -31,6 +39,7 @@ class EngineWeights:
 
     def rewind(self, version: int) -> None:
         """A rollback to a checkpoint: the next weights pushed are that (older) version's."""
+        self._close_open_round("a rollback")
         with self._turns.updating():
             self._set_version(int(version))
 
@@ -72,31 +81,34 @@ class EngineWeights:
         self._version = version
         self._llm.llm_engine.set_weight_version(str(version))
 
-    # ---- NCCL transport (learner/nccl_sync.py drives these; learner.weight_sync="nccl" only)
-    def _require_nccl(self, what: str) -> None:
-        if self.weight_sync != "nccl":
+    # ---- GPU transports (learner/nccl_sync.py, learner/ipc_sync.py drive these): vLLM's weight transfer
+    def _require_transfer(self, what: str, transport: str | None = None) -> None:
+        if self.weight_sync not in GPU_TRANSFER or transport not in (None, self.weight_sync):
             raise ValueError(f"{self.name}.{what}: this generator was started with weight_sync="
-                             f"{self.weight_sync!r}; the learner's 'nccl' transport needs 'nccl' here too")
+                             f"{self.weight_sync!r}; the learner's {transport or 'GPU'} transport needs "
+                             f"weight_sync={transport or 'nccl or ipc'!r} here too")
 
-    def weight_transfer_gpus(self) -> list[str]:
-        """UUID of the GPU of each vLLM worker, in worker-rank order (its length = NCCL ranks needed)."""
-        self._require_nccl("weight_transfer_gpus")
+    def weight_transfer_gpus(self, transport: str) -> list[str]:
+        """UUID of the GPU of each vLLM worker, in worker-rank order (NCCL: one rank each;
+        IPC: each must be the learner's GPU). ``transport``: the learner's, checked against ours."""
+        self._require_transfer("weight_transfer_gpus", transport)
         return [str(u) for u in self._llm.collective_rpc("tether_device_uuid")]
 
     def init_weight_transfer(self, init_info: dict) -> None:
-        """Join the learner's NCCL group (blocks until every rank has joined).
+        """Join the learner's transfer group (NCCL: blocks until every rank has joined).
 
-        init_info: vLLM's NCCLWeightTransferInitInfo as a dict (master_address, master_port,
-        rank_offset, world_size, packed, packed_buffer_size_bytes, packed_num_buffers).
+        init_info: vLLM's init info of this backend as a dict (NCCL: master_address, master_port,
+        rank_offset, world_size and the packing; IPC: packed).
         """
-        self._require_nccl("init_weight_transfer")
+        self._require_transfer("init_weight_transfer")
         self._llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self, version: int) -> None:
         """Open an update round (vLLM: layerwise reload set up); refuses an older version.
-        Holds the engine's turn until finish_weight_update (or a failure) releases it."""
-        self._require_nccl("start_weight_update")
+        Holds the engine's turn until finish_weight_update, or the round is given up, releases it."""
+        self._require_transfer("start_weight_update")
         self._refuse_older(version, "start_weight_update")
+        self._close_open_round("a new round starts")
         self._turns.claim()
         try:
             self._pause()
@@ -104,15 +116,13 @@ class EngineWeights:
         except BaseException:
             self._turns.release()
             raise
+        self._round_open = True
 
     def update_weights(self, update_info: dict) -> None:
-        """Receive every tensor named in update_info (names, dtype_names, shapes) over NCCL,
-        packed chunk by chunk, loading each into the model. Blocks until the broadcast ends."""
-        try:
-            self._llm.update_weights({"update_info": update_info})
-        except BaseException:
-            self._turns.release()
-            raise
+        """Receive the tensors update_info names (names, dtype_names, shapes; IPC: the handle of
+        one packed chunk) and load them. A failure leaves the round open, the engine held: until
+        the learner gives the round up, the model's layers are half reloaded."""
+        self._llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, version: int) -> dict:
         """Close the round (vLLM: finalize layerwise reload), drop stale KV, record `version`."""
@@ -121,10 +131,33 @@ class EngineWeights:
             self._llm.finish_weight_update()
             self._after_update(version)
         finally:
+            self._round_open = False
             self._turns.release()
         return {"seconds": time.perf_counter() - t0, "version": version}
 
     def shutdown_weight_transfer(self) -> None:
-        """Leave the NCCL group; inference goes on."""
-        if self.weight_sync == "nccl":
+        """Leave the transfer group, giving up a round a failed push left open; inference goes on."""
+        if self.weight_sync in GPU_TRANSFER:
+            self._close_open_round("the learner left the group")
             self._llm.shutdown_weight_transfer_engine()
+
+    def _close_open_round(self, why: str) -> None:
+        """Give up a round whose finish never came. vLLM finalizes the reload with what arrived
+        (a layer that got no tensor keeps its previous weights) or, if its receive failed and
+        closed its side, with an empty round; the version stays, the next push replaces all."""
+        if not self._round_open:
+            return
+        log.warning("%s: giving up a weight round a failed push left open (%s); the layers keep what arrived "
+                    "until the next push", self.name, why)
+        try:
+            try:
+                self._llm.finish_weight_update()
+            # vLLM closed the round when the receive failed (layers still wait); its error comes as a
+            # bare Exception from an engine in its own process, so no narrower type can be named
+            except Exception:  # noqa: BLE001
+                self._llm.start_weight_update()
+                self._llm.finish_weight_update()
+            self._after_update(self._version)
+        finally:
+            self._round_open = False
+            self._turns.release()

@@ -1,7 +1,7 @@
 """The learner -> generator weight contract: what a generator offers the learner's weight transports.
 
 actors and learner never import each other, so the contract lives here: ``WeightReceiver`` lists
-every generator method that learner code calls (learner/weight_sync.py, learner/nccl_sync.py),
+every generator method that learner code calls (learner/weight_sync.py, learner/vllm_sync.py),
 ``actors.generator.Generator`` implements it (tests/actors/test_weight_contract.py checks the
 signatures), and the learner reaches those methods through ``remote_method``, by the protocol's
 own function objects rather than by name strings.
@@ -9,11 +9,13 @@ own function objects rather than by name strings.
 The learner calls them on Ray actor handles, in this order:
 
 * "cpu" transport, every push: ``load_weights(version, buckets)`` on every generator at once.
-* "nccl" transport, once per group: ``weight_transfer_gpus()``, then ``init_weight_transfer(info)``
-  (all generators concurrently: each blocks until every rank has joined);
-  every push: ``version()``, then ``start_weight_update(version)``, ``update_weights(update_info)``,
-  ``finish_weight_update(version)``, each started on all generators before waiting on any;
-  ``shutdown_weight_transfer()`` when the group is released.
+* "nccl" and "ipc" transports (vLLM's weight-transfer API), once per group:
+  ``weight_transfer_gpus(transport)``, then ``init_weight_transfer(info)`` (all generators
+  concurrently; NCCL: each blocks until every rank has joined); every push: ``version()``, then
+  ``start_weight_update(version)``, ``update_weights(update_info)`` (NCCL: once; IPC: once per
+  packed chunk), ``finish_weight_update(version)``, each started on all generators before
+  waiting on any; ``shutdown_weight_transfer()`` when the group is released, which is also how
+  a round that failed midway is given up.
 """
 from __future__ import annotations
 
@@ -34,28 +36,30 @@ class WeightReceiver(Protocol):
         "wait_seconds" (for the engine's turn), "tensors" and "bytes"."""
 
     def version(self) -> int:
-        """The policy version loaded now (NCCL: checked before a round touches any generator)."""
+        """The policy version loaded now (GPU transports: checked before a round touches any generator)."""
 
-    def weight_transfer_gpus(self) -> list[str]:
-        """NCCL: the GPU UUID of each engine worker, in worker-rank order (one NCCL rank each)."""
+    def weight_transfer_gpus(self, transport: str) -> list[str]:
+        """GPU transports: the GPU UUID of each engine worker, in worker-rank order (NCCL: one rank
+        each; IPC: each must be the learner's GPU); refuses a ``transport`` it was not started with."""
 
     def init_weight_transfer(self, init_info: dict) -> None:
-        """NCCL: join the learner's group; blocks until every rank has joined. ``init_info``:
-        vLLM's NCCLWeightTransferInitInfo as a dict, ``rank_offset`` set per generator."""
+        """GPU transports: join the learner's group. ``init_info``: vLLM's init info of the backend
+        as a dict (NCCL: NCCLWeightTransferInitInfo, ``rank_offset`` set per generator, blocks
+        until every rank has joined; IPC: ``{"packed": ...}``)."""
 
     def start_weight_update(self, version: int) -> None:
-        """NCCL: open an update round for ``version`` (refuses an older one); holds the engine
-        until finish_weight_update, or a failure, releases it."""
+        """GPU transports: open an update round for ``version`` (refuses an older one); holds the
+        engine until finish_weight_update releases it, or the round is given up."""
 
     def update_weights(self, update_info: dict) -> None:
-        """NCCL: receive every tensor ``update_info`` names (names, dtype_names, shapes); blocks
-        until the broadcast ends."""
+        """GPU transports: receive the tensors ``update_info`` names (names, dtype_names, shapes;
+        IPC: one packed chunk's memory handle too); NCCL: blocks until the broadcast ends."""
 
     def finish_weight_update(self, version: int) -> dict:
-        """NCCL: close the round and record ``version``; returns at least {"version": version}."""
+        """GPU transports: close the round and record ``version``; returns at least {"version": version}."""
 
     def shutdown_weight_transfer(self) -> None:
-        """NCCL: leave the group (inference goes on)."""
+        """GPU transports: leave the group, giving up a round left open (inference goes on)."""
 
 
 # The calls that change the weights run in WEIGHT_UPDATE_GROUP; the others in the actor's default group.

@@ -28,6 +28,9 @@ from core.choices import (
 )
 from core.schema import check_choices, config_class, setting
 
+# The GPU transports, with what they need CUDA for (checked on each learner rank: check_device).
+GPU_TRANSPORTS = {"nccl": "NCCL broadcast from its GPU", "ipc": "CUDA IPC handles to its own GPU's memory"}
+
 
 def _fail(message: str) -> None:
     raise ValueError(message)
@@ -172,7 +175,9 @@ class TrainerConfig:
                                                 "(reward model)")
     dist_timeout_s: float = setting(600.0, "collectives waiting longer than this fail instead of hanging")
     gradient_checkpointing: bool = setting(False, "trade compute for activation memory")
-    weight_sync: WeightSync = setting("cpu", "cpu: safetensors buckets via Ray | nccl: GPU broadcast (CUDA)")
+    weight_sync: WeightSync = setting("cpu", "cpu: safetensors buckets via Ray | nccl: GPU broadcast to generators "
+                                             "on other GPUs | ipc: CUDA IPC to generators on learner rank 0's GPU "
+                                             "(one GPU shared; learner.replicas=1)")
 
     def validate(self, world_size: int = 1) -> None:
         p = "learner"
@@ -185,6 +190,9 @@ class TrainerConfig:
             _fail(f"{p}.critic_model is required with critic='separate'; point it at a reward-model checkpoint")
         if self.dist_timeout_s <= 0:
             _fail(f"{p}.dist_timeout_s={self.dist_timeout_s} must be > 0")
+        if self.weight_sync == "ipc" and world_size > 1:
+            _fail(f"{p}.weight_sync='ipc' shares learner rank 0's GPU with the generators and needs "
+                  f"{p}.replicas=1 (got {world_size}); use weight_sync='nccl' for more ranks")
         self.optim.validate(world_size)
 
 
@@ -219,9 +227,10 @@ class LearnerConfig(TrainerConfig):
     def check_device(self, has_cuda: bool) -> None:
         """Checks that depend on the rank's hardware. Called by each LearnerWorker, not by
         ``validate``: the driver that validates a config may well have no GPU itself."""
-        if self.weight_sync == "nccl" and not has_cuda:
-            _fail("learner.weight_sync='nccl' needs CUDA on the learner (NCCL broadcast from GPU); "
-                  "this rank has no GPU: set learner.weight_sync='cpu' or give the learner num_gpus")
+        if self.weight_sync in GPU_TRANSPORTS and not has_cuda:
+            _fail(f"learner.weight_sync={self.weight_sync!r} needs CUDA on the learner "
+                  f"({GPU_TRANSPORTS[self.weight_sync]}); this rank has no GPU: set learner.weight_sync='cpu' "
+                  "or give the learner num_gpus")
 
     def deepspeed_config(self, world_size: int) -> dict:
         """The DeepSpeed config dict; batch sizes mirror ppo (DeepSpeed checks their product)."""

@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from typing import Optional
 
 from learner.config import LearnerConfig
+from learner.ipc_sync import IPCWeightSync
 from learner.nccl_sync import NCCLWeightSync
 from learner.weight_sync import DEFAULT_BUCKET_BYTES, CPUWeightSync
 
@@ -19,8 +20,7 @@ class WeightExporter:
     def __init__(self, *, engine, config: LearnerConfig, rank: int) -> None:
         self.engine, self.config, self.rank = engine, config, rank
         self.tied_embeddings = bool(getattr(engine.module.config, "tie_word_embeddings", False))
-        self._sync = None  # rank 0's NCCL transport: its group outlives a push
-        self._sync_replicas: tuple[str, ...] = ()
+        self._sync = None  # rank 0's GPU transport (nccl, ipc): its group outlives a push
 
     def named_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         """Full LM tensors with HF names on rank 0 (nothing elsewhere). ALL ranks must iterate it."""
@@ -37,9 +37,9 @@ class WeightExporter:
         """Send the current LM to every generator (replica id -> Ray actor handle); rank 0
         returns the sync report.
 
-        ``config.weight_sync`` picks the transport: "cpu" (safetensors buckets through Ray)
-        or "nccl" (broadcast from this rank's GPU; the group is formed on the first push and
-        kept while the replica ids stay the same).
+        ``config.weight_sync`` picks the transport: "cpu" (safetensors buckets through Ray),
+        "nccl" (broadcast from this rank's GPU) or "ipc" (CUDA IPC on this rank's GPU); a GPU
+        transport's group is formed on the first push and kept while the generators stay the same.
         """
         if not isinstance(generators, Mapping):  # every rank gets the same: all raise, none waits
             raise TypeError(f"learner.push_weights: generators must map replica id -> actor handle, "
@@ -50,23 +50,26 @@ class WeightExporter:
                 pass
             return None
         if self.config.weight_sync == "cpu":
-            sync = make_weight_sync("cpu", list(generators.values()), bucket_bytes=bucket_bytes)
+            sync = make_weight_sync("cpu", generators, bucket_bytes=bucket_bytes)
             return sync.push(version, named, tied_embeddings=self.tied_embeddings)
-        return self._nccl_sync(generators, bucket_bytes).push(
+        return self._kept_sync(generators, bucket_bytes).push(
             version, named, tied_embeddings=self.tied_embeddings, metadata=self._lm_metadata())
 
     def shutdown_weight_sync(self) -> None:
-        """Release the NCCL group (if any) on both sides; the next nccl push forms a new one."""
+        """Release the GPU transport's group (if any) on both sides; the next push forms a new one."""
         if self._sync is not None:
-            sync, self._sync, self._sync_replicas = self._sync, None, ()
+            sync, self._sync = self._sync, None
             sync.shutdown()
 
-    def _nccl_sync(self, generators: Mapping[str, object], bucket_bytes: int):
-        replicas = tuple(generators)
-        if self._sync is None or replicas != self._sync_replicas:
+    def _kept_sync(self, generators: Mapping[str, object], bucket_bytes: int):
+        """The GPU transport, told this push's generators: a new set (a replacement, a resize,
+        one new generator given the current weights) re-forms its group on this push."""
+        if self._sync is not None and self._sync.bucket_bytes != bucket_bytes:
             self.shutdown_weight_sync()
-            self._sync = make_weight_sync("nccl", list(generators.values()), bucket_bytes=bucket_bytes)
-            self._sync_replicas = replicas
+        if self._sync is None:
+            self._sync = make_weight_sync(self.config.weight_sync, generators, bucket_bytes=bucket_bytes)
+        else:
+            self._sync.set_generators(generators)
         return self._sync
 
     def _lm_metadata(self) -> list[tuple]:
@@ -95,15 +98,18 @@ class WeightExporter:
                 group, size = [], 0
 
 
-def make_weight_sync(kind: str, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """The transport named by ``kind``: "cpu" -> CPUWeightSync, "nccl" -> NCCLWeightSync;
-    ``generators``: Ray actor handles of actors.generator.Generator, in replica order.
+def make_weight_sync(kind: str, generators, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """The transport named by ``kind``: "cpu" -> CPUWeightSync, "nccl" -> NCCLWeightSync,
+    "ipc" -> IPCWeightSync; ``generators``: replica id -> Ray actor handle of an
+    actors.generator.Generator (or the handles in replica order).
 
-    A CPUWeightSync is stateless (make one per push); an NCCLWeightSync owns an NCCL group
-    with the generators' workers, formed on its first push: keep it across pushes.
+    A CPUWeightSync is stateless (make one per push); the GPU transports hold vLLM's transfer
+    state with the generators' workers, formed on their first push: keep them across pushes.
     """
     if kind == "cpu":
-        return CPUWeightSync(generators, bucket_bytes=bucket_bytes)
-    if kind == "nccl":
-        return NCCLWeightSync(generators, bucket_bytes=bucket_bytes)
-    raise ValueError(f"weight sync: unknown transport {kind!r}; use 'cpu' or 'nccl'")
+        return CPUWeightSync(list(generators.values()) if isinstance(generators, Mapping) else list(generators),
+                             bucket_bytes=bucket_bytes)
+    gpu = {"nccl": NCCLWeightSync, "ipc": IPCWeightSync}
+    if kind in gpu:
+        return gpu[kind](generators, bucket_bytes=bucket_bytes)
+    raise ValueError(f"weight sync: unknown transport {kind!r}; use 'cpu', 'nccl' or 'ipc'")

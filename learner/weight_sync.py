@@ -1,7 +1,8 @@
 """Moving weights learner -> generators.
 
-Two transports behind one ``push(version, named, *, tied_embeddings) -> report``, picked by
-``learner.export.make_weight_sync``: "cpu" (here) and "nccl" (learner/nccl_sync.py).
+Three transports behind one ``push(version, named, *, tied_embeddings) -> report``, picked by
+``learner.export.make_weight_sync``: "cpu" (here), and on GPU "nccl" (learner/nccl_sync.py) and
+"ipc" (learner/ipc_sync.py), both on vLLM's weight-transfer API (learner/vllm_sync.py).
 
 CPU transport: learner rank 0 holds the full state (gathered under ZeRO-3), cuts it
 into size-bounded buckets of safetensors bytes once, and every generator reloads
