@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "learner"))
 def ray_local():
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: a generator and two learner ranks (ZeRO-2, ZeRO-3) loading at once.
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -1,9 +1,9 @@
 """Every model family tether is checked with, through the real weight path.
 
-Per family (cluster/demo/families.py): a learner trains (ZeRO-2, then ZeRO-3) and pushes its
-weights the CPU transport's way into a vLLM generator running as a Ray actor, as in a run.
+Per family (cluster/demo/families.py): a learner rank (a Ray actor, ZeRO-2 then ZeRO-3)
+trains and pushes its weights (CPU transport) into a vLLM generator actor, as in a run.
 After each push, vLLM's behaviour log-probs must match both the learner's own forward and a
-plain Hugging Face forward of exactly the tensors that were pushed (eager attention, one
+plain Hugging Face forward of the learner's gathered LM tensors (eager attention, one
 sequence at a time), and must have moved away from the previous policy's.
 
 Prints one table row per family and stage: `family-table ...` (README's family table).
@@ -14,9 +14,6 @@ import torch
 from helpers import make_rollouts, model_logprobs, sgd_config
 
 from cluster.demo.families import FAMILIES, build_family_policy
-from core.weights import WeightReceiver, remote_method
-from learner.weight_sync import policy_weights, to_buckets
-from learner.worker import LearnerWorker
 
 pytestmark = pytest.mark.integration
 
@@ -39,19 +36,28 @@ def start_generator(policy):
     return gen
 
 
-def pushed_model(policy, buckets, tied: bool):
-    """A plain HF causal LM holding exactly the pushed tensors (names as in an HF checkpoint)."""
-    from safetensors.torch import load
+def learner_as_hf(policy, state: dict, tied: bool):
+    """A plain HF causal LM holding the learner's LM tensors (``lm.`` names, as pushed without it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    sent = {k: v for b in buckets for k, v in load(b).items()}
+    lm_state = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
     lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(policy), attn_implementation="eager",
                                           dtype=torch.float32)
-    missing, unexpected = lm.load_state_dict(sent, strict=False)
-    assert not unexpected, f"pushed tensors the HF model does not have: {unexpected}"
-    assert set(missing) <= ({"lm_head.weight"} if tied else set()), f"not pushed: {missing}"
+    missing, unexpected = lm.load_state_dict(lm_state, strict=False)
+    assert not unexpected, f"learner tensors the HF model does not have: {unexpected}"
+    assert set(missing) <= ({"lm_head.weight"} if tied else set()), f"not in the learner: {missing}"
     lm.tie_weights()
     return lm.eval()
+
+
+def start_learner(policy, stage: int):
+    import ray
+
+    from learner.worker import LearnerWorker
+
+    # An actor of its own, as in a run: its DeepSpeed engine goes with it when it is killed.
+    return ray.remote(LearnerWorker).options(num_cpus=1, runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}}).remote(
+        rank=0, world_size=1, model=policy, config=sgd_config(zero_stage=stage, lr=1.0))
 
 
 def max_gap(logprobs, rollouts) -> float:
@@ -61,31 +67,32 @@ def max_gap(logprobs, rollouts) -> float:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pushed_weights_serve_the_learners_policy(ray_local, family):
     import ray
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     policy = str(build_family_policy(family))
     tok = AutoTokenizer.from_pretrained(policy)
     prompts = [np.asarray(tok(t)["input_ids"]) for t in PROMPTS]
+    learners = {stage: start_learner(policy, stage) for stage in (2, 3)}  # they load while vLLM starts
     gen = start_generator(policy)
+    tied = bool(AutoConfig.from_pretrained(policy).tie_word_embeddings)
     try:
         for stage, version in ((2, 1), (3, 2)):
-            learner = LearnerWorker(rank=0, world_size=1, model=policy, config=sgd_config(zero_stage=stage, lr=1.0))
-            learner.train(make_rollouts(policy, 8, seed=10 + stage))
+            learner = learners[stage]
+            ray.get(learner.train.remote(make_rollouts(policy, 8, seed=10 + stage)))
             stale = ray.get(gen.generate.remote(prompts)).rollouts
-            stale_gap = max_gap(learner.policy_logprobs(stale), stale)
+            stale_gap = max_gap(ray.get(learner.policy_logprobs.remote(stale)), stale)
 
-            named = policy_weights(learner.named_weights(), tied_embeddings=learner.tied_embeddings)
-            buckets = to_buckets(named)
-            answer = ray.get(remote_method(gen, WeightReceiver.load_weights).remote(version, buckets))
+            report = ray.get(learner.push_weights.remote({"generator-0": gen}, version=version))
             fresh = ray.get(gen.generate.remote(prompts)).rollouts
-            learner_gap = max_gap(learner.policy_logprobs(fresh), fresh)
-            hf = pushed_model(policy, buckets, learner.tied_embeddings)
+            learner_gap = max_gap(ray.get(learner.policy_logprobs.remote(fresh)), fresh)
+            hf = learner_as_hf(policy, ray.get(learner.full_state_dict.remote()), tied)
             hf_gap = max_gap(model_logprobs(hf, [r.prompt_ids for r in fresh], [r.response_ids for r in fresh]),
                              fresh)
-            print(f"family-table {family} ZeRO-{stage}: {answer['tensors']} tensors pushed; vLLM vs learner "
+            print(f"family-table {family} ZeRO-{stage}: {report['bytes'] / 1e6:.2f} MB pushed; vLLM vs learner "
                   f"{learner_gap:.1e}, vs HF forward {hf_gap:.1e} (before the push {stale_gap:.2f})")
             assert stale_gap > 1e-2, "the update must change the policy for this test to mean anything"
             assert learner_gap < GAP_TOL and hf_gap < GAP_TOL
-            assert answer["version"] == version and all(r.policy_version == version for r in fresh)
+            assert report["version"] == version and all(r.policy_version == version for r in fresh)
     finally:
-        ray.kill(gen)
+        for actor in [gen, *learners.values()]:
+            ray.kill(actor)
