@@ -48,9 +48,15 @@ def quiet_libraries() -> None:
     transformers.logging.disable_progress_bar()
 
 
+# Ray (2.60 on) leaves CUDA_VISIBLE_DEVICES as it is for an actor that asked for no GPU, so a
+# reference or reward replica without num_gpus would run on cuda:0, beside the generator or
+# learner that reserved it. With this, such an actor sees no GPU: each pool keeps to its devices.
+DEVICE_ISOLATION_ENV = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}
+
+
 def actor_env(cfg: TetherConfig) -> dict:
     """Environment variables every actor starts with (the learner group adds DS_ACCELERATOR)."""
-    return {} if cfg.run.library_logs else dict(QUIET_ENV)
+    return {**DEVICE_ISOLATION_ENV, **({} if cfg.run.library_logs else QUIET_ENV)}
 
 
 def pool_env(cfg: TetherConfig, pool: str, threads: int) -> dict:
