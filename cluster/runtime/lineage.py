@@ -68,8 +68,9 @@ def check_reference(path: str, tokenizer, tokenizer_path: str, policy: str) -> s
         raise ValueError(f"reference.model={path!r} is not a Hugging Face model directory (no config.json); "
                          "point it at a causal-LM checkpoint, or leave it unset to use the policy")
     from core.architectures import check_policy_config
-    check_policy_config(AutoConfig.from_pretrained(path), "reference.model")  # the reference is a causal LM too
-    vocab = getattr(AutoConfig.from_pretrained(path).get_text_config(), "vocab_size", None)
+    config = AutoConfig.from_pretrained(path)
+    check_policy_config(config, "reference.model")  # the reference is a causal LM too
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
     policy_vocab = getattr(AutoConfig.from_pretrained(policy).get_text_config(), "vocab_size", None)
     if vocab != policy_vocab or (vocab and len(tokenizer) > vocab):
         raise ValueError(f"reference.model={path!r} has vocab_size={vocab} but the policy has {policy_vocab} "
