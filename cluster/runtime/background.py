@@ -20,13 +20,14 @@ _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib"
 class BackgroundProducer:
     """Async mode: keeps generating and scoring with whatever weights the generators hold.
 
-    ``issue()`` draws the next chunks, ``shaping()`` gives the current reward shaping.
+    ``admit(stop, backlog)`` waits until the next batch may be issued (cluster/runtime/admission.py)
+    or chunks wait to be generated again, ``issue()`` draws a batch, ``shaping()`` gives the current reward shaping.
     take() returns the accounting of everything produced since the previous take(), so
     each step reports the generation work done during it.
     """
 
-    def __init__(self, rollouts: RolloutProducer, *, issue, shaping) -> None:
-        self._rollouts, self._issue, self._shaping = rollouts, issue, shaping
+    def __init__(self, rollouts: RolloutProducer, *, admit, issue, shaping) -> None:
+        self._rollouts, self._admit, self._issue, self._shaping = rollouts, admit, issue, shaping
         self._stop = threading.Event()
         self._pending, self._lock, self._error = Produced(), threading.Lock(), None
         self._thread = threading.Thread(target=self._loop, name="tether-producer", daemon=True)
@@ -35,7 +36,11 @@ class BackgroundProducer:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                produced = self._rollouts.produce(self._issue(), self._shaping(), stop=self._stop)
+                # A new batch once admitted; chunks to generate again (the backlog) at once either way.
+                admitted = self._admit(self._stop, self._rollouts.has_backlog)
+                if self._stop.is_set():
+                    break
+                produced = self._rollouts.produce(self._issue() if admitted else [], self._shaping(), stop=self._stop)
                 with self._lock:
                     self._pending = self._pending.merge(produced)
         except Exception as e:  # noqa: BLE001 - surfaced by take() in the main thread

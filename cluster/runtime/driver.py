@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError
 
 from cluster.config.ppo import TetherConfig
 from cluster.runtime import checkpoint, evaluation, recovery, scaling
+from cluster.runtime.admission import Admission
 from cluster.runtime.alarms import OveroptimizationAlarm
 from cluster.runtime.background import BackgroundProducer
 from cluster.runtime.checkpoint import RunState
@@ -88,6 +89,8 @@ class Driver:
         self.rollouts = RolloutProducer(pools, put_timeout_s=cfg.buffer.timeout_s,
                                         chunks_per_generator=chunks_per_generator(cfg),
                                         on_new_generator=self._give_current_weights)
+        self.admission = Admission(per_step=cfg.data.prompts_per_step * cfg.generator.sampling.n,
+                                   max_staleness=cfg.buffer.max_staleness, outstanding=self._outstanding_rollouts)
         self.stop_requested = threading.Event()  # set by SIGTERM/SIGINT: stop at the next step boundary
         self.producer_stop_timeout_s = 60.0      # async mode: how long a stop waits for the producer thread
         self.rollbacks: list[dict] = []          # one record per learner recovery
@@ -117,6 +120,12 @@ class Driver:
             indices, prompt_ids, _ = next(self._prompts)
             self.batches_issued += 1
             return self.rollouts.open(indices, prompt_ids)
+
+    def _outstanding_rollouts(self) -> int:
+        """Rollouts issued and neither trained nor lost: in the buffer, or on their way there."""
+        ledger = self.rollouts.ledger
+        return ledger.held_rollouts() + self.cfg.generator.sampling.n * sum(
+            len(c.prompt_indices) for c in ledger.in_flight())
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -195,6 +204,7 @@ class Driver:
                 self.rollouts.buffer_died(buffer_id)
                 continue
             self.rollouts.ledger.consumed(batch.consumed)
+            self.admission.took()
             return shards, batch, regenerated
 
     def ptx_rows(self):
@@ -212,6 +222,7 @@ class Driver:
         sync = recovery.push_weights(self.pools.learner, self.pools.generators.handles(), self.version + 1)
         self.version += 1
         self.step_count += 1
+        self.admission.published()
         return sync
 
     def _after_step(self, metrics: dict) -> None:
@@ -250,6 +261,7 @@ class Driver:
              "perf/step_seconds": seconds["step"], "perf/generate_seconds": produced.generate_seconds,
              "perf/score_seconds": produced.score_seconds,
              "perf/buffer_wait_seconds": seconds["buffer_wait"], "perf/learn_seconds": seconds["learn"],
+             "perf/admission_wait_seconds": self.admission.pop_waited_seconds(),
              "perf/sync_seconds": sync.get("seconds", seconds["sync"]), "perf/sync_bytes": sync.get("bytes", 0),
              "perf/sync_wait_seconds": sync.get("wait_seconds", 0.0),
              "perf/tokens_per_s": produced.tokens / max(produced.generate_seconds, 1e-9), **moved, **learn}
@@ -292,6 +304,7 @@ class Driver:
                      for g in generators.values()])
             recovery.push_weights(self.pools.learner, generators, state.version)
         self.step_count, self.version, self.kl_ctl.value = state.step, state.version, state.kl_beta
+        self.admission.published()  # nothing taken at the restored version yet
         self._seek(state.batches_issued)
         if state.unfinished:  # async: prompts drawn before the checkpoint but never trained on
             ids = dict(zip((int(i) for i in self.dataset.ids), self.dataset.prompt_ids))
@@ -334,7 +347,7 @@ class Driver:
     def _start_producer(self):
         if self.cfg.run.mode != "async":
             return None
-        return BackgroundProducer(self.rollouts, issue=self.issue, shaping=self.shaping)
+        return BackgroundProducer(self.rollouts, admit=self.admission.wait, issue=self.issue, shaping=self.shaping)
 
     def _stop_producer(self, producer, *, at_end: bool = False) -> None:
         recovery.stop_producer(producer, timeout_s=self.producer_stop_timeout_s, run_dir=self.metrics.run_dir,

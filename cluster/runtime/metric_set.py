@@ -52,6 +52,8 @@ MEANINGS: dict[str, str] = {
         " or with partial rollouts one engine step)",
     "perf/tokens_per_s": "generated response tokens per second over all generators",
     "perf/buffer_wait_seconds": "time the learner side waited on the RolloutBuffer",
+    "perf/admission_wait_seconds": "async: time the producer waited before issuing a batch that could not yet be "
+                                   "trained within buffer.max_staleness (admission by version)",
     "perf/sync_bytes": "bytes broadcast learner -> generators in the weight sync",
     "perf/learner_seconds": "time of one learner rank's train() call",
     "perf/learner_group_seconds": "time of the learner group's train(), sharding included",

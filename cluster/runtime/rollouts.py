@@ -183,6 +183,11 @@ class RolloutProducer:
             self.requeue(chunks)
         return bool(chunks)
 
+    def has_backlog(self) -> bool:
+        """Chunks waiting to be generated again (async mode's producer runs them, admitted or not)."""
+        with self._backlog_lock:
+            return bool(self._backlog)
+
     def requeue(self, chunks: list) -> None:
         """Chunks for the next produce() to generate (a restored run's unfinished prompts)."""
         with self._backlog_lock:

@@ -62,7 +62,7 @@ def test_a_producer_that_outlives_the_stop_fails_the_rollback_in_one_line(tmp_pa
 @pytest.mark.unit
 def test_a_stopped_producer_never_takes_the_prompts_a_rollback_requeues():
     rollouts, gate = RolloutProducer(None, put_timeout_s=1.0), Gate()  # no pools: no replica to reach
-    producer = BackgroundProducer(rollouts, issue=gate, shaping=lambda: None)
+    producer = BackgroundProducer(rollouts, admit=lambda stop, backlog: True, issue=gate, shaping=lambda: None)
     assert gate.entered.wait(10)
     producer.stop()
     rollouts.reset()  # what the rollback does next: the old timeline forgotten, the checkpoint's prompts re-queued
@@ -117,7 +117,7 @@ def test_the_stop_does_not_wait_for_a_generate_call_in_flight(cluster):
     def issue():
         return batches.pop() if batches else []
 
-    producer = BackgroundProducer(rollouts, issue=issue, shaping=lambda: None)
+    producer = BackgroundProducer(rollouts, admit=lambda stop, backlog: True, issue=issue, shaping=lambda: None)
     try:
         assert ray.get(handle.wait_called.remote(30))
         producer.stop()

@@ -138,6 +138,24 @@ class Trail:
                 for c, p in t["consumed"] if not requeued or c not in self.issued_chunks}
 
 
+def checkpoint_with_a_batch_in_flight(driver, *, step: int):
+    """Async: the checkpoint of ``step`` is taken once the producer has drawn the next batch, so
+    it holds unfinished prompts for the rollback to generate again. (With max_staleness=0 the
+    producer may draw that batch only after the step's weights are published, which races the
+    checkpoint written just after.)"""
+    run_state = driver.run_state
+
+    def once_drawn():
+        if driver.step_count == step:
+            deadline = time.monotonic() + 60
+            while not driver.rollouts.ledger.unfinished_prompts():
+                assert time.monotonic() < deadline, f"the producer drew no batch after step {step}'s push"
+                time.sleep(0.01)
+        return run_state()
+
+    driver.run_state = once_drawn
+
+
 def assert_rolled_back_to(trail, driver, rows, ckpt_step: int, mode: str):
     """What the rollback restored, as the run went on from it."""
     [state] = trail.restored
@@ -156,7 +174,7 @@ def assert_rolled_back_to(trail, driver, rows, ckpt_step: int, mode: str):
         # buffered then) are generated again after the rollback: consumed there, or still in
         # flight at the end; and none the run had trained on before the checkpoint comes back.
         requeued = trail.consumed(1, requeued=True)
-        assert state.unfinished, "async: the producer runs ahead, so the checkpoint holds unfinished prompts"
+        assert state.unfinished, "async: the checkpoint was taken with a batch in flight"
         assert set(state.unfinished) <= requeued | set(driver.rollouts.ledger.unfinished_prompts())
         assert not requeued & trail.consumed(0, before_step=ckpt_step + 1)
     # KL beta: each step's beta is the controller's update of the previous step's, from the
@@ -190,6 +208,8 @@ def test_learner_rank_killed_mid_step_rolls_back_and_finishes(cluster, tmp_path,
                                          "run.checkpoint_every=2", f"run.mode={mode}", "buffer.max_staleness=0")
     try:
         trail = Trail(driver)
+        if mode == "async":
+            checkpoint_with_a_batch_in_flight(driver, step=2)
         killer = KillRank(driver, phase=phase, rank=1, at_step=4, delay_s=0.05 if phase == "train" else 0.0)
         final, rows = run_with_kill(driver, metrics, killer, failed_at=3, resumed_at=2,
                                     what=f"{mode}: rank 1 killed in {phase} at step 4")

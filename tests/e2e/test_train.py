@@ -199,9 +199,10 @@ def test_async_bounded_staleness(cluster, tmp_path, driver_loads):
     # Partial rollouts (on by default in async mode): a rollout a push reached mid-response is
     # as old as its first token, so none passes a zero staleness bound.
     assert all(m["rollouts/partial_frac"] == 0 and m["buffer/token_staleness_mean"] == 0 for m in steps)
-    # The producer keeps generating while the learner trains: with no staleness allowed,
-    # rollouts from superseded versions must have been dropped and counted.
-    assert steps[-1]["buffer/dropped_stale"] > 0
+    # Admission by version: with no staleness allowed, a batch issued while the learner trains
+    # could only be dropped, so none is: the producer waits (and says so) instead.
+    assert steps[-1]["buffer/dropped_stale"] == 0
+    assert sum(m["perf/admission_wait_seconds"] for m in steps) > 0
     # Each step reports the generation work done while it waited; none of it is lost.
     assert sum(m["rollouts/prompts"] for m in steps) >= 5 * 16
     assert all(m["perf/tokens_per_s"] > 0 for m in steps[1:])
