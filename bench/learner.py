@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.learner                       # the workload's 31.7M policy, critic=separate
     .venv/bin/python -m bench.learner --critic shared --threads 1 --zero 0 2
     .venv/bin/python -m bench.learner --rollouts 8 --new-tokens 8 --repeats 1    # smoke
+    python -m bench.learner --device cuda --dtype bf16 --policy-size large --critic shared --zero 2 3
 
 Both sides, in this one process and with the same torch threads, train the same model
 (learner.policy.PolicyWithValueHead on the workload's policy, plus the reward model's
@@ -13,13 +14,21 @@ minibatches of forward, clipped policy + value loss, backward and an AdamW step.
   - torch: the loop written out by hand with torch.optim.AdamW (fused, as tether builds it), no DeepSpeed;
   - tether: learner.worker.LearnerWorker (one rank, DeepSpeed ZeRO, as a run uses it).
 
+--dtype bf16: tether runs learner.dtype=bfloat16 (DeepSpeed bf16: bf16 weights and activations,
+fp32 master weights in the optimizer); the torch side keeps fp32 weights and runs its forwards
+under torch.autocast(bfloat16). --device cuda puts both sides on cuda:0 (DeepSpeed's CUDA
+accelerator) and times them with the device synchronized. --policy-size mid|large swaps in a
+bigger random-weight Qwen2 (bench/sizes.py), for a GPU.
+
 Prints seconds per update (median of --repeats rounds after a warm-up round; the sides
-take turns within each round), the ratio,
+take turns within each round), the ratio, the matmul peak measured on this device at this
+dtype and each side's FLOP/s and MFU against it (bench/peak.py says what is counted),
 and writes runs/bench/learner.json. Figures mean something only on a quiet machine.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,8 +38,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.peak import matmul_peak, mfu_line, sync, timed, trainable_params, update_flops
+
+# --dtype: (tether's learner.dtype, the torch side's autocast dtype or None for plain fp32)
+DTYPES = {"fp32": ("float32", None), "bf16": ("bfloat16", torch.bfloat16)}
+
 
 def parse_args(argv):
+    from bench.sizes import SIZES
+
     ap = argparse.ArgumentParser(prog="python -m bench.learner", description=__doc__.split("\n")[0])
     ap.add_argument("--critic", choices=("separate", "shared"), default="separate")
     ap.add_argument("--rollouts", type=int, default=64)
@@ -42,6 +58,11 @@ def parse_args(argv):
                     help="ZeRO stage(s) of the tether side; several give one tether side each")
     ap.add_argument("--repeats", type=int, default=2, help="timed updates per side, after one warm-up update")
     ap.add_argument("--sides", default="torch,tether")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: tether's learner.dtype=bfloat16 (fp32 master weights), torch under autocast")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides on this device")
+    ap.add_argument("--policy-size", choices=tuple(SIZES), default="bench",
+                    help="bench: the workload's 31.7M policy; mid ~0.17B, large ~0.49B (Qwen2.5-0.5B's shape)")
     ap.add_argument("--out", default="runs/bench/learner.json")
     args = ap.parse_args(argv)
     if min(args.rollouts, args.new_tokens, args.epochs, args.minibatches, args.threads, args.repeats) < 1:
@@ -52,7 +73,21 @@ def parse_args(argv):
     args.sides = [s for s in args.sides.split(",") if s]
     if not args.sides or set(args.sides) - {"torch", "tether"}:
         ap.exit(2, "python -m bench.learner: error: --sides takes a comma list of torch, tether\n")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.exit(2, "python -m bench.learner: error: --device cuda, but torch sees no CUDA device\n")
     return args
+
+
+def use_device(name: str) -> torch.device:
+    """Point both sides at ``name``: DeepSpeed picks its accelerator from DS_ACCELERATOR once, when
+    it is first imported, and the learner takes cuda:0 whenever CUDA is visible, so --device cpu
+    hides the GPUs (before anything initialises CUDA) rather than let the tether side use one."""
+    if name == "cuda":
+        os.environ["DS_ACCELERATOR"] = "cuda"
+        return torch.device("cuda", 0)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    return torch.device("cpu")
 
 
 def rollouts(wl: dict, n: int, new_tokens: int) -> list:
@@ -70,19 +105,18 @@ def rollouts(wl: dict, n: int, new_tokens: int) -> list:
 
 
 def config(args, wl: dict, zero_stage: int) -> dict:
-    """The learner config of bench-30m.yaml (TRL's PPO settings) at this batch size."""
+    """The learner config of bench-30m.yaml (TRL's PPO settings) at this batch size and dtype."""
     mb = args.rollouts // args.minibatches
-    return {"zero_stage": zero_stage, "critic": args.critic,
+    return {"zero_stage": zero_stage, "critic": args.critic, "dtype": DTYPES[args.dtype][0],
             "critic_model": wl["value"] if args.critic == "separate" else None,
             "optim": {"lr": 1e-5, "betas": [0.9, 0.999], "warmup_steps": 0, "decay": "constant", "grad_clip": 0.0},
             "ppo": {"ppo_epochs": args.epochs, "minibatch_size": mb, "micro_batch_size": mb, "clip_low": 0.2,
                     "value_clip": 0.2, "vf_coef": 0.1, "entropy_coef": 0.0, "gamma": 1.0, "lam": 0.95}}
 
 
-def torch_side(args, wl: dict, batch_rollouts: list):
+def torch_side(args, wl: dict, batch_rollouts: list, device: torch.device):
     """The same update as a hand-written loop: AdamW, no DeepSpeed, no stats, no collectives.
-    Returns a callable doing one update and returning its seconds."""
-    from core import ppo
+    Returns (a callable doing one update and returning its seconds, the trainable parameters)."""
     from core.advantages import gae
     from core.masked import whiten
     from learner.batch import collate
@@ -90,17 +124,21 @@ def torch_side(args, wl: dict, batch_rollouts: list):
 
     model = PolicyWithValueHead.from_pretrained(wl["policy"], critic=args.critic,
                                                 critic_model=wl["value"] if args.critic == "separate" else None)
-    model.train()
+    model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, fused=True)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     mb = args.rollouts // args.minibatches
+    cast = DTYPES[args.dtype][1]
+    # bf16 the usual torch way: fp32 weights and optimizer, forwards autocast (log-softmax stays fp32).
+    forward = lambda mic, **kw: _autocast(device, cast, model.response_logprobs_values, mic, **kw)  # noqa: E731
 
     def update() -> float:
+        sync(device)
         t0 = time.perf_counter()
-        b = collate(batch_rollouts, pad)
+        b = collate(batch_rollouts, pad).to(device)
         m = b.response_mask
         with torch.no_grad():
-            old_lp, old_v, _ = model.response_logprobs_values(b, with_entropy=False)
+            old_lp, old_v, _ = forward(b, with_entropy=False)
             old_lp, old_v = old_lp * m, old_v * m
             adv, ret = gae(b.rewards, old_v, m, 1.0, 0.95)
             adv = whiten(adv.double(), m).float()
@@ -108,59 +146,105 @@ def torch_side(args, wl: dict, batch_rollouts: list):
         for epoch in range(args.epochs):
             order = np.random.default_rng([0, epoch]).permutation(len(b))
             for k in range(args.minibatches):
-                rows = torch.as_tensor(order[k * mb:(k + 1) * mb])
-                mic = b[rows].trimmed()
-                lp, v, _ = model.response_logprobs_values(mic, with_entropy=True)
-                mm = mic.response_mask
-                R = mm.shape[1]
-                kw = dict(agg="token-mean", global_tokens=n_tok, global_seqs=float(mb), horizon=R)
-                pg, _, _ = ppo.policy_loss(lp, old_lp[rows][:, :R], adv[rows][:, :R], mm, 0.2, 0.2, None, **kw)
-                vf, _ = ppo.value_loss(v, old_v[rows][:, :R], ret[rows][:, :R], mm, 0.2, **kw)
-                (pg + 0.1 * vf).backward()
+                rows = torch.as_tensor(order[k * mb:(k + 1) * mb], device=device)
+                _torch_step(forward, b[rows].trimmed(), old_lp[rows], old_v[rows], adv[rows], ret[rows],
+                            n_tok, mb)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+        sync(device)
         return time.perf_counter() - t0
 
-    return update
+    return update, trainable_params(model)
 
 
-def tether_side(args, wl: dict, batch_rollouts: list, zero_stage: int):
+def _autocast(device: torch.device, cast, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under autocast to ``cast`` (None: as it is, fp32)."""
+    with torch.autocast(device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
+        return fn(*args, **kwargs)
+
+
+def _torch_step(forward, mic, old_lp, old_v, adv, ret, n_tok: float, mb: int) -> None:
+    """One minibatch's clipped policy + value loss and its backward (outside autocast, as torch advises)."""
+    from core import ppo
+
+    lp, v, _ = forward(mic, with_entropy=True)
+    mm = mic.response_mask
+    R = mm.shape[1]
+    kw = dict(agg="token-mean", global_tokens=n_tok, global_seqs=float(mb), horizon=R)
+    pg, _, _ = ppo.policy_loss(lp, old_lp[:, :R], adv[:, :R], mm, 0.2, 0.2, None, **kw)
+    vf, _ = ppo.value_loss(v, old_v[:, :R], ret[:, :R], mm, 0.2, **kw)
+    (pg + 0.1 * vf).backward()
+
+
+def tether_side(args, wl: dict, batch_rollouts: list, zero_stage: int, device: torch.device):
     from learner.worker import LearnerWorker
 
     worker = LearnerWorker(rank=0, world_size=1, model=wl["policy"], config=config(args, wl, zero_stage))
-    return lambda: worker.train(batch_rollouts)["perf/learner_seconds"]
+    params = trainable_params(worker.update.engine.module)
+    if device.type == "cuda":  # the update's own clock stops before its last kernels have run
+        return (lambda: timed(lambda: worker.train(batch_rollouts), device)), params
+    return (lambda: worker.train(batch_rollouts)["perf/learner_seconds"]), params
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    torch.set_num_threads(args.threads)
-    from bench.workload import build_workload
-
-    wl = json.loads(build_workload().read_text())
-    batch = rollouts(wl, args.rollouts, args.new_tokens)
-    record = {"critic": args.critic, "threads": args.threads, "rollouts": args.rollouts,
-              "new_tokens": args.new_tokens, "epochs": args.epochs, "minibatches": args.minibatches,
-              "zero_stages": args.zero}
-    updates = {}
+def build_sides(args, wl: dict, batch: list, device: torch.device) -> tuple[dict, int]:
+    """{side name: update callable}, and the trainable parameters they train (the same model)."""
+    updates, params = {}, 0
     for side in args.sides:
         if side == "torch":
-            updates["torch"] = torch_side(args, wl, batch)
+            updates["torch"], params = torch_side(args, wl, batch, device)
         for stage in (args.zero if side == "tether" else []):
-            updates[f"tether-z{stage}"] = tether_side(args, wl, batch, stage)
+            updates[f"tether-z{stage}"], params = tether_side(args, wl, batch, stage, device)
+    return updates, params
+
+
+def run_rounds(args, updates: dict) -> dict:
+    """{side: timed seconds}; round 0 warms up (allocations, optimizer state)."""
     seconds = {side: [] for side in updates}
     for round_ in range(args.repeats + 1):  # interleaved, so load on the machine hits both sides alike
         for side, update in updates.items():
             s = update()
-            if round_:  # round 0 warms up (allocations, optimizer state)
+            if round_:
                 seconds[side].append(s)
             print(f"learner bench: {side:6s} round {round_}{' (warm-up)' if not round_ else ''}: {s:.2f} s", flush=True)
+    return seconds
+
+
+def report_mfu(args, wl: dict, record: dict, params: int, device: torch.device) -> None:
+    """The matmul peak of this device at this dtype, measured now (after the updates: clocks are
+    up, and any TF32 switch a library flipped is in force), and each side's FLOP/s and MFU."""
+    peak = matmul_peak(device, DTYPES[args.dtype][1] or torch.float32)
+    flops = update_flops(params, args.rollouts, wl["prompt_tokens"], args.new_tokens, args.epochs)
+    record.update(params=params, peak=peak, update_flops=flops)
+    print(f"learner bench: {params / 1e6:.2f}M trainable parameters; measured matmul peak {device} {peak['dtype']}: "
+          f"{peak['flops_per_s'] / 1e12:.4g} TFLOP/s ({peak['n']}^3 products, median of {peak['rounds']} x "
+          f"{peak['per_round']}{', TF32 on' if peak['tf32'] else ''})")
+    for side in [s for s in record if isinstance(record[s], dict) and "median" in record[s]]:
+        record[side]["mfu"] = {count: f / record[side]["median"] / peak["flops_per_s"] for count, f in flops.items()}
+        print(mfu_line(side, record[side]["median"], flops, peak["flops_per_s"]))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = use_device(args.device)
+    torch.set_num_threads(args.threads)
+    from bench.sizes import sized_workload
+    from bench.workload import build_workload
+
+    wl = sized_workload(json.loads(build_workload().read_text()), args.policy_size,
+                        with_value=args.critic == "separate")
+    batch = rollouts(wl, args.rollouts, args.new_tokens)
+    record = {"critic": args.critic, "threads": args.threads, "rollouts": args.rollouts,
+              "new_tokens": args.new_tokens, "epochs": args.epochs, "minibatches": args.minibatches,
+              "zero_stages": args.zero, "dtype": args.dtype, "device": args.device, "policy_size": args.policy_size}
+    updates, params = build_sides(args, wl, batch, device)
+    seconds = run_rounds(args, updates)
     for side, s in seconds.items():
         record[side] = {"seconds": s, "median": statistics.median(s)}
         print(f"learner bench: {side:6s} {statistics.median(s):7.2f} s per update (median of {len(s)})")
     for side in [s for s in seconds if s != "torch" and "torch" in seconds]:
         record[f"ratio_{side}"] = ratio = record[side]["median"] / record["torch"]["median"]
         print(f"learner bench: {side} / plain torch = {ratio:.3f} (critic={args.critic}, {args.threads} threads)")
+    report_mfu(args, wl, record, params, device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))

@@ -168,7 +168,8 @@ class PPOUpdate:
         over the whole batch (recompute) or the first minibatch's micro-batches (behaviour).
         ``proximal`` [B, R]: the weights' numerator where it differs from learner_lp (truncated
         sampling: the proximal policy's own kept set, -inf outside; one part only)."""
-        sums, maxes = torch.zeros(5, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        device = parts[0][2].device  # the rank's (its GPU on CUDA): the sums add tensors made there
+        sums, maxes = (torch.zeros(k, dtype=torch.float64, device=device) for k in (5, 2))
         for learner_lp, behaviour_lp, mask in parts:
             m = mask.double()
             learner_lp, behaviour_lp = learner_lp.double() * m, behaviour_lp.double() * m
