@@ -2,6 +2,9 @@
 with no torch or vLLM import, so a run's config can be built and checked without either."""
 from __future__ import annotations
 
+from typing import Optional
+
+from core.dtypes import DTYPES
 from core.schema import config_class, setting
 
 
@@ -30,7 +33,8 @@ class SamplingConfig:
 @config_class
 class EngineConfig:
     """How the generator's vLLM engine is sized."""
-    dtype: str = setting("float32", "vLLM's weight and activation dtype (e.g. float32, bfloat16)")
+    dtype: Optional[str] = setting(None, "vLLM's weight and activation dtype (float32, bfloat16, float16); "
+                                         "null = model.dtype (float32 for an engine started on its own)")
     max_model_len: int = setting(512, "context length: prompt + response tokens")
     kv_cache_bytes: int = setting(64 << 20, "KV cache size in bytes; explicit: the fraction-of-memory knob "
                                             "breaks a 2nd engine on CPU")
@@ -39,6 +43,9 @@ class EngineConfig:
     gpu_memory_utilization: float = setting(0.5, "GPU only: fraction of the device vLLM may take")
 
     def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"generator.engine.dtype={self.dtype!r} is not one of {list(DTYPES)} "
+                             "(or null to follow model.dtype)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"generator.engine.gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")

@@ -139,7 +139,7 @@ class Generator:
 
         e = self.engine
         on_gpu = _has_cuda()
-        kwargs = dict(model=model, dtype=e.dtype, max_model_len=e.max_model_len,
+        kwargs = dict(model=model, dtype=e.dtype or "float32", max_model_len=e.max_model_len,
                       max_num_seqs=e.max_num_seqs, tensor_parallel_size=self.tensor_parallel,
                       enforce_eager=e.enforce_eager, seed=self.sampling.seed,
                       logprobs_mode="processed_logprobs",  # logprobs after temperature/top-k/top-p
@@ -299,7 +299,8 @@ class Generator:
         return {"name": self.name, "pid": os.getpid(), "version": self.weights.version(),
                 "skipped_prompts": self._skipped_total, "generated_tokens": self._generated_total,
                 "engine_start_s": self.start_seconds, "pushes_mid_generate": self._turns.updates_during_sampling,
-                "incomplete_kept_sets": self._incomplete_kept_sets}
+                "incomplete_kept_sets": self._incomplete_kept_sets,
+                "dtype": str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")}
 
 
 def token_versions(spans, n_tokens: int, default: int) -> np.ndarray:

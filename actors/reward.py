@@ -293,6 +293,7 @@ class Reward:
                 "last_error": self.last_error}
 
     def health(self) -> dict:
-        source = {"function": self.function_name} if self.fn is not None else {"model": self.model_path}
+        source = {"function": self.function_name} if self.fn is not None else {
+            "model": self.model_path, "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
         return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device), **self.stats()}
 

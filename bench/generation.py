@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.generation                          # 64 prompts x 128 tokens
     .venv/bin/python -m bench.generation --prompts 4 --new-tokens 8 --repeats 1   # smoke
+    .venv/bin/python -m bench.generation --dtype bfloat16        # every side in bf16
 
 Same model (the workload's 31.7M policy), engine settings, sampling parameters (per-prompt
 seeds, logprobs of the sampled token, no EOS stop) and prompts on every side:
@@ -39,6 +40,8 @@ def parse_args(argv):
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per side, after one warm-up call")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the weights' and activations' dtype on every side")
     ap.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="threads / Ray CPUs each side gets")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate reference")
     ap.add_argument("--no-vllm-processes", action="store_true",
@@ -58,7 +61,7 @@ def settings(wl: dict, args) -> tuple[dict, dict]:
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": args.new_tokens, "n": 1,
                 "seed": 0, "ignore_eos": True}
     engine = {"max_model_len": 1 << (length - 1).bit_length(), "kv_cache_bytes": KV_CACHE_BYTES,
-              "max_num_seqs": args.prompts}
+              "max_num_seqs": args.prompts, "dtype": args.dtype}
     return sampling, engine
 
 
@@ -109,7 +112,7 @@ def child_hf(wl: dict, prompts: list, args) -> dict:
 
     torch.set_num_threads(args.cpus)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(wl["policy"], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(wl["policy"], dtype=getattr(torch, args.dtype)).eval()
     model.generation_config.eos_token_id = None  # no EOS stop: fixed length, like ignore_eos
     startup = time.perf_counter() - t0
     ids = torch.tensor(prompts)  # every prompt has the same length: no padding
@@ -133,7 +136,7 @@ def run_child(kind: str, wl_path: Path, args, vllm_processes: bool = False) -> d
 
     cmd = [sys.executable, "-m", "bench.generation", "--child", kind, "--workload", str(wl_path),
            "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
-           "--repeats", str(args.repeats), "--cpus", str(args.cpus)]
+           "--repeats", str(args.repeats), "--cpus", str(args.cpus), "--dtype", args.dtype]
     threads = thread_env(args.cpus, vllm=kind == "vllm")
     if kind == "vllm" and not vllm_processes:
         threads.update(engine_process_env(num_gpus=0, tensor_parallel=1))
@@ -217,7 +220,8 @@ def main(argv=None) -> int:
         rows.append(f"{name:20}{s['tokens_per_s']:10.0f}{s['seconds_per_call']:9.2f}{s['tokens_per_call']:8d}"
                     f"{s['startup_seconds']:9.1f}{s['peak_rss_bytes'] / 2**20:14.0f}")
     ratio = table["tether Generator"]["tokens_per_s"] / table["bare vllm.LLM"]["tokens_per_s"]
-    rows.append(f"ratio tether/bare tokens/s: {ratio:.3f} ({args.prompts} prompts x {args.new_tokens} tokens, "
+    rows.append(f"ratio tether/bare tokens/s: {ratio:.3f} ({args.dtype}, {args.prompts} prompts x "
+                f"{args.new_tokens} tokens, "
                 f"{args.cpus} CPUs each, median of {args.repeats})")
     text = "\n".join(rows)
     print(text)

@@ -20,6 +20,7 @@ OldLogprobs = Literal["recompute", "behaviour"]  # where the PPO ratio's pi_old 
 Optimizer = Literal["adamw", "sgd"]
 LRDecay = Literal["linear", "cosine", "constant"]
 TrainableDType = Literal["float32", "bfloat16"]  # the learner's: fp16 would need loss scaling
+Precision = Literal["auto", "float32", "bfloat16"]  # the job's model.dtype (core/dtypes.py resolves auto)
 Critic = Literal["shared", "separate"]
 WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/weight_sync.py, *_sync.py)
 RunMode = Literal["sync", "async"]

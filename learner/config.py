@@ -168,7 +168,8 @@ class PPOConfig:
 class TrainerConfig:
     """What the learner pool itself declares: the DeepSpeed engine, the critic, the transport."""
     zero_stage: int = setting(2, "DeepSpeed ZeRO stage 0-3 (3 shards parameters too)")
-    dtype: TrainableDType = setting("float32", "float32 | bfloat16 (bf16 keeps fp32 master weights)")
+    dtype: Optional[TrainableDType] = setting(None, "float32 | bfloat16 (bf16 keeps fp32 master weights); "
+                                                    "null = model.dtype")
     optim: OptimConfig
     critic: Critic = setting("shared", "shared: value head on the policy body | separate: own body")
     critic_model: Optional[str] = setting(None, "with critic=separate: a sequence-classification checkpoint "

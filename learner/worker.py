@@ -196,4 +196,15 @@ class LearnerWorker:
                 "step": self.update.step if built else 0,
                 "optimizer_steps": int(self.update.engine.global_steps) if built else 0,
                 "zero_stage": self.config.zero_stage, "backend": self.backend, "device": str(self.device),
-                "model": self.model_path, "kind": self.kind}
+                "model": self.model_path, "kind": self.kind, **(self._dtypes() if built else {})}
+
+    def _dtypes(self) -> dict:
+        """The dtype the model computes in, and the optimizer's (DeepSpeed bf16 keeps fp32
+        master weights: its wrapped torch optimizer steps those, not the bf16 module's)."""
+        engine = self.update.engine
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        # ZeRO-3 hands its torch optimizer the flat fp32 partitions only inside step()
+        masters = [p for g in inner.param_groups for p in g["params"]] or list(
+            getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+        name = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
+        return {"dtype": name(next(engine.module.parameters())), "master_dtype": name(masters[0])}

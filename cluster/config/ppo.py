@@ -20,7 +20,8 @@ from actors.config import EngineConfig, SamplingConfig
 from cluster.config import loader
 from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
-from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, RunMode, kl_placement_error
+from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
+from core.dtypes import resolve_precision
 from core.schema import config_class, setting
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
@@ -37,6 +38,9 @@ class ModelConfig:
     policy: str = setting(BUILTIN_POLICY, "HF model directory, builtin:tiny, or builtin:tiny-30m "
                                           "(random init, for benchmarks)")
     tokenizer: Optional[str] = setting(None, "defaults to the policy directory")
+    dtype: Precision = setting("auto", "the whole service's precision: the generators, reference, reward model and "
+                                       "learner (bf16 keeps fp32 master weights). auto: bfloat16 on GPUs and on "
+                                       "CPUs with native bf16 (AMX-BF16 or AVX512-BF16), else float32")
 
 
 @config_class
@@ -199,10 +203,22 @@ class TetherConfig(RootConfig):
         """What a learner rank needs: the learner section, the PPO update, the run seed and
         the sampling temperature and truncation (the learner scores the distribution sampled from)."""
         pick = lambda obj, cls: {f.name: getattr(obj, f.name) for f in fields(cls)}
-        return LearnerConfig(**pick(self.learner, TrainerConfig), ppo=PPOConfig(**pick(self.ppo, PPOConfig)),
+        trainer = {**pick(self.learner, TrainerConfig), "dtype": self.precision()["learner"][0]}
+        return LearnerConfig(**trainer, ppo=PPOConfig(**pick(self.ppo, PPOConfig)),
                              seed=self.run.seed, temperature=self.generator.sampling.temperature,
                              top_k=self.generator.sampling.top_k, top_p=self.generator.sampling.top_p,
                              kl_loss_estimator=self.ppo.kl.estimator if self.ppo.kl.placement == "loss" else None)
+
+    def precision(self) -> dict[str, tuple[str, str]]:
+        """role -> (dtype, why): the role's own setting (generator.engine.dtype, learner.dtype)
+        else model.dtype, ``auto`` resolved for the role's device (a GPU when its pool reserves
+        one, else a CPU like the driver's; core/dtypes.py)."""
+        own = {"generator": self.generator.engine.dtype, "learner": self.learner.dtype}
+        out = {}
+        for role in ("generator", "reference", "reward", "learner"):
+            setting = own.get(role) or self.model.dtype
+            out[role] = resolve_precision(setting, on_gpu=getattr(self, role).num_gpus > 0)
+        return out
 
     def validate(self) -> None:
         validate(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Callable
 
 import ray
@@ -51,24 +52,26 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
                 threads: dict[str, int]) -> tuple[Pool, Pool, Pool]:
     g, r, w, t = cfg.generator, cfg.reference, cfg.reward, cfg.resources.placement_timeout_s
     env = lambda pool: {"env_vars": pool_env(cfg, pool, threads[pool])}  # noqa: E731
+    dtype = {role: d for role, (d, _) in cfg.precision().items()}
 
     def generator(rid, index, options):
         return generator_actor().options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,
                                          runtime_env=env("generator"), **options).remote(
-            model=policy_path, name=rid, sampling=g.sampling, engine=g.engine, tensor_parallel=g.tensor_parallel,
+            model=policy_path, name=rid, sampling=g.sampling, engine=replace(g.engine, dtype=dtype["generator"]),
+            tensor_parallel=g.tensor_parallel,
             weight_sync=cfg.learner.weight_sync, partial_rollouts=cfg.run.mode == "async" and g.partial_rollouts)
 
     def reference(rid, index, options):
         return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
                                              runtime_env=env("reference"), **options).remote(
             model=r.model or policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
-            top_p=g.sampling.top_p, batch_size=r.batch_size)
+            top_p=g.sampling.top_p, batch_size=r.batch_size, dtype=dtype["reference"])
 
     def reward(rid, index, options):
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
                                           runtime_env=env("reward"), **options).remote(
             model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
-            normalize=w.normalize, gold=w.gold)
+            normalize=w.normalize, gold=w.gold, dtype=dtype["reward"])
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t,
                       node_labels=p.node_labels, strategy=p.strategy)
@@ -76,11 +79,34 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
                                         ("reward", reward, w)))
 
 
+def describe_precision(cfg: TetherConfig) -> str:
+    """One line: each role's dtype and why (``model.dtype=auto`` says what it found)."""
+    prec = cfg.precision()
+    if not cfg.reward.model:
+        prec = {role: p for role, p in prec.items() if role != "reward"}  # a function reward has no weights
+    roles = " ".join(f"{role}={d}" for role, (d, _) in prec.items())
+    reasons = sorted({why for _, why in prec.values()} - {"set"})
+    return roles + (f" (model.dtype=auto: {'; '.join(reasons)})" if reasons else "")
+
+
+def actor_dtypes(pools) -> dict[str, str]:
+    """actor name -> the dtype it reports computing in (its loaded weights or its engine's):
+    what ran, which the start-up line's config-level answer can only promise."""
+    handles = {**pools.generators.handles(), **pools.references.handles(), **pools.rewards.handles()}
+    health = dict(zip(handles, ray.get([h.health.remote() for h in handles.values()])))
+    out = {name: h["dtype"] for name, h in health.items() if "dtype" in h}  # a function reward has none
+    for rank, h in enumerate(pools.learner.health()):
+        if "dtype" in h:
+            out[f"learner-{rank}"] = f"{h['dtype']} (master weights {h['master_dtype']})"
+    return out
+
+
 def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) -> Pools:
     """Reserve every pool first (so a shortage fails before any model loads), then start actors."""
     lp = cfg.learner
     threads = plan_threads(cfg, node_cores())
     log.info("threads per actor: %s", " ".join(f"{k}={v}" for k, v in threads.items()))
+    log.info("precision: %s", describe_precision(cfg))
     pools = _role_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path, threads=threads)
     reserved, launched, learner_pg, started, buffer = [], [], None, [], None
     try:

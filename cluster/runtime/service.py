@@ -93,13 +93,15 @@ def _interrupted(run_dir: Path) -> dict:
 def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, reused_dir, resume_from) -> dict:
     """The driver's loop from the control actor to the final checkpoint, status.json at each turn."""
     from cluster.runtime.driver import Driver
+    from cluster.runtime.launch import actor_dtypes
     from cluster.runtime.metrics import RunMetrics
     from cluster.runtime.placement import actor_nodes, actors_line
 
     actors, nodes = pools.actor_names(), actor_nodes(pools)
     log.info("actors: %s", actors_line(nodes))
     control, control_info = start_control(run_dir, pools)
-    write_status(run_dir, "running", actors=actors, nodes=nodes, control=control_info)
+    dtypes = actor_dtypes(pools)
+    write_status(run_dir, "running", actors=actors, nodes=nodes, control=control_info, dtypes=dtypes)
     metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every, tensorboard=cfg.run.tensorboard)
     driver = Driver(cfg, pools=pools, dataset=inputs["dataset"], eval_dataset=inputs["eval_dataset"],
                     tokenizer=inputs["tokenizer"], metrics=metrics, ptx=inputs["ptx"], control=control)
@@ -113,7 +115,7 @@ def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, re
     driver.startup_metrics = startup.metrics()
     log.info(startup.line())
     write_status(run_dir, "running", actors=actors, nodes=nodes, control=control_info, startup=startup.seconds,
-                 **resumed)
+                 dtypes=dtypes, **resumed)
     with StopSignals(driver.stop_requested.set) as signals:
         final = driver.run()
     if signals.received:
@@ -127,7 +129,7 @@ def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, re
     metrics.close()
     # where the actors are now: a lost replica's replacement may run elsewhere
     write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=final_dir, actors=pools.actor_names(),
-                 nodes=actor_nodes(pools),
+                 nodes=actor_nodes(pools), dtypes=dtypes,
                  final={k: v for k, v in final.items() if isinstance(v, (int, float))},
                  rollbacks=driver.rollbacks, **resumed)
     return final

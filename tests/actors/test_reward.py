@@ -51,6 +51,16 @@ def test_model_batched_equals_unbatched_and_hf(rm, reward_path):
 
 
 @pytest.mark.integration
+def test_bf16_model_computes_in_bf16_and_scores_close_to_fp32(rm, reward_path):
+    bf16 = Reward(model=reward_path, batch_size=3, dtype="bfloat16")
+    assert bf16.health()["dtype"] == "bfloat16" and rm.health()["dtype"] == "float32"
+    prompts, responses = _batch()
+    low, full = bf16.score(prompts, responses).scores, rm.score(prompts, responses).scores
+    assert low.dtype == np.float32 and not np.array_equal(low, full)  # bf16 really ran
+    assert np.abs(low - full).max() < 0.05 * (np.abs(full).max() + 1)
+
+
+@pytest.mark.integration
 def test_model_scores_last_token_even_when_it_is_the_pad_id(rm, tokenizer):
     # HF pools at the last token whose id != pad id, which is wrong when pad == eos ends
     # the response. We read the last real token whatever its id.

@@ -70,7 +70,7 @@ def test_kill_every_rollout_role_once(cluster_with_test_rewards, tmp_path, mode)
     from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
 
-    cfg = load_config(DEFAULT_CONFIG, [
+    cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32",  # the 1e-3 log-prob gap check below
         "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "run.steps=12", f"run.mode={mode}",
         "reward.replicas=2", "reward.function=slow_reward:slow_sentiment"])  # scoring lasts long enough to be hit
     policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)

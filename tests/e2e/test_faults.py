@@ -30,7 +30,8 @@ def driver(cluster_with_test_rewards, tmp_path):
     from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
 
-    cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "generator.replicas=2",
+    cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32", "run.eval_every=0", "run.samples_every=0",
+                                             "generator.replicas=2",
                                              "reward.function=slow_reward:slow_sentiment"])
     policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)

@@ -14,7 +14,7 @@ def test_kl_in_the_loss_with_truncated_sampling(cluster, tmp_path):
     with the rollouts, so the learner's log-probs of the sampled tokens (over the sampler's
     set) equal vLLM's and every off-policy weight is ~1 (a learner scoring its full softmax,
     or its own nucleus with the token forced in, misses by 0.1-2.6 nats here)."""
-    argv = [f"run.dir={tmp_path}", "run.name=kl-loss", "run.steps=4", "run.eval_every=0",
+    argv = [f"run.dir={tmp_path}", "run.name=kl-loss", "run.steps=4", "run.eval_every=0", "model.dtype=float32",
             "ppo.kl.placement=loss", "ppo.kl.estimator=k3", "ppo.kl.target=null", "ppo.kl.beta=0.2",
             "generator.sampling.top_k=40", "generator.sampling.top_p=0.9"]
     assert train.main(argv) == 0

@@ -43,7 +43,8 @@ class Cluster:
         self.nodes = ray_nodes
         self.ids = {name: ray_nodes.add(num_cpus=cpus, labels=label(name)) for name, cpus in NODES.items()}
         pinned = [f"{pool}.node_labels=tether.{node}=yes" for pool, node in POOL_NODE.items()]
-        cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.plot_every=0",
+        cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32", "run.eval_every=0", "run.samples_every=0",
+                                           "run.plot_every=0",
                                            "resources.placement_timeout_s=60", *pinned, *overrides])
         policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
         self.pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)

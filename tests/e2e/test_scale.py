@@ -52,7 +52,8 @@ def running_job(tmp_path):
     from cluster.runtime.metrics import RunMetrics
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0", "run.steps=10000",
+    cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32", "run.eval_every=0", "run.samples_every=0",
+                                             "run.steps=10000",
                                              "run.checkpoint_every=0"])
     policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)

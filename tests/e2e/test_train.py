@@ -61,7 +61,8 @@ def run(tmp_path, name, *overrides):
 
 
 def test_sync_default_learns(cluster, tmp_path):
-    run_dir, steps = run(tmp_path, "sync", "run.steps=12", "run.eval_every=6",
+    # float32: the log-prob gap below checks the push to 1e-3, which bf16's rounding alone exceeds
+    run_dir, steps = run(tmp_path, "sync", "run.steps=12", "run.eval_every=6", "model.dtype=float32",
                          "reward.gold=cluster.demo.sentiment:sentiment")
     assert [m["policy/version"] for m in steps] == list(range(1, 13))
     step0 = read_metrics(run_dir)[0]  # start-up is timed by phase, and the phases add up
@@ -88,6 +89,28 @@ def test_sync_default_learns(cluster, tmp_path):
     assert last > first + 0.3
     assert (run_dir / "checkpoints" / "final" / "config.json").exists()
     assert (run_dir / "config.yaml").exists() and (run_dir / "plots" / "reward.png").exists()
+
+
+def test_bf16_service_learns(cluster, tmp_path):
+    """model.dtype=bfloat16: every role computes in bf16 (as each reports it), the learner steps
+    fp32 master weights, a push carries bf16 tensors, and the default task still learns."""
+    run_dir, steps = run(tmp_path, "bf16", "run.steps=12", "run.eval_every=12", "model.dtype=bfloat16",
+                         "reward.gold=cluster.demo.sentiment:sentiment")
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["dtypes"] == {"generator-0": "bfloat16", "reference-0": "bfloat16",
+                                "learner-0": "bfloat16 (master weights float32)"}
+    from learner.policy import PolicyWithValueHead
+    lm = PolicyWithValueHead.from_pretrained(run_dir / "checkpoints" / "final").lm
+    # tied head: the embedding is sent once (learner/weight_sync.py); 2 bytes each, plus safetensors headers
+    params = sum(p.numel() for p in lm.parameters())
+    assert all(2 * params <= m["perf/sync_bytes"] < 2 * params + 65536 for m in steps), steps[0]["perf/sync_bytes"]
+    gaps = [m["ppo/logprob_gap_mean"] for m in steps]
+    assert all(1e-5 < g < 0.05 for g in gaps), gaps  # bf16 rounding shows, and stays small
+    first = sum(m["reward/mean"] for m in steps[:3]) / 3
+    last = sum(m["reward/mean"] for m in steps[-3:]) / 3
+    evals = [m["eval/score_mean"] for m in read_metrics(run_dir) if "eval/score_mean" in m]
+    print(f"bf16: reward first 3 steps {first:.3f} -> last 3 steps {last:.3f}; eval {evals}")
+    assert last > first + 0.3 and evals[-1] > evals[0] + 0.3
 
 
 PTX_TEXTS = ["an old lighthouse keeper counted the gulls every morning",

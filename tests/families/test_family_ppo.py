@@ -34,10 +34,14 @@ def cluster():
 def test_three_ppo_steps(cluster, tmp_path, family):
     argv = [f"run.dir={tmp_path}", "run.name=ppo", f"model.policy={build_family_policy(family)}",
             f"reward.model={build_family_reward(family)}", "reward.function=null", "run.steps=3",
-            "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "data.prompts_per_step=8"]
+            "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "data.prompts_per_step=8",
+            "model.dtype=float32"]  # the family's push is checked to 1e-3, which bf16's rounding alone exceeds
     assert train.main(argv) == 0
     run_dir = tmp_path / "ppo"
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "succeeded"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "succeeded"
+    assert set(status["dtypes"].values()) == {"float32", "float32 (master weights float32)"}
+    assert status["dtypes"]["reward-0"] == "float32"  # the reward model reports what it loaded
     steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["step"] > 0]
     print(f"family-table {family} PPO: 3 steps, logprob gap {max(m['ppo/logprob_gap_mean'] for m in steps):.1e}, "
           f"reward {[round(m['reward/mean'], 3) for m in steps]}")

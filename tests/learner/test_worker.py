@@ -94,6 +94,11 @@ def test_bf16_and_separate_critic_train_every_part(policy_path, reward_path, rol
     w = worker(policy_path, cfg)
     before = w.full_state_dict()
     metrics = [w.train(rollouts) for _ in range(2)]
+    # bf16: the module computes in bf16 (and pushes bf16 tensors), the optimizer steps fp32 master weights
+    dtype = options.get("dtype", "float32")
+    health = w.health()
+    assert (health["dtype"], health["master_dtype"]) == (dtype, "float32")
+    assert {str(t.dtype) for t in w.full_state_dict().values()} == {f"torch.{dtype}"}
     after = w.full_state_dict()
     parts = {k.split(".")[0] for k in after}
     assert parts == ({"lm", "critic_body", "value_head"} if "critic" in options else {"lm", "value_head"})
