@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The learner alone on one NVIDIA GPU, for a machine that lacks the rest of the stack: no Ray, no
-# vLLM, no network (scripts/gpu-check.sh needs all three). Runs bench.learner (tether's DeepSpeed
+# vLLM, no network (scripts/gpu-check.sh needs all three). Runs the update's GPU test
+# (tests/learner/test_gpu_update.py: one CUDA update equals the plain-torch one), then bench.learner (tether's DeepSpeed
 # PPO update against a plain-torch loop, one process) at bf16 and fp32 on a ~0.49B Qwen2-shaped
 # policy (bench/sizes.py `large`), ZeRO-2 and ZeRO-3, shared then separate critic, with the matmul
 # peak measured in each run and the MFU against it; then the bf16-vs-fp32 log-prob gap of the same
@@ -71,6 +72,9 @@ maybe() {
   if [ $((SECONDS + $2)) -le "$budget" ]; then run "$@"
   else echo "gpu-learner-check: == $1 skipped: ${SECONDS}s gone, it needs ~$2s, budget ${budget}s"; fi
 }
+if [ "$device" = cuda ]; then  # the update on CUDA equals the plain-torch one on the CPU (ZeRO-2 and -3)
+  run gpu-update-test 150 -m pytest -p no:cacheprovider -m gpu -q tests/learner/test_gpu_update.py
+fi
 bench=(-m bench.learner --device "$device" --policy-size "$size" "${sizes[@]}")
 run bf16-shared 150 "${bench[@]}" --dtype bf16 --critic shared --zero 2 3 --out "$out/learner-bf16-shared.json"
 run fp32-shared 170 "${bench[@]}" --dtype fp32 --critic shared --zero 2 3 --out "$out/learner-fp32-shared.json"

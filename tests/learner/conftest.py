@@ -89,8 +89,11 @@ def fake_generators(ray_cluster):
 
 
 def _ship_stand_ins_by_value() -> None:
-    import ray.cloudpickle
-    import vllm_rounds
+    try:
+        import ray.cloudpickle
+        import vllm_rounds
+    except ImportError:  # a GPU image with torch and DeepSpeed alone: the update's GPU tier still runs
+        return
     ray.cloudpickle.register_pickle_by_value(vllm_rounds)
 
 
