@@ -1,0 +1,107 @@
+"""The advantage estimators against values worked out by hand: ragged rows with garbage in the
+padding, a group of one, a group whose rewards are all equal."""
+import math
+
+import pytest
+import torch
+
+from core.estimators import ESTIMATORS, AdvantageInputs, EstimatorOptions, estimator, group_baseline, returns_to_go
+
+pytestmark = pytest.mark.unit
+
+NAN = float("nan")
+# rows 0-2: one prompt (group 7), row 3 alone (group 3), rows 4-5: equal rewards (group 9)
+GROUP = torch.tensor([7, 7, 7, 3, 9, 9])
+SCORES = torch.tensor([1.0, 2.0, 6.0, 5.0, 4.0, 4.0])
+MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)
+
+
+def inputs(rewards=None, values=None):
+    if rewards is None:  # the score on each row's last valid token; NaN in the padding must not leak
+        rewards = torch.tensor([[0, 0, 1.0], [2.0, NAN, NAN], [0, 6.0, NAN], [0, 5.0, NAN], [0, 0, 4.0],
+                                [4.0, NAN, NAN]])
+    return AdvantageInputs(rewards=rewards, scores=SCORES, mask=MASK, group=GROUP, values=values)
+
+
+def per_row(adv):
+    """Each row's advantage, checking it is the same on every valid token and 0 on padding."""
+    out = []
+    for row, m in zip(adv, MASK):
+        valid = row[m != 0]
+        assert torch.allclose(valid, valid[0].expand_as(valid)) and bool((row[m == 0] == 0).all())
+        out.append(float(valid[0]))
+    return out
+
+
+def test_grpo_normalises_by_the_group_and_dr_grpo_does_not():
+    std7 = math.sqrt(((1 - 3) ** 2 + (2 - 3) ** 2 + (6 - 3) ** 2) / 2)  # unbiased: sqrt(7)
+    adv, returns = estimator("grpo").fn(inputs(), EstimatorOptions(eps=0.0))
+    assert returns is None
+    assert per_row(adv) == pytest.approx([-2 / std7, -1 / std7, 3 / std7, 5.0, 0.0, 0.0], abs=1e-6)
+    adv, _ = estimator("grpo").fn(inputs(), EstimatorOptions(scale_by_std=False))
+    assert per_row(adv) == pytest.approx([-2.0, -1.0, 3.0, 5.0, 0.0, 0.0])
+
+
+def test_rloo_takes_off_the_mean_of_the_other_samples():
+    adv, returns = estimator("rloo").fn(inputs(), EstimatorOptions())
+    # row 0: 1 - (2 + 6) / 2; row 1: 2 - (1 + 6) / 2; row 2: 6 - (1 + 2) / 2; alone: 5 - 0
+    assert per_row(adv) == pytest.approx([-3.0, -1.5, 4.5, 5.0, 0.0, 0.0]) and returns is None
+
+
+def test_returns_to_go_sum_each_rows_rewards_to_its_end():
+    rewards = torch.tensor([[-0.1, -0.2, 1.0], [2.0, NAN, NAN], [-0.5, 6.0, NAN], [0, 5.0, NAN],
+                            [0, 0, 4.0], [4.0, NAN, NAN]])
+    got = returns_to_go(rewards, MASK, gamma=0.5)
+    want = torch.tensor([[-0.1 - 0.1 + 0.25, -0.2 + 0.5, 1.0], [2.0, 0, 0], [-0.5 + 3.0, 6.0, 0],
+                         [2.5, 5.0, 0], [1.0, 2.0, 4.0], [4.0, 0, 0]])
+    assert torch.allclose(got, want)
+
+
+def test_reinforce_pp_whitens_the_returns_over_the_batch():
+    rewards = torch.tensor([[-0.1, -0.2, 1.0], [2.0, NAN, NAN], [-0.5, 6.0, NAN], [0, 5.0, NAN],
+                            [0, 0, 4.0], [4.0, NAN, NAN]])
+    adv, returns = estimator("reinforce_pp").fn(inputs(rewards), EstimatorOptions())
+    ret = [0.7, 0.8, 1.0, 2.0, 5.5, 6.0, 5.0, 5.0, 4.0, 4.0, 4.0, 4.0]  # valid tokens, row by row
+    mean = sum(ret) / len(ret)
+    std = math.sqrt(sum((r - mean) ** 2 for r in ret) / len(ret))  # the batch's population std
+    assert adv[MASK != 0].tolist() == pytest.approx([(r - mean) / std for r in ret], abs=1e-5)
+    assert bool((adv[MASK == 0] == 0).all()) and returns is None
+
+
+def test_reinforce_pp_baseline_takes_the_group_mean_off_the_score_first():
+    adv, _ = estimator("reinforce_pp_baseline").fn(inputs(), EstimatorOptions())
+    # the scores less their group mean (group 7: 3; alone: 0; group 9: 4), held by every token
+    ret = [-2, -2, -2, -1, 3, 3, 5, 5, 0, 0, 0, 0]
+    mean = sum(ret) / len(ret)
+    std = math.sqrt(sum((r - mean) ** 2 for r in ret) / len(ret))
+    assert adv[MASK != 0].tolist() == pytest.approx([(r - mean) / std for r in ret], abs=1e-5)
+
+
+def test_gae_needs_values_and_matches_core_gae():
+    from core.advantages import gae
+    from core.masked import whiten
+
+    values = torch.linspace(-1, 1, 18).reshape(6, 3)
+    adv, returns = estimator("gae").fn(inputs(values=values), EstimatorOptions(gamma=1.0, lam=0.9))
+    raw, want_returns = gae(inputs().rewards, values, MASK, 1.0, 0.9)
+    assert torch.equal(adv, whiten(raw, MASK)) and torch.equal(returns, want_returns)
+    with pytest.raises(ValueError, match="gae: needs the critic's values"):
+        estimator("gae").fn(inputs(), EstimatorOptions())
+
+
+def test_group_baseline_of_a_lone_sample_is_zero():
+    mean, n = group_baseline(SCORES, GROUP, leave_one_out=False)
+    assert mean.tolist() == [3.0, 3.0, 3.0, 0.0, 4.0, 4.0] and n.tolist() == [3, 3, 3, 1, 2, 2]
+
+
+def test_registry_names_and_an_unknown_name():
+    assert list(ESTIMATORS) == ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+    assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == ["gae"]
+    with pytest.raises(ValueError, match="advantage estimator 'ppo' is unknown; use one of gae, grpo, rloo"):
+        estimator("ppo")
+
+
+def test_shape_errors_are_one_line():
+    bad = AdvantageInputs(rewards=torch.zeros(6, 3), scores=torch.zeros(5), mask=MASK, group=GROUP)
+    with pytest.raises(ValueError, match=r"grpo: scores shape \(5,\) does not match mask rows shape \(6,\)"):
+        estimator("grpo").fn(bad, EstimatorOptions())
