@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.learner                       # the workload's 31.7M policy, critic=separate
     .venv/bin/python -m bench.learner --critic shared --threads 1 --zero 0 2
     .venv/bin/python -m bench.learner --rollouts 8 --new-tokens 8 --repeats 1    # smoke
-    python -m bench.learner --device cuda --dtype bf16 --policy-size large --critic shared --zero 2 3
+    python -m bench.learner --device cuda --dtype bfloat16 --policy-size large --critic shared --zero 2 3
 
 Both sides, in this one process and with the same torch threads, train the same model
 (learner.policy.PolicyWithValueHead on the workload's policy, plus the reward model's
@@ -14,7 +14,7 @@ minibatches of forward, clipped policy + value loss, backward and an AdamW step.
   - torch: the loop written out by hand with torch.optim.AdamW (fused, as tether builds it), no DeepSpeed;
   - tether: learner.worker.LearnerWorker (one rank, DeepSpeed ZeRO, as a run uses it).
 
---dtype bf16: tether runs learner.dtype=bfloat16 (DeepSpeed bf16: bf16 weights and activations,
+--dtype bfloat16: tether runs learner.dtype=bfloat16 (DeepSpeed bf16: bf16 weights and activations,
 fp32 master weights in the optimizer); the torch side keeps fp32 weights and runs its forwards
 under torch.autocast(bfloat16). --device cuda puts both sides on cuda:0 (DeepSpeed's CUDA
 accelerator) and times them with the device synchronized. --policy-size mid|large swaps in a
@@ -41,7 +41,7 @@ import torch
 from bench.peak import matmul_peak, mfu_line, sync, timed, trainable_params, update_flops
 
 # --dtype: (tether's learner.dtype, the torch side's autocast dtype or None for plain fp32)
-DTYPES = {"fp32": ("float32", None), "bf16": ("bfloat16", torch.bfloat16)}
+DTYPES = {"float32": ("float32", None), "bfloat16": ("bfloat16", torch.bfloat16)}
 
 
 def parse_args(argv):
@@ -58,8 +58,8 @@ def parse_args(argv):
                     help="ZeRO stage(s) of the tether side; several give one tether side each")
     ap.add_argument("--repeats", type=int, default=2, help="timed updates per side, after one warm-up update")
     ap.add_argument("--sides", default="torch,tether")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                    help="bf16: tether's learner.dtype=bfloat16 (fp32 master weights), torch under autocast")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                    help="bfloat16: tether's learner.dtype=bfloat16 (fp32 master weights), torch under autocast")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides on this device")
     ap.add_argument("--policy-size", choices=tuple(SIZES), default="bench",
                     help="bench: the workload's 31.7M policy; mid ~0.17B, large ~0.49B (Qwen2.5-0.5B's shape)")

@@ -34,6 +34,7 @@ def parse_args(argv):
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--critic", choices=("shared", "separate"), default="shared")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model.dtype of every run")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     ap.add_argument("--out", default="runs/bench/modes.json")
     args = ap.parse_args(argv)
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     ratios = {mode: r["rollouts_per_s"] / sync for mode, r in result.items() if mode != "sync"}
     ratio = ratios.get("async", next(iter(ratios.values())))
     rows += [f"{mode}/sync throughput: {x:.2f}x" for mode, x in ratios.items()]
-    rows.append(f"({args.steps} timed steps each, critic={args.critic})")
+    rows.append(f"({args.steps} timed steps each, critic={args.critic}, {args.dtype})")
     text = "\n".join(rows)
     print(text)
     out = ROOT / args.out

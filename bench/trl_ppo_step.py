@@ -34,6 +34,9 @@ def parse_args(argv):
     ap.add_argument("--minibatches", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="bfloat16: fp32 weights under bf16 autocast (the trainer's bf16=True, plus generation "
+                         "and scoring, which the trainer runs outside its autocast)")
     return ap.parse_args(argv)
 
 
@@ -95,7 +98,7 @@ def ppo_config(args, out_dir: str):
 
     return PPOConfig(
         output_dir=out_dir, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        use_cpu=True, bf16=False, fp16=False, seed=args.seed, data_seed=args.seed,
+        use_cpu=True, bf16=args.dtype == "bfloat16", fp16=False, seed=args.seed, data_seed=args.seed,
         # One rollout batch of `prompts`, cut into `minibatches` optimizer steps per epoch: TRL's
         # micro-batch is per_device_train_batch_size, and with gradient_accumulation_steps=1
         # every micro-batch is one optimizer step on local_batch_size / num_mini_batches rows.
@@ -111,10 +114,24 @@ def ppo_config(args, out_dir: str):
         dataloader_num_workers=0)
 
 
-def instrument(trainer_module) -> tuple[Phases, dict]:
-    """Wrap the trainer module's helpers: (phase clock, the shapes of what it generated)."""
+def autocast(fn):
+    """``fn`` under CPU bf16 autocast."""
     import torch
 
+    def wrapped(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def instrument(trainer_module, bf16: bool = False) -> tuple[Phases, dict]:
+    """Wrap the trainer module's helpers: (phase clock, the shapes of what it generated);
+    ``bf16``: they run under bf16 autocast (nested in the trainer's own for the epochs)."""
+    import torch
+
+    if bf16:
+        for name in ("batch_generation", "get_reward", "forward"):
+            setattr(trainer_module, name, autocast(getattr(trainer_module, name)))
     phases = Phases()
     trainer_module.batch_generation = phases.wrap(trainer_module.batch_generation, "generate")
     trainer_module.get_reward = phases.wrap(trainer_module.get_reward, "score")
@@ -161,7 +178,7 @@ def main(argv=None) -> int:
     dataset = Dataset.from_dict({"input_ids": wl["prompt_ids"]})
     policy, ref, reward, value = load_models(wl, tok)
     config = ppo_config(args, tempfile.mkdtemp(prefix="tether-bench-trl-"))
-    phases, shapes = instrument(trainer_module)
+    phases, shapes = instrument(trainer_module, bf16=args.dtype == "bfloat16")
     trainer = PPOTrainer(args=config, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=dataset, eval_dataset=dataset.select(range(2)),
                          callbacks=[step_clock(phases, shapes)])

@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.vs_trl                                   # the full workload
     .venv/bin/python -m bench.vs_trl --prompts 4 --new-tokens 8 --steps 1   # smoke: minutes
     .venv/bin/python -m bench.vs_trl --print-command                   # tether's side by hand
+    .venv/bin/python -m bench.vs_trl --dtype bfloat16                  # both sides in bf16
 
 Builds the workload (bench/workload.py), makes TRL's virtualenv on first use
 (.bench-venv-trl, pinned by constraints/bench-trl.txt), then runs in rounds, interleaved:
@@ -10,6 +11,10 @@ TRL, tether learner.critic=separate (TRL's models: value = a copy of the reward 
 tether with the default shared-body value head; each run is one warm-up step plus
 --steps timed steps. Prints the medians (step seconds, where the time goes, rollout
 tokens/s, start-up, peak RSS per actor), the ratios, and writes runs/bench/vs_trl.json.
+--dtype sets both sides' precision: tether's model.dtype, and TRL in its best CPU
+configuration at that precision (fp32 weights under bf16 autocast for its PPO epochs, its
+generation and its scoring). The record starts with this machine's fp32 and bf16 matmul
+peaks, measured in the same run (bench/peak.py).
 Figures mean something only on a quiet machine: the record keeps the load average.
 """
 from __future__ import annotations
@@ -51,6 +56,8 @@ def parse_args(argv):
     ap.add_argument("--sides", default="trl,separate,shared", help="which runs: trl, separate, shared")
     ap.add_argument("--pool-cpus", default=None,
                     help="tether pool CPUs, e.g. generator=8,learner=4 (default: as shipped, no hand-tuning)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both sides' precision (tether: model.dtype; TRL: bf16 autocast)")
     ap.add_argument("--out", default="runs/bench/vs_trl.json")
     ap.add_argument("--print-command", action="store_true", help="print tether's cluster.train command and exit")
     args = ap.parse_args(argv)
@@ -99,7 +106,8 @@ def trl_python() -> Path:
 
 def run_trl(workload: Path, args, n_steps: int) -> dict:
     cmd = [str(trl_python()), str(ROOT / "bench" / "trl_ppo_step.py"), "--workload", str(workload),
-           "--steps", str(n_steps), "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens)]
+           "--steps", str(n_steps), "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
+           "--dtype", args.dtype]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out, mem, wall = run_command(cmd, env, "TRL")
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{\"")]
@@ -118,7 +126,8 @@ def tether_command(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_di
          f"generator.engine.max_model_len={_pow2(wl['prompt_tokens'] + args.new_tokens)}",
          f"generator.engine.max_num_seqs={max(args.prompts, 1)}",
          f"ppo.minibatch_size={args.prompts // 4}", f"ppo.micro_batch_size={args.prompts // 4}",
-         f"learner.critic={critic}", f"run.steps={n_steps}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}",
+         f"learner.critic={critic}", f"model.dtype={args.dtype}",
+         f"run.steps={n_steps}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}",
          *(f"{pool}.num_cpus={n}" for pool, n in cpus.items())]
     if critic == "separate":
         o.append(f"learner.critic_model={wl['value']}")
@@ -240,6 +249,15 @@ def report(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def matmul_peaks() -> dict[str, float]:
+    """This machine's fp32 and bf16 matmul FLOP/s with all its cores, measured now."""
+    import torch
+
+    from bench.peak import matmul_peak
+    return {name: matmul_peak(torch.device("cpu"), getattr(torch, name))["flops_per_s"]
+            for name in ("float32", "bfloat16")}
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
@@ -255,6 +273,9 @@ def main(argv=None) -> int:
         load_before = os.getloadavg()
         if load_before[0] > 0.5:
             print(f"bench: load average {load_before[0]:.2f} (> 0.5): the figures are not meaningful", file=sys.stderr)
+        peaks = matmul_peaks()
+        print("bench: matmul peak " + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()),
+              file=sys.stderr)
         runs: dict[str, list] = {side: [] for side in args.sides}
         for rnd in range(args.rounds):
             for side in args.sides:
@@ -265,9 +286,11 @@ def main(argv=None) -> int:
                     run_dir = ROOT / "runs" / "bench" / f"vs_trl-{stamp}-{side}-{rnd}"
                     runs[side].append(run_tether(wl, args, side, cpus, n_steps, run_dir))
         summary = {side: summarise(r, args.new_tokens, args.prompts) for side, r in runs.items()}
-        text = report(summary)
+        text = report(summary) + f"\n({args.dtype}; matmul peak " + ", ".join(
+            f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()) + ")"
         print(text)
         record = {"time": stamp, "host": platform.node(), "cpus": os.cpu_count(), "load_before": load_before,
+                  "matmul_peak_flops_per_s": peaks,
                   "load_after": os.getloadavg(), "args": {k: v for k, v in vars(args).items() if k != "print_command"},
                   "pool_cpus": cpus, "workload": {k: v for k, v in wl.items() if k != "prompt_ids"},
                   "summary": summary, "runs": runs, "report": text,

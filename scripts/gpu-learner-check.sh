@@ -76,12 +76,12 @@ if [ "$device" = cuda ]; then  # the update on CUDA equals the plain-torch one o
   run gpu-update-test 150 -m pytest -p no:cacheprovider -m gpu -q tests/learner/test_gpu_update.py
 fi
 bench=(-m bench.learner --device "$device" --policy-size "$size" "${sizes[@]}")
-run bf16-shared 150 "${bench[@]}" --dtype bf16 --critic shared --zero 2 3 --out "$out/learner-bf16-shared.json"
-run fp32-shared 170 "${bench[@]}" --dtype fp32 --critic shared --zero 2 3 --out "$out/learner-fp32-shared.json"
+run bf16-shared 150 "${bench[@]}" --dtype bfloat16 --critic shared --zero 2 3 --out "$out/learner-bf16-shared.json"
+run fp32-shared 170 "${bench[@]}" --dtype float32 --critic shared --zero 2 3 --out "$out/learner-fp32-shared.json"
 run logprob-gap 90 -m bench.logprob_gap --device "$device" --policy-size "$size" "${gap_sizes[@]}" \
   --out "$out/logprob-gap.json"
-maybe bf16-separate 90 "${bench[@]}" --dtype bf16 --critic separate --zero 2 --out "$out/learner-bf16-separate.json"
-maybe fp32-separate 120 "${bench[@]}" --dtype fp32 --critic separate --zero 2 --out "$out/learner-fp32-separate.json"
+maybe bf16-separate 90 "${bench[@]}" --dtype bfloat16 --critic separate --zero 2 --out "$out/learner-bf16-separate.json"
+maybe fp32-separate 120 "${bench[@]}" --dtype float32 --critic separate --zero 2 --out "$out/learner-fp32-separate.json"
 
 echo "gpu-learner-check: summary ($device, policy size $size, ${SECONDS}s, JSON in $out)"
 grep -E "== |failed|trainable parameters|per update|plain torch =|MFU|logprob gap:" "$log"

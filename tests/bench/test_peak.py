@@ -41,11 +41,11 @@ def test_bf16_flag_is_the_learner_dtype_knob():
     from learner.config import LearnerConfig
 
     wl = {"value": "unused"}
-    for flag, enabled in (("bf16", True), ("fp32", False)):
+    for flag, enabled in (("bfloat16", True), ("float32", False)):
         args = parse_args(["--dtype", flag, "--critic", "shared"])
         ds = LearnerConfig.from_dict(config(args, wl, 2)).deepspeed_config(1)
         assert ds["bf16"] == {"enabled": enabled}
-    assert parse_args([]).dtype == "fp32" and parse_args([]).device == "cpu"
+    assert parse_args([]).dtype == "float32" and parse_args([]).device == "cpu"
 
 
 def test_cuda_without_a_gpu_is_a_one_line_error(monkeypatch, capsys):
