@@ -46,7 +46,14 @@ class EstimatorOptions:
     gamma: float = 1.0
     lam: float = 0.95
     scale_by_std: bool = True   # grpo: divide by the group's std (false: Dr. GRPO)
+    whiten_gae: bool = True     # gae: whiten the advantages over the batch (ppo.whiten_advantages)
     eps: float = 1e-6
+
+
+def batch_whiten(x: Tensor, mask: Tensor, reduce=local_sums) -> Tensor:
+    """``x`` whitened over the whole batch in float64 (its statistics are sums over every
+    rank's rows when ``reduce`` all-reduces), back in ``x``'s dtype."""
+    return whiten(x.double(), mask, reduce=reduce).to(x.dtype)
 
 
 Result = Tuple[Tensor, Optional[Tensor]]
@@ -102,7 +109,7 @@ def gae_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums)
     """GAE on the critic's values (core.advantages.gae), then whitened over the batch."""
     require(x.values is not None, "gae: needs the critic's values (learner.critic shared or separate)")
     adv, ret = gae(x.rewards, x.values, x.mask, opt.gamma, opt.lam)
-    return whiten(adv, x.mask, reduce=reduce), ret
+    return (batch_whiten(adv, x.mask, reduce) if opt.whiten_gae else adv), ret
 
 
 def grpo_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
@@ -130,7 +137,7 @@ def reinforce_pp_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=lo
     """REINFORCE++: the returns-to-go of the dense rewards (KL per token, score at the end),
     whitened over the whole batch (``reduce``: over every rank's rows)."""
     _check("reinforce_pp", x)
-    return whiten(returns_to_go(x.rewards, x.mask, opt.gamma), x.mask, reduce=reduce), None
+    return batch_whiten(returns_to_go(x.rewards, x.mask, opt.gamma), x.mask, reduce), None
 
 
 def reinforce_pp_baseline_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
@@ -141,7 +148,7 @@ def reinforce_pp_baseline_advantages(x: AdvantageInputs, opt: EstimatorOptions, 
     last = x.mask.shape[1] - 1 - torch.flip((x.mask != 0).to(torch.int64), [1]).argmax(dim=1)
     rows = torch.arange(x.mask.shape[0], device=x.mask.device)
     rewards = x.rewards.detach().index_put((rows, last), -mean, accumulate=True)
-    return whiten(returns_to_go(rewards, x.mask, opt.gamma), x.mask, reduce=reduce), None
+    return batch_whiten(returns_to_go(rewards, x.mask, opt.gamma), x.mask, reduce), None
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,10 @@ def test_gae_needs_values_and_matches_core_gae():
     values = torch.linspace(-1, 1, 18).reshape(6, 3)
     adv, returns = estimator("gae").fn(inputs(values=values), EstimatorOptions(gamma=1.0, lam=0.9))
     raw, want_returns = gae(inputs().rewards, values, MASK, 1.0, 0.9)
-    assert torch.equal(adv, whiten(raw, MASK)) and torch.equal(returns, want_returns)
+    # as the learner whitens today: in float64, over the global batch
+    assert torch.equal(adv, whiten(raw.double(), MASK).float()) and torch.equal(returns, want_returns)
+    unwhitened, _ = estimator("gae").fn(inputs(values=values), EstimatorOptions(lam=0.9, whiten_gae=False))
+    assert torch.equal(unwhitened, raw)
     with pytest.raises(ValueError, match="gae: needs the critic's values"):
         estimator("gae").fn(inputs(), EstimatorOptions())
 
