@@ -23,7 +23,8 @@ RESUME_DIR = "checkpoints/resume"
 # Settings a checkpoint's meaning depends on: a resume that changes one is refused.
 PINNED_KEYS = ("model.policy", "model.tokenizer", "learner.replicas", "learner.zero_stage",
                "data.path", "data.field", "data.seed", "data.prompts_per_step", "data.eval_prompts",
-               "generator.sampling.n", "reference.model")
+               "generator.sampling.n", "reference.model",
+               "learner.dtype")  # the learner state's precision, as resolved
 
 
 class CheckpointError(ValueError):
@@ -54,6 +55,9 @@ class RunState:
 def pinned_values(cfg) -> dict:
     out = {}
     for key in PINNED_KEYS:
+        if key == "learner.dtype":  # as resolved (model.dtype=auto may differ on another machine)
+            out[key] = cfg.precision()["learner"][0]
+            continue
         node = cfg
         for part in key.split("."):
             node = getattr(node, part)

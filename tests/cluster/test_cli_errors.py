@@ -85,7 +85,7 @@ def _old_runs(d: Path) -> None:
     """Run folders to resume from, as runs leave them: cut short, corrupted, made another way."""
     state = {"step": 2, "version": 2, "batches_issued": 2, "unfinished": [], "kl_beta": 0.05,
              "pinned": {"model.policy": "builtin:tiny-30m"}}
-    for name in ("incomplete", "corrupt", "other_model", "finished", "no_learner", "scaled"):
+    for name in ("incomplete", "corrupt", "other_model", "finished", "no_learner", "scaled", "other_dtype"):
         (d / name).mkdir()
         (d / name / "status.json").write_text(json.dumps({"state": "stopped"}))
     (d / "incomplete" / "checkpoints/resume/.step-000002.partial").mkdir(parents=True)  # a crash mid-write
@@ -93,6 +93,8 @@ def _old_runs(d: Path) -> None:
     (d / "no_learner" / "checkpoints/resume/step-000002/state.json").write_text(json.dumps({**state, "pinned": {}}))
     for name, text in (("corrupt", '{"step": 2, "vers'), ("other_model", json.dumps(state)),
                        ("finished", json.dumps({**state, "step": 20, "pinned": {}})),
+                       # trained in bf16; resumed with model.dtype=float32 below
+                       ("other_dtype", json.dumps({**state, "pinned": {"learner.dtype": "bfloat16"}})),
                        # cluster.scale grew the generators before the stop: the resume starts that many
                        ("scaled", json.dumps({**state, "pinned": {}, "pool_sizes": {"generator": 1000}}))):
         (d / name / "checkpoints/resume/step-000002").mkdir(parents=True)
@@ -196,6 +198,9 @@ CASES = [
                  id="resume-corrupt-checkpoint"),
     pytest.param(["run.resume={inputs}/other_model"], "run.resume: model.policy='builtin:tiny' differs from the "
                  "checkpoint's 'builtin:tiny-30m'", id="resume-changed-model"),
+    pytest.param(["run.resume={inputs}/other_dtype", "model.dtype=float32"],
+                 "run.resume: learner.dtype='float32' differs from the checkpoint's 'bfloat16'",
+                 id="resume-changed-precision"),
     pytest.param(["run.resume={inputs}/finished", "run.steps=20"],
                  "already trained 20 steps of run.steps=20; raise run.steps",
                  id="resume-finished-run"),
