@@ -39,7 +39,8 @@ def test_async_trains_partial_rollouts_with_off_policy_weights(cluster, tmp_path
     version later with per-token behaviour log-probs of two versions, the off-policy weights
     move off 1, and the policy still learns."""
     argv = [f"run.dir={tmp_path}", "run.name=async-partial", "run.mode=async", "buffer.max_staleness=1",
-            "generator.engine.max_num_seqs=2", "run.steps=12", "run.eval_every=0"]
+            "generator.engine.max_num_seqs=2", "run.steps=12", "run.eval_every=0",
+            "model.dtype=float32"]  # fp32 generation is slow enough here for every push to land mid-generate
     assert train.main(argv) == 0
     run_dir = tmp_path / "async-partial"
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -177,7 +177,8 @@ def test_pools_change_while_running(cluster, tmp_path, driver_loads):
     from cluster.runtime.launch import create_pools
     from cluster.runtime.metrics import RunMetrics
 
-    cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0"])
+    cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0",
+                                       "model.dtype=float32"])  # the 1e-3 log-prob gap check below
     policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
     try:
@@ -211,7 +212,7 @@ def test_pools_change_while_running(cluster, tmp_path, driver_loads):
 
 def test_async_bounded_staleness(cluster, tmp_path, driver_loads):
     _, steps = run(tmp_path, "async", "run.mode=async", "buffer.max_staleness=0",
-                   "run.steps=5", "run.eval_every=0")
+                   "run.steps=5", "run.eval_every=0", "model.dtype=float32")  # the 1e-3 gap check below
     assert [m["policy/version"] for m in steps] == list(range(1, 6))
     assert max(m["buffer/staleness_max"] for m in steps) == 0
     # The staleness above is computed from the generators' version tags; the logprob gap is
