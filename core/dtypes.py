@@ -3,6 +3,7 @@ core.choices.TrainableDType), the torch dtype of a name, and what ``model.dtype:
 on a device."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")  # inference (reference, reward, vLLM) accepts any
@@ -23,12 +24,18 @@ def torch_dtype(name, role: str):
     return getattr(torch, name)
 
 
+@functools.lru_cache(maxsize=1)
+def _local_cpuinfo() -> str:
+    """This machine's /proc/cpuinfo, read once (the config asks on every checkpoint)."""
+    path = Path("/proc/cpuinfo")
+    return path.read_text() if path.exists() else ""
+
+
 def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
     """The native-bf16 instruction sets this CPU reports (AMX-BF16, AVX512-BF16), from
     /proc/cpuinfo's flags; [] where it reports none or the file is absent (not Linux)."""
     if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.exists() else ""
+        cpuinfo = _local_cpuinfo()
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
     return [name for flag, name in BF16_CPU_FLAGS.items() if flag in flags]
 

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from core.advantages import gae
+from core.layout import last_token_index
 from core.masked import check_masked, check_shapes, local_sums, require, whiten, zero_pad
 
 Tensor = torch.Tensor
@@ -145,7 +146,7 @@ def reinforce_pp_baseline_advantages(x: AdvantageInputs, opt: EstimatorOptions, 
     token's reward first, then returns-to-go and batch whitening as reinforce_pp."""
     _check("reinforce_pp_baseline", x)
     mean, _ = group_baseline(x.scores.detach().to(x.rewards.dtype), x.group, leave_one_out=False)
-    last = x.mask.shape[1] - 1 - torch.flip((x.mask != 0).to(torch.int64), [1]).argmax(dim=1)
+    last = last_token_index((x.mask != 0).long())
     rows = torch.arange(x.mask.shape[0], device=x.mask.device)
     rewards = x.rewards.detach().index_put((rows, last), -mean, accumulate=True)
     return batch_whiten(returns_to_go(rewards, x.mask, opt.gamma), x.mask, reduce), None

@@ -204,7 +204,8 @@ class LearnerWorker:
         engine = self.update.engine
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
         # ZeRO-3 hands its torch optimizer the flat fp32 partitions only inside step()
-        masters = [p for g in inner.param_groups for p in g["params"]] or list(
-            getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+        master = next((p for g in inner.param_groups for p in g["params"]), None)
+        if master is None:
+            master = engine.optimizer.fp32_partitioned_groups_flat[0]
         name = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
-        return {"dtype": name(next(engine.module.parameters())), "master_dtype": name(masters[0])}
+        return {"dtype": name(next(engine.module.parameters())), "master_dtype": name(master)}

@@ -229,7 +229,9 @@ def test_async_bounded_staleness(cluster, tmp_path, driver_loads):
     assert sum(m["perf/admission_wait_seconds"] for m in steps) > 0
     # Each step reports the generation work done while it waited; none of it is lost.
     assert sum(m["rollouts/prompts"] for m in steps) >= 5 * 16
-    assert all(m["perf/tokens_per_s"] > 0 for m in steps[1:])
+    # A step whose batch went out during the previous one (a short take admits the next batch
+    # at once) reports no generation of its own: rate and prompts agree either way.
+    assert all((m["perf/tokens_per_s"] > 0) == (m["rollouts/prompts"] > 0) for m in steps)
     assert driver_loads["rollouts"] == 0
 
 
