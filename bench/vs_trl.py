@@ -53,7 +53,8 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (TRL, tether, TRL, tether, ...)")
     ap.add_argument("--prompts", type=int, default=64, help="prompts per PPO step (one response each)")
     ap.add_argument("--new-tokens", type=int, default=128, help="response tokens per prompt (no EOS stop)")
-    ap.add_argument("--sides", default="trl,separate,shared", help="which runs: trl, separate, shared")
+    ap.add_argument("--sides", default="trl,separate,shared",
+                    help="which runs: trl, separate, shared, none (tether with no critic: ppo.advantage=reinforce_pp)")
     ap.add_argument("--pool-cpus", default=None,
                     help="tether pool CPUs, e.g. generator=8,learner=4 (default: as shipped, no hand-tuning)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -65,8 +66,8 @@ def parse_args(argv):
         raise BenchError("--steps, --rounds and --new-tokens must be >= 1 and --prompts a multiple of 4 "
                          "(4 minibatches per epoch)", 2)
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not args.sides or set(args.sides) - {"trl", "separate", "shared"}:
-        raise BenchError(f"--sides={','.join(args.sides)}: use a comma list of trl, separate, shared", 2)
+    if not args.sides or set(args.sides) - set(LABELS):
+        raise BenchError(f"--sides={','.join(args.sides)}: use a comma list of {', '.join(LABELS)}", 2)
     return args
 
 
@@ -131,6 +132,8 @@ def tether_command(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_di
          *(f"{pool}.num_cpus={n}" for pool, n in cpus.items())]
     if critic == "separate":
         o.append(f"learner.critic_model={wl['value']}")
+    if critic == "none":  # critic-free: the same update without a value model (no groups: n=1 here)
+        o.append("ppo.advantage=reinforce_pp")
     return [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs" / "bench-30m.yaml"), *o]
 
 
@@ -203,7 +206,8 @@ def summarise(runs: list[dict], new_tokens: int, prompts: int) -> dict:
     return out
 
 
-LABELS = {"trl": "TRL 1.12 PPOTrainer", "separate": "tether critic=separate", "shared": "tether critic=shared"}
+LABELS = {"trl": "TRL 1.12 PPOTrainer", "separate": "tether critic=separate", "shared": "tether critic=shared",
+          "none": "tether critic=none"}
 
 
 def work_floor(trl: dict) -> dict:

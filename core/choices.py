@@ -1,5 +1,5 @@
 """The named choices of the configs as Literal types: PPO's (KL estimators and placements, loss
-aggregations, off-policy corrections, where pi_old comes from), the learner's (optimizer, lr
+aggregations, off-policy corrections, where pi_old comes from, advantage estimators), the learner's (optimizer, lr
 decay, dtype, critic, weight transport) and the run's (mode, CPU threads, placement, pair labels), with
 the tuples of PPO's names and the one cross-check between them. A config key typed with one of
 these is checked against it by the loader (core/schema.py), never by a hand-written test.
@@ -21,7 +21,9 @@ Optimizer = Literal["adamw", "sgd"]
 LRDecay = Literal["linear", "cosine", "constant"]
 TrainableDType = Literal["float32", "bfloat16"]  # the learner's: fp16 would need loss scaling
 Precision = Literal["auto", "float32", "bfloat16"]  # the job's model.dtype (core/dtypes.py resolves auto)
-Critic = Literal["shared", "separate"]
+Critic = Literal["shared", "separate", "none"]
+# The advantage estimators (core/estimators.py holds the math); the critic-free ones train no value model.
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/weight_sync.py, *_sync.py)
 RunMode = Literal["sync", "async"]
 CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/threads.py
@@ -32,6 +34,9 @@ KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 KL_PLACEMENTS: tuple[str, ...] = get_args(KLPlacement)
 AGG_MODES: tuple[str, ...] = get_args(LossAggregation)
 OFF_POLICY_MODES: tuple[str, ...] = get_args(OffPolicyCorrection)
+ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimator)
+CRITIC_FREE: tuple[str, ...] = ESTIMATOR_NAMES[1:]   # every estimator but gae
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_pp_baseline")  # baseline from a prompt's samples
 
 
 def kl_placement_error(placement: str, estimator: str) -> Optional[str]:

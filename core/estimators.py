@@ -31,15 +31,20 @@ class AdvantageInputs:
 
     rewards: [B, T] dense per-token rewards (core.advantages.per_token_rewards: the score on
         the last valid token, minus beta x the per-token KL when the KL is in the reward);
-    scores: [B] the outcome reward per sequence (the score alone, no KL);
-    mask: [B, T] valid response tokens; group: [B] int group id per row (its prompt);
-    values: [B, T] the critic's values (GAE only), else None.
+    scores: [B] each sequence's return: the sum of its rewards (the score, less the KL penalty
+        when the KL is in the reward), what the group estimators compare;
+    mask: [B, T] valid response tokens; group: [B] int64 group id per row (its prompt);
+    values: [B, T] the critic's values (GAE only), else None;
+    population: (scores [N], group [N]) of the whole batch when these rows are one rank's
+        share of it (their own among them): group statistics are taken over it. None: these
+        rows are the whole batch.
     """
     rewards: Tensor
     scores: Tensor
     mask: Tensor
     group: Tensor
     values: Optional[Tensor] = None
+    population: Optional[Tuple[Tensor, Tensor]] = None
 
 
 @dataclass(frozen=True)
@@ -60,15 +65,29 @@ def batch_whiten(x: Tensor, mask: Tensor, reduce=local_sums) -> Tensor:
 Result = Tuple[Tensor, Optional[Tensor]]
 
 
-def group_baseline(scores: Tensor, group: Tensor, *, leave_one_out: bool) -> Tuple[Tensor, Tensor]:
+def _group_sums(scores: Tensor, group: Tensor, population) -> Tuple[Tensor, Tensor, Tensor]:
+    """(count, sum, sum of squares about the group mean), each [B]: the statistics of each
+    row's group over ``population`` (scores [N], group [N]; these rows among them), or over
+    the rows themselves when it is None."""
+    pop_scores, pop_group = population if population is not None else (scores, group)
+    check_shapes("group statistics", "population scores", pop_scores.shape, group=pop_group)
+    _, index = torch.unique(torch.cat([pop_group, group]), return_inverse=True)
+    pop, rows = index[:pop_group.numel()], index[pop_group.numel():]
+    size = int(index.max()) + 1
+    pop_scores = pop_scores.to(scores.dtype)
+    count = torch.zeros(size, dtype=scores.dtype, device=scores.device).index_add(0, pop, torch.ones_like(pop_scores))
+    total = torch.zeros_like(count).index_add(0, pop, pop_scores)
+    mean = total / count.clamp(min=1)
+    squares = torch.zeros_like(count).index_add(0, pop, (pop_scores - mean[pop]) ** 2)
+    return count[rows], total[rows], squares[rows]
+
+
+def group_baseline(scores: Tensor, group: Tensor, *, leave_one_out: bool, population=None) -> Tuple[Tensor, Tensor]:
     """(baseline [B], group size [B]): each row's group mean of ``scores`` [B], or with
-    ``leave_one_out`` the mean of the OTHER rows of its group; 0 for a group of one."""
+    ``leave_one_out`` the mean of the OTHER rows of its group; 0 for a group of one.
+    ``population``: the (scores [N], group [N]) the groups are taken over, these rows included."""
     check_shapes("group_baseline", "scores", scores.shape, group=group)
-    _, index = torch.unique(group, return_inverse=True)
-    count = torch.zeros(int(index.max()) + 1, dtype=scores.dtype, device=scores.device)
-    count = count.index_add(0, index, torch.ones_like(scores))
-    total = torch.zeros_like(count).index_add(0, index, scores)
-    n, s = count[index], total[index]
+    n, s, _ = _group_sums(scores, group, population)
     if leave_one_out:
         baseline = torch.where(n > 1, (s - scores) / (n - 1).clamp(min=1), torch.zeros_like(scores))
     else:
@@ -76,13 +95,10 @@ def group_baseline(scores: Tensor, group: Tensor, *, leave_one_out: bool) -> Tup
     return baseline, n
 
 
-def group_std(scores: Tensor, group: Tensor) -> Tensor:
+def group_std(scores: Tensor, group: Tensor, population=None) -> Tensor:
     """[B] the unbiased standard deviation of each row's group (1 for a group of one)."""
-    mean, n = group_baseline(scores, group, leave_one_out=False)
-    _, index = torch.unique(group, return_inverse=True)
-    sq = torch.zeros(int(index.max()) + 1, dtype=scores.dtype, device=scores.device)
-    sq = sq.index_add(0, index, (scores - mean) ** 2)[index]
-    return torch.where(n > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.ones_like(scores))
+    n, _, squares = _group_sums(scores, group, population)
+    return torch.where(n > 1, (squares / (n - 1).clamp(min=1)).sqrt(), torch.ones_like(scores))
 
 
 def _on_tokens(per_sequence: Tensor, mask: Tensor) -> Tensor:
@@ -118,10 +134,10 @@ def grpo_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums
     only the mean is taken off (Dr. GRPO). A group whose scores are equal gets 0."""
     _check("grpo", x)
     scores = x.scores.detach().to(torch.float32)
-    mean, _ = group_baseline(scores, x.group, leave_one_out=False)
+    mean, _ = group_baseline(scores, x.group, leave_one_out=False, population=x.population)
     adv = scores - mean
     if opt.scale_by_std:  # equal scores: nothing to learn, 0 (not 0 / 0)
-        std = group_std(scores, x.group)
+        std = group_std(scores, x.group, x.population)
         adv = torch.where(std > 0, adv / (std + opt.eps), torch.zeros_like(adv))
     return _on_tokens(adv, x.mask), None
 
@@ -130,7 +146,7 @@ def rloo_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums
     """score minus the mean score of the group's other samples, on every token."""
     _check("rloo", x)
     scores = x.scores.detach().to(torch.float32)
-    baseline, _ = group_baseline(scores, x.group, leave_one_out=True)
+    baseline, _ = group_baseline(scores, x.group, leave_one_out=True, population=x.population)
     return _on_tokens(scores - baseline, x.mask), None
 
 
@@ -145,7 +161,8 @@ def reinforce_pp_baseline_advantages(x: AdvantageInputs, opt: EstimatorOptions, 
     """REINFORCE++ with a group baseline: the group's mean score is taken off the last
     token's reward first, then returns-to-go and batch whitening as reinforce_pp."""
     _check("reinforce_pp_baseline", x)
-    mean, _ = group_baseline(x.scores.detach().to(x.rewards.dtype), x.group, leave_one_out=False)
+    mean, _ = group_baseline(x.scores.detach().to(x.rewards.dtype), x.group, leave_one_out=False,
+                             population=x.population)
     last = last_token_index((x.mask != 0).long())
     rows = torch.arange(x.mask.shape[0], device=x.mask.device)
     rewards = x.rewards.detach().index_put((rows, last), -mean, accumulate=True)

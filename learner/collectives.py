@@ -1,4 +1,5 @@
-"""All-reduces of a few scalars across the learner ranks (counts, sums, maxima for metrics)."""
+"""All-reduces of a few scalars across the learner ranks (counts, sums, maxima for metrics), and
+the all-gather of a few numbers per rollout (the group estimators' scores)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -21,6 +22,15 @@ class Collectives:
 
     def max(self, values: Sequence) -> list[float]:
         return self._reduce(values, dist.ReduceOp.MAX)
+
+    def gather_rows(self, rows: Sequence[Sequence[float]]) -> list[list[float]]:
+        """Every rank's ``rows`` [n, k] (the same n and k on every rank), rank 0's first: [W*n, k]."""
+        t = torch.tensor([[float(v) for v in row] for row in rows], dtype=torch.float64, device=self.device)
+        if self.world_size == 1:
+            return t.tolist()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t)
+        return torch.cat(parts).tolist()
 
     def barrier(self) -> None:
         if self.world_size > 1:

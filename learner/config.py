@@ -15,6 +15,8 @@ from dataclasses import asdict, fields
 from typing import Optional
 
 from core.choices import (
+    CRITIC_FREE,
+    AdvantageEstimator,
     Critic,
     KLEstimator,
     LossAggregation,
@@ -121,10 +123,16 @@ class PPOConfig:
     entropy_coef: float = setting(0.0, "weight of the entropy bonus (subtracted from the loss)")
     ptx_coef: float = setting(0.0, "gamma of InstructGPT's PPO-ptx: weight of the pretraining LM loss "
                                    "(text: ptx.*)")
-    gamma: float = setting(1.0, "GAE discount")
+    advantage: AdvantageEstimator = setting(
+        "gae", "advantage estimator: gae (the critic's values) | grpo | rloo | reinforce_pp | "
+               "reinforce_pp_baseline (critic-free; core/estimators.py)")
+    group_std: bool = setting(True, "grpo: divide each advantage by its group's score std; false: Dr. GRPO "
+                                    "(the group mean is taken off, nothing divided)")
+    gamma: float = setting(1.0, "discount of GAE and REINFORCE++'s returns")
     lam: float = setting(0.95, "GAE lambda")
     agg: LossAggregation = setting("token-mean", "loss aggregation, see core.ppo.aggregate_loss")
-    whiten_advantages: bool = setting(True, "normalise advantages over the global batch")
+    whiten_advantages: bool = setting(True, "gae: normalise advantages over the global batch (REINFORCE++ always "
+                                            "does; grpo and rloo never)")
     shuffle: bool = setting(True, "shuffle rollouts into minibatches each epoch (seeded)")
     off_policy: OffPolicyCorrection = setting("tis", "correction for rollouts sampled by other weights: "
                                                      "none | tis | decoupled (core.ppo.behaviour_weights)")
@@ -171,7 +179,9 @@ class TrainerConfig:
     dtype: Optional[TrainableDType] = setting(None, "float32 | bfloat16 (bf16 keeps fp32 master weights); "
                                                     "null = model.dtype")
     optim: OptimConfig
-    critic: Critic = setting("shared", "shared: value head on the policy body | separate: own body")
+    critic: Optional[Critic] = setting(None, "shared: value head on the policy body | separate: own body | none: "
+                                             "no value model; null = shared with ppo.advantage=gae, none with "
+                                             "the critic-free estimators")
     critic_model: Optional[str] = setting(None, "with critic=separate: a sequence-classification checkpoint "
                                                 "(reward model)")
     dist_timeout_s: float = setting(600.0, "collectives waiting longer than this fail instead of hanging")
@@ -224,6 +234,23 @@ class LearnerConfig(TrainerConfig):
             if problem:
                 _fail(f"learner: {problem}")
         self.ppo.validate(world_size)
+        self._check_critic()
+
+    @property
+    def value_model(self) -> Critic:
+        """The critic this run trains: ``critic``, or what ``ppo.advantage`` implies when null."""
+        if self.critic is not None:
+            return self.critic
+        return "none" if self.ppo.advantage in CRITIC_FREE else "shared"
+
+    def _check_critic(self) -> None:
+        name = self.ppo.advantage
+        if name in CRITIC_FREE and self.critic in ("shared", "separate"):
+            _fail(f"learner.critic={self.critic} trains a value model that ppo.advantage={name} never reads; "
+                  "set learner.critic=none (or leave it null)")
+        if name not in CRITIC_FREE and self.critic == "none":
+            _fail(f"learner.critic=none leaves ppo.advantage={name} without values; use critic shared or "
+                  f"separate, or a critic-free estimator ({' | '.join(CRITIC_FREE)})")
 
     def check_device(self, has_cuda: bool) -> None:
         """Checks that depend on the rank's hardware. Called by each LearnerWorker, not by

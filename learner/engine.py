@@ -23,7 +23,8 @@ def build_engine(model: str, config: LearnerConfig, world_size: int, kind: str =
         policy = RewardModule.from_pretrained(model)
         body = policy.model
     else:
-        policy = PolicyWithValueHead.from_pretrained(model, critic=config.critic, critic_model=config.critic_model)
+        policy = PolicyWithValueHead.from_pretrained(model, critic=config.value_model,
+                                                     critic_model=config.critic_model)
         body = policy.lm
     if config.gradient_checkpointing:
         body.gradient_checkpointing_enable()

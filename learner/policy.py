@@ -3,12 +3,13 @@
 Shared critic (default): the value head reads the policy's own last hidden state,
 so one forward gives logits and values. Separate critic: the value head reads a
 second body, taken from a sequence-classification checkpoint (normally the reward
-model), behind the same interface. Either way the whole thing is one nn.Module, so
-one DeepSpeed engine trains it with one optimiser.
+model), behind the same interface. No critic (the critic-free estimators): no value
+head, values read 0. Either way the whole thing is one nn.Module, so one DeepSpeed
+engine trains it with one optimiser.
 
 On disk: the LM is a plain HF checkpoint (AutoModelForCausalLM loads it
 unchanged, which is what vLLM needs), with ``value_head.safetensors`` beside it
-and, for a separate critic, the critic body under ``critic/``.
+(unless there is no critic) and, for a separate critic, the critic body under ``critic/``.
 """
 from __future__ import annotations
 
@@ -85,17 +86,17 @@ class PolicyWithValueHead(HFWrapper):
     wrapped = "lm"
 
     def __init__(self, lm: nn.Module, value_head: Optional[nn.Linear] = None,
-                 critic_body: Optional[nn.Module] = None) -> None:
+                 critic_body: Optional[nn.Module] = None, *, with_values: bool = True) -> None:
         super().__init__()
         self.lm = lm
         self.critic_body = critic_body
         hidden = (critic_body if critic_body is not None else lm).config.hidden_size
-        if value_head is None:
+        if value_head is None and with_values:
             # Zero init: V = 0 at the start (the GAE boundary value), identical on every rank.
             value_head = nn.Linear(hidden, 1)
             nn.init.zeros_(value_head.weight)
             nn.init.zeros_(value_head.bias)
-        self.value_head = value_head
+        self.value_head = value_head  # None: no critic (the critic-free estimators); values are 0
         disable_dropout(self)
 
     def _hidden(self, body: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
@@ -120,6 +121,8 @@ class PolicyWithValueHead(HFWrapper):
         return out.logits, seen[-1]
 
     def _values(self, policy_hidden, input_ids, attention_mask, position_ids, cols=None):
+        if self.value_head is None:  # no critic: zeros, no parameters, nothing to train
+            return policy_hidden.new_zeros(policy_hidden.shape[:2], dtype=torch.float32)
         if self.critic_body is None:
             hidden = policy_hidden
         else:
@@ -194,7 +197,8 @@ class PolicyWithValueHead(HFWrapper):
         sd = state_dict if state_dict is not None else self.state_dict()
         part = lambda prefix: self.state_part(prefix, sd)  # noqa: E731
         self.lm.save_pretrained(out, state_dict=part("lm."), safe_serialization=True)
-        save_file(part("value_head."), str(out / VALUE_HEAD_FILE))
+        if self.value_head is not None:
+            save_file(part("value_head."), str(out / VALUE_HEAD_FILE))
         if self.critic_body is not None:
             self.critic_body.save_pretrained(out / CRITIC_DIR, state_dict=part("critic_body."),
                                              safe_serialization=True)
@@ -210,7 +214,8 @@ class PolicyWithValueHead(HFWrapper):
         """Load the LM from ``path``; the value head from ``value_head.safetensors`` if present.
 
         Without a saved head: zero init (shared), or the reward model's score head
-        (separate critic), the usual RLHF critic initialisation.
+        (separate critic), the usual RLHF critic initialisation. ``critic="none"``: no value
+        head at all (a saved one is left unread).
         """
         from transformers import AutoModelForCausalLM
 
@@ -220,11 +225,11 @@ class PolicyWithValueHead(HFWrapper):
         critic_body, head = None, None
         if critic == "separate":
             critic_body, head = _load_critic(path, critic_model, dtype)
-        elif critic != "shared":
-            raise ValueError(f"PolicyWithValueHead: critic={critic!r} must be 'shared' or 'separate'")
-        model = cls(lm, head, critic_body)
+        elif critic not in ("shared", "none"):
+            raise ValueError(f"PolicyWithValueHead: critic={critic!r} must be 'shared', 'separate' or 'none'")
+        model = cls(lm, head, critic_body, with_values=critic != "none")
         saved = path / VALUE_HEAD_FILE
-        if saved.is_file():
+        if saved.is_file() and model.value_head is not None:
             from safetensors.torch import load_file
             model.value_head.load_state_dict(load_file(str(saved)))
         model.to(dtype)

@@ -58,7 +58,8 @@ class UpdateStats:
         return {"policy_loss": self.policy_loss / steps, "value_loss": self.value_loss / steps,
                 "clip_frac": self.clip_sum / tokens, "approx_kl": self.approx_kl_sum / tokens}
 
-    def metrics(self, reduce: Reduce, *, world_size: int, with_ptx: bool, with_kl_loss: bool = False) -> dict:
+    def metrics(self, reduce: Reduce, *, world_size: int, with_ptx: bool, with_kl_loss: bool = False,
+                with_values: bool = True) -> dict:
         """The ``ppo/*`` metrics over all ranks (one all-reduce; every rank must call)."""
         pg, vf, ptx, ent, kl, clip, vf_clip, tokens, kl_loss, kl_in_loss = reduce(
             [self.policy_loss, self.value_loss, self.ptx_loss, self.entropy_sum, self.approx_kl_sum,
@@ -68,6 +69,8 @@ class UpdateStats:
                "ppo/entropy": ent / tokens, "ppo/approx_kl": kl / tokens, "ppo/clip_frac": clip / tokens,
                "ppo/vf_clip_frac": vf_clip / tokens, "ppo/grad_norm": self.grad_norm_sum / steps,
                "ppo/lr": self.lr}
+        if not with_values:  # no critic: nothing was regressed
+            del out["ppo/value_loss"], out["ppo/vf_clip_frac"]
         if with_ptx:
             out["ppo/ptx_loss"] = ptx / (steps * world_size)
         if with_kl_loss:

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from core import ppo
-from core.advantages import gae
+from core.estimators import AdvantageInputs, EstimatorOptions, estimator
 from core.kl import kl_estimate
 from core.layout import position_ids
-from core.masked import explained_variance, whiten
+from core.masked import explained_variance
 from core.rollout import ScoredRollout
 from learner.batch import Batch, collate, collate_lm
 from learner.collectives import Collectives
@@ -28,7 +28,7 @@ from learner.stats import UpdateStats
 
 
 class PPOUpdate:
-    """Scores the shard, computes GAE and global whitening, then runs the clipped-loss epochs."""
+    """Scores the shard, computes its advantages (``ppo.advantage``), then runs the clipped-loss epochs."""
 
     def __init__(self, *, engine, config: LearnerConfig, rank: int, world_size: int,
                  collectives: Collectives, device: torch.device, pad_id: int) -> None:
@@ -39,6 +39,7 @@ class PPOUpdate:
         self.epoch_history: list[dict] = []  # this rank's per-epoch losses of the last train()
         self.last_ptx_rows: Optional[np.ndarray] = None  # [n, T] PTX rows of the last train()
         self.kl_coef = 0.0  # beta of the KL loss term in the current train()
+        self.critic = config.value_model != "none"  # a value model to train (gae), or none
 
     def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None,
               kl_coef: float = 0.0) -> dict:
@@ -49,7 +50,7 @@ class PPOUpdate:
         self.kl_coef = float(kl_coef) if self.config.kl_loss_estimator else 0.0
         global_tokens, horizon = self._check_shard(shard)
         batch = collate(shard, self.pad_id).to(self.device)
-        metrics = self._prepare(batch)
+        metrics = self._prepare(batch, shard)
         stats = UpdateStats()
         local_mb = self.config.ppo.minibatch_size // self.world_size
         epochs = [self._minibatches(len(batch), local_mb, e) for e in range(self.config.ppo.ppo_epochs)]
@@ -70,7 +71,8 @@ class PPOUpdate:
         seconds = time.perf_counter() - t0
         metrics.update(stats.metrics(self.comm.sum, world_size=self.world_size,
                                      with_ptx=bool(self.config.ppo.ptx_coef),
-                                     with_kl_loss=self.config.kl_loss_estimator is not None))
+                                     with_kl_loss=self.config.kl_loss_estimator is not None,
+                                     with_values=self.critic))
         if self.config.kl_loss_estimator is not None:
             metrics["ppo/kl_loss_coef"] = self.kl_coef
         metrics.update({"perf/learner_seconds": seconds,
@@ -110,32 +112,56 @@ class PPOUpdate:
                            values_only=values_only, with_own_set=with_own_set)
 
     @torch.no_grad()
-    def _prepare(self, batch: Batch) -> dict:
-        """Old logprobs/values under the current weights, GAE, globally whitened advantages.
+    def _prepare(self, batch: Batch, shard: list[ScoredRollout]) -> dict:
+        """Old logprobs/values under the current weights, then the advantages (ppo.advantage).
 
         ``old_logprobs: behaviour`` (sync mode: the sampler ran these very weights) takes the
         sampler's log-probs as pi_old, so only the values need a forward: with a separate
-        critic the policy body does not run here at all.
+        critic the policy body does not run here at all, and without a critic nothing does.
         """
         cfg = self.config.ppo
         recompute = cfg.old_logprobs == "recompute"
-        lp, v, own = self._score(batch, values_only=not recompute)
         mask = batch.response_mask
-        batch.old_logprobs, batch.old_values = (lp if recompute else batch.behaviour_logprobs) * mask, v * mask
+        lp = v = own = None
+        if recompute or self.critic:
+            lp, v, own = self._score(batch, values_only=not recompute)
+        batch.old_logprobs = (lp if recompute else batch.behaviour_logprobs) * mask
+        batch.old_values = v * mask if self.critic else torch.zeros_like(mask)
         # The off-policy weight's proximal policy samples from its own kept set (-inf outside);
         # the ratio's anchor is renormalised over the sampler's set, as the update's log-probs are.
         proximal = torch.where(mask != 0, own, 0.0) if recompute else batch.old_logprobs
-        adv, batch.returns = gae(batch.rewards, batch.old_values, mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:  # in float64: the statistics are sums over the global batch
-            adv = whiten(adv.double(), mask, reduce=self.comm.sum).to(adv.dtype)
-        batch.advantages = adv
+        batch.advantages, returns = self._advantages(batch, shard)
+        batch.returns = returns if returns is not None else torch.zeros_like(mask)
         batch.is_weights, _ = ppo.behaviour_weights(proximal, batch.behaviour_logprobs, mask,
                                                     cfg.off_policy, cfg.is_cap)
-        metrics = self._value_metrics(batch)
+        metrics = self._value_metrics(batch) if self.critic else self._advantage_metrics(batch)
         if recompute:
             metrics.update(self._agreement_metrics([(batch.old_logprobs, batch.behaviour_logprobs, mask)],
                                                    proximal))
         return metrics
+
+    def _advantages(self, batch: Batch, shard: list[ScoredRollout]):
+        """(advantages, returns or None), [B, R] each, by ``ppo.advantage`` (core/estimators.py).
+        Statistics over the batch are sums over every rank (all-reduces); a group estimator
+        gathers every rank's (group, return) pairs, since a prompt's samples may sit on
+        several ranks."""
+        cfg = self.config.ppo
+        chosen = estimator(cfg.advantage)
+        mask = batch.response_mask
+        seq_returns = (batch.rewards.double() * mask).sum(1)  # the score, less the KL when it is in the reward
+        keys = [(r.chunk_id, r.prompt_index) if r.chunk_id >= 0 else (-1, -1) for r in shard]
+        group = _group_ids(keys, offset=self.rank * len(shard))
+        population = None
+        if chosen.uses_groups:
+            rows = self.comm.gather_rows([(*k, float(s)) for k, s in zip(keys, seq_returns.tolist())])
+            everyone = torch.tensor(rows, dtype=torch.float64)
+            population = (everyone[:, 2].to(self.device),
+                          _group_ids(everyone[:, :2].long().tolist(), offset=0).to(self.device))
+        inputs = AdvantageInputs(rewards=batch.rewards, scores=seq_returns, mask=mask, group=group.to(self.device),
+                                 values=batch.old_values if self.critic else None, population=population)
+        options = EstimatorOptions(gamma=cfg.gamma, lam=cfg.lam, scale_by_std=cfg.group_std,
+                                   whiten_gae=cfg.whiten_advantages)
+        return chosen.fn(inputs, options, reduce=self.comm.sum)
 
     def _score(self, batch: Batch, values_only: bool = False):
         """(logprobs, values, own-set logprobs), each [B, R] float32 under the current weights,
@@ -160,6 +186,14 @@ class PPOUpdate:
         n, s_ret, s_val = self.comm.sum([m.sum(), (ret * m).sum(), (val * m).sum()])
         ev = explained_variance(val, ret, b.response_mask, reduce=self.comm.sum)
         return {"ppo/explained_variance": float(ev), "ppo/returns_mean": s_ret / n, "ppo/values_mean": s_val / n}
+
+    def _advantage_metrics(self, b: Batch) -> dict:
+        """The critic-free estimators' signal: how big the advantages are, and how much of the
+        batch has none (a group whose returns are all equal teaches nothing)."""
+        m = b.response_mask.double()
+        adv = b.advantages.double() * m
+        n, s_abs, s_zero = self.comm.sum([m.sum(), adv.abs().sum(), ((adv == 0).double() * m).sum()])
+        return {"advantage/abs_mean": s_abs / n, "advantage/zero_frac": s_zero / n}
 
     def _agreement_metrics(self, parts: list, proximal=None) -> dict:
         """How far the sampling policy is from the learner's weights at the start of the update,
@@ -235,8 +269,10 @@ class PPOUpdate:
         kw = dict(agg=cfg.agg, global_tokens=n_tok, global_seqs=n_seq, horizon=horizon)
         pg, clip_frac, approx_kl = ppo.policy_loss(lp, mic.old_logprobs, mic.advantages, m, cfg.clip_low,
                                                    cfg.clip_high, cfg.dual_clip, weights=mic.is_weights, **kw)
-        vf, vf_clip = ppo.value_loss(v, mic.old_values, mic.returns, m, cfg.value_clip, **kw)
-        loss = pg + cfg.vf_coef * vf
+        loss, vf, vf_clip = pg, torch.zeros(()), torch.zeros(())
+        if self.critic:
+            vf, vf_clip = ppo.value_loss(v, mic.old_values, mic.returns, m, cfg.value_clip, **kw)
+            loss = loss + cfg.vf_coef * vf
         if self.config.kl_loss_estimator is not None:  # the KL to the reference, with its gradient
             kl, kl_mean = ppo.kl_loss(lp, mic.reference_logprobs, m, self.config.kl_loss_estimator, **kw)
             loss = loss + self.kl_coef * kl
@@ -278,6 +314,14 @@ class PPOUpdate:
             # head joins the graph at zero weight so ZeRO's gradient reductions line up.
             self.engine.backward(self.config.ppo.ptx_coef * lm + values.sum() * 0.0, scale_wrt_gas=False)
             self._engine_step(stats)
+
+
+def _group_ids(keys: list, offset: int) -> torch.Tensor:
+    """[n] int64 group ids from (chunk id, prompt index) pairs: one per prompt, the same on
+    every rank. A row with no chunk (-1, -1) is a group of its own, told apart by its row
+    (``offset``: the row's position in the gathered batch less its index here)."""
+    ids = [(int(c) << 32) + int(p) if c >= 0 else -1 - (offset + i) for i, (c, p) in enumerate(keys)]
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def _as_float(x) -> float:

@@ -20,7 +20,16 @@ from actors.config import EngineConfig, SamplingConfig
 from cluster.config import loader
 from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
-from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
+from core.choices import (
+    GROUP_ESTIMATORS,
+    CPUThreads,
+    KLEstimator,
+    KLPlacement,
+    PlacementStrategy,
+    Precision,
+    RunMode,
+    kl_placement_error,
+)
 from core.dtypes import resolve_precision
 from core.schema import config_class, setting
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
@@ -326,6 +335,11 @@ def _check_step(cfg: TetherConfig) -> None:
         raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x "
                           f"generator.sampling.n) but ppo.minibatch_size={cfg.ppo.minibatch_size}; "
                           "lower the minibatch or raise prompts_per_step")
+    n = cfg.generator.sampling.n
+    if cfg.ppo.advantage in GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(f"config: ppo.advantage={cfg.ppo.advantage} compares each sample with the other samples "
+                          f"of its prompt, but generator.sampling.n={n}; set generator.sampling.n >= 2 "
+                          "(4 to 16 is usual) or use ppo.advantage=reinforce_pp")
     if cfg.buffer.capacity < rollouts:
         raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} is below the "
                           f"{rollouts} rollouts of one step; raise it")

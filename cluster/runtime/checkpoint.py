@@ -23,8 +23,11 @@ RESUME_DIR = "checkpoints/resume"
 # Settings a checkpoint's meaning depends on: a resume that changes one is refused.
 PINNED_KEYS = ("model.policy", "model.tokenizer", "learner.replicas", "learner.zero_stage",
                "data.path", "data.field", "data.seed", "data.prompts_per_step", "data.eval_prompts",
-               "generator.sampling.n", "reference.model",
-               "learner.dtype")  # the learner state's precision, as resolved
+               "generator.sampling.n", "reference.model", "learner.dtype", "learner.critic")
+# Pinned as resolved, not as written: model.dtype=auto may differ on another machine, and a
+# null critic follows ppo.advantage (the learner state holds a value model or not).
+RESOLVED = {"learner.dtype": lambda cfg: cfg.precision()["learner"][0],
+            "learner.critic": lambda cfg: cfg.learner_config().value_model}
 
 
 class CheckpointError(ValueError):
@@ -55,8 +58,8 @@ class RunState:
 def pinned_values(cfg) -> dict:
     out = {}
     for key in PINNED_KEYS:
-        if key == "learner.dtype":  # as resolved (model.dtype=auto may differ on another machine)
-            out[key] = cfg.precision()["learner"][0]
+        if key in RESOLVED:
+            out[key] = RESOLVED[key](cfg)
             continue
         node = cfg
         for part in key.split("."):

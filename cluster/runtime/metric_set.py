@@ -33,6 +33,9 @@ MEANINGS: dict[str, str] = {
     "ppo/logprob_gap_max": "largest |vLLM behaviour logprob - learner logprob| in the batch",
     "ppo/returns_mean": "token-mean GAE return",
     "ppo/values_mean": "token-mean value prediction",
+    "advantage/abs_mean": "critic-free estimators: token-mean |advantage| over the batch",
+    "advantage/zero_frac": "critic-free estimators: fraction of tokens with a zero advantage (a prompt whose "
+                           "samples' returns are all equal teaches nothing)",
     "eval/gold_score": "mean reward.gold score on the held-out prompts (evaluation only, never trained on)",
     "alarm/proxy_up_gold_down": "1 when eval/score_mean rose and eval/gold_score fell over the last 3 evaluations",
     "alarm/kl_up_entropy_down":

@@ -85,7 +85,8 @@ def _old_runs(d: Path) -> None:
     """Run folders to resume from, as runs leave them: cut short, corrupted, made another way."""
     state = {"step": 2, "version": 2, "batches_issued": 2, "unfinished": [], "kl_beta": 0.05,
              "pinned": {"model.policy": "builtin:tiny-30m"}}
-    for name in ("incomplete", "corrupt", "other_model", "finished", "no_learner", "scaled", "other_dtype"):
+    for name in ("incomplete", "corrupt", "other_model", "finished", "no_learner", "scaled", "other_dtype",
+                 "other_critic"):
         (d / name).mkdir()
         (d / name / "status.json").write_text(json.dumps({"state": "stopped"}))
     (d / "incomplete" / "checkpoints/resume/.step-000002.partial").mkdir(parents=True)  # a crash mid-write
@@ -95,6 +96,8 @@ def _old_runs(d: Path) -> None:
                        ("finished", json.dumps({**state, "step": 20, "pinned": {}})),
                        # trained in bf16; resumed with model.dtype=float32 below
                        ("other_dtype", json.dumps({**state, "pinned": {"learner.dtype": "bfloat16"}})),
+                       # trained with a value head; resumed with a critic-free estimator below
+                       ("other_critic", json.dumps({**state, "pinned": {"learner.critic": "shared"}})),
                        # cluster.scale grew the generators before the stop: the resume starts that many
                        ("scaled", json.dumps({**state, "pinned": {}, "pool_sizes": {"generator": 1000}}))):
         (d / name / "checkpoints/resume/step-000002").mkdir(parents=True)
@@ -155,6 +158,16 @@ CASES = [
     pytest.param(["ppo.ptx_coef=0.1", "ptx.path={inputs}/no_field.jsonl", "ptx.field=body"],
                  "ptx.field='body' is in none of the 3 rows", id="ptx-without-field"),
     pytest.param(["data.max_prompt_tokens=0"], "data.max_prompt_tokens=0 must be >= 1", id="max-prompt-tokens-zero"),
+    pytest.param(["ppo.advantage=ppo"], "ppo.advantage='ppo' is unknown; use one of gae, grpo, rloo, reinforce_pp, "
+                 "reinforce_pp_baseline", id="advantage-unknown"),
+    pytest.param(["ppo.advantage=grpo", "generator.sampling.n=1", "data.prompts_per_step=16"],
+                 "ppo.advantage=grpo compares each sample with the other samples of its prompt, but "
+                 "generator.sampling.n=1; set generator.sampling.n >= 2", id="group-estimator-without-groups"),
+    pytest.param(["ppo.advantage=rloo", "learner.critic=shared"],
+                 "learner.critic=shared trains a value model that ppo.advantage=rloo never reads; set "
+                 "learner.critic=none", id="critic-free-with-a-critic"),
+    pytest.param(["learner.critic=none"], "learner.critic=none leaves ppo.advantage=gae without values",
+                 id="gae-without-a-critic"),
     # -- data (prepare) --
     pytest.param(["data.path=/nonexistent/prompts.jsonl"], "data.path: /nonexistent/prompts.jsonl does not exist",
                  id="data-missing"),
@@ -201,6 +214,9 @@ CASES = [
     pytest.param(["run.resume={inputs}/other_dtype", "model.dtype=float32"],
                  "run.resume: learner.dtype='float32' differs from the checkpoint's 'bfloat16'",
                  id="resume-changed-precision"),
+    pytest.param(["run.resume={inputs}/other_critic", "ppo.advantage=grpo"],
+                 "run.resume: learner.critic='none' differs from the checkpoint's 'shared'",
+                 id="resume-without-the-checkpoints-critic"),
     pytest.param(["run.resume={inputs}/finished", "run.steps=20"],
                  "already trained 20 steps of run.steps=20; raise run.steps",
                  id="resume-finished-run"),

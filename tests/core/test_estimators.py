@@ -1,10 +1,12 @@
 """The advantage estimators against values worked out by hand: ragged rows with garbage in the
 padding, a group of one, a group whose rewards are all equal."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+from core.choices import CRITIC_FREE, ESTIMATOR_NAMES, GROUP_ESTIMATORS
 from core.estimators import ESTIMATORS, AdvantageInputs, EstimatorOptions, estimator, group_baseline, returns_to_go
 
 pytestmark = pytest.mark.unit
@@ -100,6 +102,10 @@ def test_group_baseline_of_a_lone_sample_is_zero():
 def test_registry_names_and_an_unknown_name():
     assert list(ESTIMATORS) == ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
     assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == ["gae"]
+    # the config's names (no torch there) are the registry's
+    assert tuple(ESTIMATORS) == ESTIMATOR_NAMES
+    assert tuple(n for n, e in ESTIMATORS.items() if not e.needs_critic) == CRITIC_FREE
+    assert tuple(n for n, e in ESTIMATORS.items() if e.uses_groups) == GROUP_ESTIMATORS
     with pytest.raises(ValueError, match="advantage estimator 'ppo' is unknown; use one of gae, grpo, rloo"):
         estimator("ppo")
 
@@ -108,3 +114,17 @@ def test_shape_errors_are_one_line():
     bad = AdvantageInputs(rewards=torch.zeros(6, 3), scores=torch.zeros(5), mask=MASK, group=GROUP)
     with pytest.raises(ValueError, match=r"grpo: scores shape \(5,\) does not match mask rows shape \(6,\)"):
         estimator("grpo").fn(bad, EstimatorOptions())
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_a_ranks_share_with_the_batch_as_population_gets_the_whole_batchs_advantages(name):
+    """Rows 0, 2, 4 on one rank and 1, 3, 5 on another (groups split across ranks): each share,
+    given the whole batch's scores and groups, gets exactly the rows' whole-batch advantages."""
+    whole, _ = estimator(name).fn(inputs(), EstimatorOptions())
+    for rows in (torch.tensor([0, 2, 4]), torch.tensor([1, 3, 5])):
+        share = AdvantageInputs(rewards=inputs().rewards[rows], scores=SCORES[rows], mask=MASK[rows],
+                                group=GROUP[rows], population=(SCORES, GROUP))
+        got, _ = estimator(name).fn(share, EstimatorOptions())
+        assert torch.allclose(got, whole[rows], atol=1e-6)
+        alone, _ = estimator(name).fn(replace(share, population=None), EstimatorOptions())
+        assert not torch.allclose(alone, whole[rows], atol=1e-3)  # without it the groups are cut

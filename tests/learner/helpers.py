@@ -9,6 +9,7 @@ import torch
 
 from core import ppo
 from core.advantages import gae, per_token_rewards
+from core.estimators import AdvantageInputs, EstimatorOptions, estimator
 from core.logprobs import logprobs_from_logits
 from core.masked import whiten
 from core.rollout import ScoredRollout
@@ -78,7 +79,7 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
     from learner.policy import PolicyWithValueHead
 
     p = cfg.ppo
-    model = PolicyWithValueHead.from_pretrained(model_path)
+    model = PolicyWithValueHead.from_pretrained(model_path, critic=cfg.value_model)
     batch = collate(rollouts, pad_id)
     mask = batch.response_mask
     truncation = dict(top_k=cfg.top_k, top_p=cfg.top_p)
@@ -90,9 +91,12 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
         old_lp = own = batch.behaviour_logprobs
     old_lp, old_v = old_lp * mask, old_v * mask
     own = torch.where(mask != 0, own, 0.0)
-    adv, ret = gae(batch.rewards, old_v, mask, p.gamma, p.lam)
-    if p.whiten_advantages:
-        adv = whiten(adv, mask)
+    if p.advantage == "gae":
+        adv, ret = gae(batch.rewards, old_v, mask, p.gamma, p.lam)
+        if p.whiten_advantages:
+            adv = whiten(adv, mask)
+    else:  # the whole batch in one process: groups are never cut
+        adv, ret = critic_free_advantages(rollouts, batch, p), None
     weights, _ = ppo.behaviour_weights(own, batch.behaviour_logprobs, mask, p.off_policy, p.is_cap)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
     horizon = batch.response_len
@@ -105,7 +109,7 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
             kw = dict(agg=p.agg, horizon=horizon)
             pg, _, _ = ppo.policy_loss(lp, old_lp[rows], adv[rows], m, p.clip_low, p.clip_high,
                                        p.dual_clip, weights=weights[rows], **kw)
-            vf, _ = ppo.value_loss(v, old_v[rows], ret[rows], m, p.value_clip, **kw)
+            vf = ppo.value_loss(v, old_v[rows], ret[rows], m, p.value_clip, **kw)[0] if ret is not None else 0.0
             loss = pg + p.vf_coef * vf - p.entropy_coef * ppo.aggregate_loss(ent, m, p.agg, horizon=horizon)
             if cfg.kl_loss_estimator:
                 kl, _ = ppo.kl_loss(lp, mb.reference_logprobs, m, cfg.kl_loss_estimator, **kw)
@@ -116,6 +120,16 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
             opt.step()
     return {k: v.detach().clone() for k, v in model.named_parameters()}, norms
+
+
+def critic_free_advantages(rollouts, batch, p):
+    """[B, R] the estimator's advantages over the whole batch; a group is (chunk, prompt)."""
+    keys = sorted({(r.chunk_id, r.prompt_index) for r in rollouts})
+    group = torch.tensor([keys.index((r.chunk_id, r.prompt_index)) for r in rollouts])
+    returns = (batch.rewards.double() * batch.response_mask).sum(1)
+    x = AdvantageInputs(rewards=batch.rewards, scores=returns, mask=batch.response_mask, group=group)
+    opt = EstimatorOptions(gamma=p.gamma, scale_by_std=p.group_std)
+    return estimator(p.advantage).fn(x, opt)[0]
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
