@@ -160,7 +160,7 @@ CASES = [
     pytest.param(["data.max_prompt_tokens=0"], "data.max_prompt_tokens=0 must be >= 1", id="max-prompt-tokens-zero"),
     pytest.param(["ppo.advantage=ppo"], "ppo.advantage='ppo' is unknown; use one of gae, grpo, rloo, reinforce_pp, "
                  "reinforce_pp_baseline", id="advantage-unknown"),
-    pytest.param(["ppo.advantage=grpo", "generator.sampling.n=1", "data.prompts_per_step=16"],
+    pytest.param(["ppo.advantage=grpo", "generator.sampling.n=1", "data.prompts_per_step=32"],
                  "ppo.advantage=grpo compares each sample with the other samples of its prompt, but "
                  "generator.sampling.n=1; set generator.sampling.n >= 2", id="group-estimator-without-groups"),
     pytest.param(["ppo.advantage=rloo", "learner.critic=shared"],

@@ -23,7 +23,8 @@ def test_grpo_learns_without_a_critic_and_resumes(cluster, tmp_path):
     for m in steps:
         assert "ppo/value_loss" not in m and "ppo/explained_variance" not in m and "ppo/values_mean" not in m
         assert 0 <= m["advantage/zero_frac"] < 1 and m["advantage/abs_mean"] > 0
-        assert m["ppo/kl_loss_coef"] == m["kl/beta"]
+    # the learner weighs the KL loss with the beta the controller left after the step before
+    assert [m["ppo/kl_loss_coef"] for m in steps[1:]] == pytest.approx([m["kl/beta"] for m in steps[:-1]])
     final = run_dir / "checkpoints" / "final"
     assert (final / "config.json").exists() and not (final / "value_head.safetensors").exists()
     first = sum(m["reward/mean"] for m in steps[:3]) / 3

@@ -48,10 +48,11 @@ def test_one_rank_critic_free_update_matches_plain_torch(policy_path, grouped, p
     print(f"{name}: max |w - w_ref| = {diff:.2e}")
     assert diff < TOL
     assert not set(VALUE_KEYS) & set(metrics)
-    # The second prompt's samples all returned the same: zero advantage (not for reinforce_pp,
-    # whose baseline is the batch's), so more than a third of the tokens carry none.
+    # The second prompt's samples all returned the same: zero advantage under grpo and rloo,
+    # more than a third of the tokens. The REINFORCE++ ones whiten over the batch afterwards,
+    # which moves those zeros off 0.
     zero = metrics["advantage/zero_frac"]
-    assert (zero > 0.3) if name != "reinforce_pp" else zero == 0.0
+    assert (zero > 0.3) if name in ("grpo", "rloo") else zero == 0.0
     assert metrics["advantage/abs_mean"] > 0.1
     w.save(tmp_path / "ckpt")  # a checkpoint without a value model, and a resume from it
     assert not (tmp_path / "ckpt" / "policy" / VALUE_HEAD_FILE).exists()
