@@ -67,6 +67,8 @@ class ChunkReport:
     errors: tuple = ()            # one line per reward problem
     held: tuple = ()              # (prompt_index, rollouts stored) for each prompt now in the buffer
     duplicate: bool = False       # this chunk id was stored before: nothing stored now
+    filtered_prompts: int = 0     # prompts left out because their samples all scored the same
+    filtered_rollouts: int = 0    # the rollouts of those prompts
     transfer: Transfer = Transfer()  # what pulling the chunk's objects moved between nodes
 
 
@@ -74,6 +76,14 @@ def _prompt_group(x: ScoredRollout):
     """(chunk id, prompt index): the group an item leaves the buffer with; None (a group of
     one) for an item put without a chunk id."""
     return (x.chunk_id, x.prompt_index) if x.chunk_id >= 0 else None
+
+
+def flat_groups(scored: list) -> set:
+    """Prompt indices whose samples (two or more) all have the same score."""
+    scores: dict = collections.defaultdict(list)
+    for x in scored:
+        scores[x.prompt_index].append(x.score)
+    return {i for i, s in scores.items() if len(s) > 1 and max(s) == min(s)}
 
 
 class BufferClosed(RuntimeError):
@@ -175,12 +185,15 @@ class RolloutBuffer:
                 self._waiting_gets -= 1
 
     def put_chunk(self, chunk_id: int, rollouts: list, reference_logprobs: list, scores,
-                  shaping: RewardShaping, timeout: Optional[float] = None) -> ChunkReport:
+                  shaping: RewardShaping, timeout: Optional[float] = None,
+                  drop_flat_groups: bool = False) -> ChunkReport:
         """Annotate one chunk's rollouts (scores: the reward's ScoreResult) and put them, once.
 
         Each of rollouts, reference_logprobs and scores is a value or a core.transfer.Pull
         (pulled here; a lost object raises as ray.get does, and nothing is stored). A duplicate
         chunk id (already stored, or being stored right now) pulls and stores nothing.
+        ``drop_flat_groups`` (dynamic sampling): a prompt whose valid samples, two or more, all
+        scored the same is left out: it would teach a group estimator nothing.
         """
         with self._cond:
             if chunk_id in self._chunks or chunk_id in self._chunks_pending:
@@ -196,6 +209,10 @@ class RolloutBuffer:
             for x in scored:
                 order.setdefault(x.prompt_index, len(order))
             scored.sort(key=lambda x: order[x.prompt_index])  # a prompt's samples side by side: one group
+            flat = flat_groups(scored) if drop_flat_groups else set()
+            kept = [x for x in scored if x.prompt_index not in flat]
+            filtered = len(scored) - len(kept)
+            scored = kept
             held = tuple(sorted(collections.Counter(x.prompt_index for x in scored).items()))
             self.put(scored, timeout=timeout)
             with self._cond:
@@ -204,7 +221,8 @@ class RolloutBuffer:
             with self._cond:
                 self._chunks_pending.discard(chunk_id)
         return ChunkReport(chunk_id, stored=len(scored), invalid_scores=invalid, empty_responses=empty,
-                           errors=tuple(scores.errors), held=held, transfer=moved)
+                           errors=tuple(scores.errors), held=held, transfer=moved,
+                           filtered_prompts=len(flat), filtered_rollouts=filtered)
 
     def take(self, n: int, *, world_size: int, min_version: int = 0, current_version: int = 0,
              timeout: Optional[float] = None) -> tuple:

@@ -133,6 +133,11 @@ class PPOSection(PPOConfig):
     kl: KLConfig
     truncation_penalty: float = setting(0.0, "added to the score of responses cut at max_new_tokens (use < 0)")
     reward_clip: Optional[float] = setting(None, "clip scores to +-this before they enter the reward")
+    filter_groups: bool = setting(False, "dynamic sampling (DAPO): leave out prompts whose samples all scored the "
+                                         "same and draw more prompt batches until the step has its rollouts "
+                                         "(sync mode)")
+    filter_max_batches: int = setting(3, "with filter_groups: prompt batches one step may draw at most, the first "
+                                         "included (the cap on extra generation)")
 
 
 @config_class
@@ -336,6 +341,8 @@ def _check_step(cfg: TetherConfig) -> None:
                           f"generator.sampling.n) but ppo.minibatch_size={cfg.ppo.minibatch_size}; "
                           "lower the minibatch or raise prompts_per_step")
     n = cfg.generator.sampling.n
+    if cfg.ppo.filter_groups:
+        _check_filter(cfg)
     if cfg.ppo.advantage in GROUP_ESTIMATORS and n < 2:
         raise ConfigError(f"config: ppo.advantage={cfg.ppo.advantage} compares each sample with the other samples "
                           f"of its prompt, but generator.sampling.n={n}; set generator.sampling.n >= 2 "
@@ -350,6 +357,23 @@ def _check_step(cfg: TetherConfig) -> None:
         raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} can stall async mode: the learner "
                           f"waits for a step's {rollouts} rollouts while the producer waits for room for a "
                           f"chunk of up to {chunk}; raise it to at least {rollouts + chunk - 1}")
+
+
+def _check_filter(cfg: TetherConfig) -> None:
+    if cfg.run.mode != "sync":
+        raise ConfigError("config: ppo.filter_groups refills a step with more prompt batches, which sync mode "
+                          "does; set run.mode=sync or ppo.filter_groups=false")
+    if cfg.generator.sampling.n < 2:
+        raise ConfigError(f"config: ppo.filter_groups compares the samples of each prompt, but "
+                          f"generator.sampling.n={cfg.generator.sampling.n}; set generator.sampling.n >= 2")
+    full = cfg.data.prompts_per_step * cfg.generator.sampling.n
+    if cfg.buffer.capacity < 2 * full:
+        raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} cannot hold a refilled step with "
+                          f"ppo.filter_groups (up to {2 * full - 1} rollouts: a batch short of {full}, plus one "
+                          f"more batch); raise it to at least {2 * full}")
+    if cfg.ppo.filter_max_batches < 1:
+        raise ConfigError(f"config: ppo.filter_max_batches={cfg.ppo.filter_max_batches} must be >= 1 "
+                          "(1: leave flat prompts out, draw nothing more)")
 
 
 def _check_ptx(cfg: TetherConfig) -> None:

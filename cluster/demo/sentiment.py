@@ -59,6 +59,13 @@ def sentiment(prompts: list[str], responses: list[str]) -> list[float]:
     return scores
 
 
+def is_positive(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 for a response with more positive than negative lexicon words, else 0.0: a
+    pass/fail reward, as verifiable tasks give, where a prompt's samples often all score
+    alike (what dynamic sampling, ppo.filter_groups, leaves out)."""
+    return [1.0 if s > 0 else 0.0 for s in sentiment(prompts, responses)]
+
+
 # Sentence parts of the demo corpus and prompts; each clause carries one lexicon word.
 SUBJECTS = ("the cat", "a dog", "my friend", "the old man", "the child", "a bird", "the town",
              "our teacher", "the river", "the garden", "a sailor", "the queen", "the baker")

@@ -88,7 +88,8 @@ class Driver:
         self._seek(0)
         self.rollouts = RolloutProducer(pools, put_timeout_s=cfg.buffer.timeout_s,
                                         chunks_per_generator=chunks_per_generator(cfg),
-                                        on_new_generator=self._give_current_weights)
+                                        on_new_generator=self._give_current_weights,
+                                        filter_groups=cfg.ppo.filter_groups)
         self.admission = Admission(per_step=cfg.data.prompts_per_step * cfg.generator.sampling.n,
                                    max_staleness=cfg.buffer.max_staleness, outstanding=self._outstanding_rollouts)
         self.stop_requested = threading.Event()  # set by SIGTERM/SIGINT: stop at the next step boundary
@@ -168,9 +169,20 @@ class Driver:
         return self._step_metrics(batch, produced, learn, sync, timer.seconds)
 
     def _produce_now(self) -> Produced:
-        """Sync mode: this step's prompts generated, scored and stored, by the current version."""
+        """Sync mode: this step's prompts generated, scored and stored, by the current version.
+        With dynamic sampling (ppo.filter_groups) the buffer leaves out prompts whose samples
+        all scored alike, and further prompt batches are drawn, up to ppo.filter_max_batches
+        in all, until the step holds a full batch of rollouts; the step trains on all it holds."""
+        cfg = self.cfg
         produced = self.rollouts.produce(self.issue(), self.shaping())
-        check_invalid_scores(produced, self.cfg.reward, self.step_count + 1)
+        check_invalid_scores(produced, cfg.reward, self.step_count + 1)
+        full, batches = cfg.data.prompts_per_step * cfg.generator.sampling.n, 1
+        while (cfg.ppo.filter_groups and batches < cfg.ppo.filter_max_batches
+               and self.rollouts.ledger.held_rollouts() < full):
+            more = self.rollouts.produce(self.issue(), self.shaping())
+            check_invalid_scores(more, cfg.reward, self.step_count + 1)
+            more.extra_rollouts = more.prompts * cfg.generator.sampling.n
+            produced, batches = produced.merge(more), batches + 1
         return produced
 
     def _min_version(self, producer) -> int:
@@ -249,6 +261,7 @@ class Driver:
              "rollouts/empty_responses": produced.empty_responses,
              "rollouts/duplicate_chunks": produced.duplicate_chunks,
              "rollouts/redispatched_chunks": produced.redispatched_chunks,
+             **self._filter_metrics(produced),
              "learner/dropped_rollouts": batch.dropped,
              "policy/version": self.version, "data/batches_issued": self.batches_issued,
              **{f"pool/{role}_replicas": n for role, n in self.pools.sizes().items()},
@@ -273,6 +286,14 @@ class Driver:
             self.metrics.samples(self.version, [evaluation.decode_sample(self.tokenizer, row)
                                                 for row in batch.samples])
         return m
+
+    def _filter_metrics(self, produced: Produced) -> dict:
+        """Dynamic sampling's share left out and what refilling the step cost (ppo.filter_groups)."""
+        if not self.cfg.ppo.filter_groups:
+            return {}
+        sampled = max(produced.prompts - produced.skipped_prompts, 1)
+        return {"rollouts/filtered_frac": produced.filtered_prompts / sampled,
+                "rollouts/extra_generated": produced.extra_rollouts}
 
     # ------------------------------------------------------------------ checkpoints
     def run_state(self) -> RunState:

@@ -90,6 +90,9 @@ MEANINGS: dict[str, str] = {
     "rollouts/empty_responses": "rollouts with an empty response",
     "rollouts/duplicate_chunks": "prompt chunks the buffer had stored already (a redispatch that raced its original)",
     "rollouts/redispatched_chunks": "prompt chunks sent again because the replica holding them died",
+    "rollouts/filtered_frac": "dynamic sampling (ppo.filter_groups): share of the step's sampled prompts left out "
+                              "because their samples all scored the same",
+    "rollouts/extra_generated": "dynamic sampling: rollouts of the extra prompt batches drawn to refill the step",
     "eval/score_mean": "mean score on the held-out eval prompts (eval steps only)",
     "eval/response_len": "mean eval response length in tokens (eval steps only)",
     "policy/version": "policy version the generators run",

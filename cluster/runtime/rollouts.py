@@ -45,8 +45,9 @@ class RolloutProducer:
     """
 
     def __init__(self, pools, *, chunks_per_generator: int = 2, put_timeout_s: float,
-                 health_timeout_s: float = 30.0, on_new_generator=None) -> None:
+                 health_timeout_s: float = 30.0, on_new_generator=None, filter_groups: bool = False) -> None:
         self.pools, self.ledger = pools, Ledger()
+        self.filter_groups = filter_groups  # dynamic sampling: the buffer leaves out flat prompts
         self.chunks_per_generator, self.put_timeout_s = chunks_per_generator, put_timeout_s
         self.health_timeout_s = health_timeout_s
         self.on_new_generator = on_new_generator or (lambda replica_id: None)
@@ -154,7 +155,7 @@ class RolloutProducer:
         put.waiting -= 1
         if put.waiting == 0:
             ref = put.handle.put_chunk.remote(job.chunk_id, *map(Pull, put.refs), put.shaping,
-                                              timeout=self.put_timeout_s)
+                                              timeout=self.put_timeout_s, drop_flat_groups=self.filter_groups)
             pending[ref] = _InFlight("stored", job.chunk_id, put.buffer_id)
 
     # ------------------------------------------------------------------ replicas that died
@@ -324,6 +325,8 @@ class RolloutProducer:
             out.duplicate_chunks += 1
             return True
         out.stored += report.stored
+        out.filtered_prompts += report.filtered_prompts
+        out.filtered_rollouts += report.filtered_rollouts
         out.invalid_scores += report.invalid_scores
         out.empty_responses += report.empty_responses
         return True

@@ -307,3 +307,27 @@ def test_a_stale_sample_discards_its_whole_prompt():
     *_, summary = buf.take(4, world_size=1, min_version=1, current_version=1)
     assert collections.Counter(summary.consumed) == {(0, 10): 4, (0, 11): 4}  # 10 dropped, 11 trained
     assert summary.dropped_stale == 4 and summary.scores.size == 4 and buf.stats()["depth"] == 0
+
+
+@pytest.mark.unit
+def test_dynamic_sampling_leaves_out_prompts_whose_samples_all_scored_alike():
+    """drop_flat_groups: prompt 0 (1, 1, 1) is left out, prompt 1 (1, 0, 1) is kept, prompt 2
+    keeps a single valid sample (nothing to compare it with) and stays."""
+    from actors.reward import ScoreResult
+    from core.annotate import RewardShaping
+    from core.rollout import Rollout
+
+    values = {(0, 0): 1.0, (0, 1): 1.0, (0, 2): 1.0, (1, 0): 1.0, (1, 1): 0.0, (1, 2): 1.0,
+              (2, 0): 1.0, (2, 1): np.nan, (2, 2): np.nan}
+    rollouts = [Rollout(prompt_ids=np.array([1, 2]), response_ids=np.array([3, 4]),
+                        behaviour_logprobs=np.full(2, -1.0, np.float32), finish_reason="stop",
+                        policy_version=0, prompt_index=p, sample_index=s) for p, s in values]
+    scores = np.array(list(values.values()), np.float32)
+    result = ScoreResult(scores, np.isfinite(scores))
+    for drop, kept in ((True, [1, 2]), (False, [0, 1, 2])):
+        buf = RolloutBuffer(capacity=16)
+        report = buf.put_chunk(3, rollouts, [np.full(2, -1.0, np.float32)] * 9, result, RewardShaping(beta=0.1),
+                               drop_flat_groups=drop)
+        assert [p for p, _ in report.held] == kept
+        assert (report.filtered_prompts, report.filtered_rollouts) == ((1, 3) if drop else (0, 0))
+        assert report.stored == buf.stats()["depth"] == 3 * len(kept) - 2  # prompt 2: one valid sample

@@ -77,3 +77,16 @@ def test_work_floor_halves_only_the_learn_phase_for_the_shared_head():
             "startup_seconds": 1.0, "peak_rss_bytes": {}, "tokens_per_step": 1, "expected_tokens_per_step": 1}
     text = report({"trl": side, "shared": {**side, "step_seconds": 100.0}})
     assert "tether critic=shared/TRL 0.80x (equal-speed work floor 0.60x)" in text
+
+
+@pytest.mark.unit
+def test_estimator_table_averages_seeds_and_leaves_out_an_absent_gold_score():
+    from bench.estimators import table
+
+    row = dict(eval_final=1.0, gold_final=float("nan"), kl_last=0.5, gain_per_1k_rollouts=1.0, gain_per_100s=2.0,
+               step_s=0.5, learn_s=0.2)
+    results = [{"variant": "grpo", "reward_last": r, **row} for r in (2.0, 3.0)] + \
+              [{"variant": "gae-shared", "reward_last": 1.0, **row}]
+    lines = table(results).splitlines()
+    assert "gold_final" not in lines[0] and lines[0].startswith("| variant | reward_last | eval_final")
+    assert lines[2].startswith("| gae-shared | 1 |") and lines[3].startswith("| grpo | 2.5 ± 0.5 |")

@@ -38,3 +38,26 @@ def test_grpo_learns_without_a_critic_and_resumes(cluster, tmp_path):
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "succeeded" and status["resumed_from_step"] == 12
     assert [m["step"] for m in metrics(run_dir) if m["step"] > 12] == [13, 14]
+
+
+def test_dynamic_sampling_trains_no_flat_prompt_and_refills_the_step(cluster, tmp_path):
+    """GRPO on a pass/fail reward with ppo.filter_groups: prompts whose 4 samples all passed or
+    all failed never reach the learner (not one token with a zero advantage), and the steps
+    that lost some drew further prompt batches, up to the cap, to refill."""
+    args = [f"run.dir={tmp_path}", "run.name=dapo", "run.steps=6", "run.eval_every=0",
+            "reward.function=cluster.demo.sentiment:is_positive", "ppo.advantage=grpo",
+            "ppo.kl.placement=loss", "ppo.kl.estimator=k3", "ppo.filter_groups=true", "ppo.filter_max_batches=3"]
+    assert train.main(args) == 0
+    steps = [m for m in metrics(tmp_path / "dapo") if m["step"] > 0]
+    full = 16 * 4
+    for m in steps:
+        assert m["advantage/zero_frac"] == 0.0, m
+        assert 0 <= m["rollouts/filtered_frac"] <= 1
+        drawn = m["rollouts/prompts"] // 16
+        assert m["rollouts/extra_generated"] == (drawn - 1) * full and 1 <= drawn <= 3
+        # refilled to a full batch, or stopped at the cap
+        assert m["rollouts/used"] >= full or drawn == 3, m
+    print("dapo: filtered", [round(m["rollouts/filtered_frac"], 2) for m in steps],
+          "batches", [m["rollouts/prompts"] // 16 for m in steps], "used", [m["rollouts/used"] for m in steps])
+    assert any(m["rollouts/filtered_frac"] > 0 for m in steps)
+    assert any(m["rollouts/extra_generated"] > 0 for m in steps)
