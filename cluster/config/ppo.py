@@ -20,16 +20,8 @@ from actors.config import EngineConfig, SamplingConfig
 from cluster.config import loader
 from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
-from core.choices import (
-    GROUP_ESTIMATORS,
-    CPUThreads,
-    KLEstimator,
-    KLPlacement,
-    PlacementStrategy,
-    Precision,
-    RunMode,
-    kl_placement_error,
-)
+from cluster.config.step import check_step
+from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
 from core.dtypes import resolve_precision
 from core.schema import config_class, setting
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
@@ -262,7 +254,7 @@ def validate(cfg: TetherConfig) -> None:
     _check_data(cfg.data)
     _check_lengths(cfg.generator, cfg.data.max_prompt_tokens)
     _check_kl(cfg.ppo.kl)
-    _check_step(cfg)
+    check_step(cfg)
     try:
         cfg.learner_config().validate(world_size=cfg.learner.replicas)
     except ValueError as e:
@@ -331,49 +323,6 @@ def _check_kl(kl: KLConfig) -> None:
         raise ConfigError(f"config: ppo.kl.beta={kl.beta} must be >= 0 (0 = no KL penalty)")
     if kl.target is not None and kl.target <= 0:
         raise ConfigError(f"config: ppo.kl.target={kl.target} must be > 0, or null for a fixed beta")
-
-
-def _check_step(cfg: TetherConfig) -> None:
-    """A step's rollouts against the minibatch and the buffer that holds them."""
-    rollouts = cfg.data.prompts_per_step * cfg.generator.sampling.n
-    if rollouts < cfg.ppo.minibatch_size:
-        raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x "
-                          f"generator.sampling.n) but ppo.minibatch_size={cfg.ppo.minibatch_size}; "
-                          "lower the minibatch or raise prompts_per_step")
-    n = cfg.generator.sampling.n
-    if cfg.ppo.filter_groups:
-        _check_filter(cfg)
-    if cfg.ppo.advantage in GROUP_ESTIMATORS and n < 2:
-        raise ConfigError(f"config: ppo.advantage={cfg.ppo.advantage} compares each sample with the other samples "
-                          f"of its prompt, but generator.sampling.n={n}; set generator.sampling.n >= 2 "
-                          "(4 to 16 is usual) or use ppo.advantage=reinforce_pp")
-    if cfg.buffer.capacity < rollouts:
-        raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} is below the "
-                          f"{rollouts} rollouts of one step; raise it")
-    # Async: the learner waits for a step's rollouts while the producer waits for room to store
-    # a whole chunk; with one generator a chunk is half a step's prompts (cluster/runtime/rollouts.py).
-    chunk = -(-cfg.data.prompts_per_step // 2) * cfg.generator.sampling.n
-    if cfg.run.mode == "async" and cfg.buffer.capacity < rollouts + chunk - 1:
-        raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} can stall async mode: the learner "
-                          f"waits for a step's {rollouts} rollouts while the producer waits for room for a "
-                          f"chunk of up to {chunk}; raise it to at least {rollouts + chunk - 1}")
-
-
-def _check_filter(cfg: TetherConfig) -> None:
-    if cfg.run.mode != "sync":
-        raise ConfigError("config: ppo.filter_groups refills a step with more prompt batches, which sync mode "
-                          "does; set run.mode=sync or ppo.filter_groups=false")
-    if cfg.generator.sampling.n < 2:
-        raise ConfigError(f"config: ppo.filter_groups compares the samples of each prompt, but "
-                          f"generator.sampling.n={cfg.generator.sampling.n}; set generator.sampling.n >= 2")
-    full = cfg.data.prompts_per_step * cfg.generator.sampling.n
-    if cfg.buffer.capacity < 2 * full:
-        raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} cannot hold a refilled step with "
-                          f"ppo.filter_groups (up to {2 * full - 1} rollouts: a batch short of {full}, plus one "
-                          f"more batch); raise it to at least {2 * full}")
-    if cfg.ppo.filter_max_batches < 1:
-        raise ConfigError(f"config: ppo.filter_max_batches={cfg.ppo.filter_max_batches} must be >= 1 "
-                          "(1: leave flat prompts out, draw nothing more)")
 
 
 def _check_ptx(cfg: TetherConfig) -> None:
