@@ -33,14 +33,16 @@ def test_kl_in_the_loss_with_truncated_sampling(cluster, tmp_path):
 
 
 def test_async_trains_partial_rollouts_with_off_policy_weights(cluster, tmp_path):
-    """Async mode with staleness 1, where generation is the bottleneck (the engine runs 2
-    sequences at a time, so the learner always waits for rollouts and every push finds a
-    generate call running): weight pushes land mid-response, those rollouts are trained one
-    version later with per-token behaviour log-probs of two versions, the off-policy weights
-    move off 1, and the policy still learns."""
+    """Async mode with staleness 1, where generation is the bottleneck by a wide margin (the
+    engine runs 2 sequences at a time and every response runs its full 16 tokens: a batch
+    takes about 2.5x the learner's step here, so every push finds a generate call running;
+    with EOS allowed, responses of ~5 tokens made the two equal and pushes fell between
+    calls on faster machines): weight pushes land mid-response, those rollouts are trained
+    one version later with per-token behaviour log-probs of two versions, the off-policy
+    weights move off 1, and the policy still learns."""
     argv = [f"run.dir={tmp_path}", "run.name=async-partial", "run.mode=async", "buffer.max_staleness=1",
-            "generator.engine.max_num_seqs=2", "run.steps=12", "run.eval_every=0",
-            "model.dtype=float32"]  # fp32 generation is slow enough here for every push to land mid-generate
+            "generator.engine.max_num_seqs=2", "generator.sampling.ignore_eos=true", "run.steps=12",
+            "run.eval_every=0", "model.dtype=float32"]
     assert train.main(argv) == 0
     run_dir = tmp_path / "async-partial"
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
