@@ -19,8 +19,9 @@ starts from the pre-trained tiny policy's body, since there is no reward model).
 the PPO stage of a finished `python -m cluster.pipeline` folder, rerun from its own config
 (SFT policy, proxy reward model, gold score on held-out prompts; the critic from the proxy).
 Prints one table (mean +- std over seeds) and writes a JSON record and a plot: reward against
-rollouts trained on and against wall seconds. Wall time is the runs' own step times, so the
-machine should be quiet.
+rollouts trained on and against wall seconds (and, on the gold task, the eval prompts' gold
+and proxy scores against the step). Wall time is the runs' own step times, so the machine
+should be quiet. ``--reuse`` redraws the table and plot from runs already in ``--out``.
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def task_setup(args) -> tuple[list[str], str]:
 
 def run_one(name: str, seed: int, args, task: list[str], critic: str) -> dict:
     run = f"{name}-s{seed}"
+    if args.reuse and _finished(args.out / run, args.steps):
+        return summarise(name, seed, args.out / run, wall_s=np.nan)
     overrides = [o.format(critic=critic) for o in VARIANTS[name]] + [
         f"run.steps={args.steps}", f"run.seed={seed}", f"data.seed={seed}", f"generator.sampling.seed={seed}",
         f"run.dir={args.out}", f"run.name={run}", "run.plot_every=0", "run.checkpoint_every=0",
@@ -69,14 +72,27 @@ def run_one(name: str, seed: int, args, task: list[str], critic: str) -> dict:
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise SystemExit(f"bench.estimators: {run} failed (exit {proc.returncode}): {last}")
-    rows = [json.loads(line) for line in (args.out / run / "metrics.jsonl").read_text().splitlines()]
+    return summarise(name, seed, args.out / run, wall_s=time.perf_counter() - t0)
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return status.get("state") == "succeeded" and status.get("steps") == steps
+
+
+def summarise(name: str, seed: int, run_dir: Path, wall_s: float) -> dict:
+    """One run's figures from its metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0 and "reward/mean" in r]
     get = lambda key: np.array([r.get(key) if r.get(key) is not None else np.nan for r in steps], dtype=float)  # noqa: E731
     reward, seconds = get("reward/mean"), np.nancumsum(get("perf/step_seconds"))
     evals = [(r["step"], r.get("eval/score_mean"), r.get("eval/gold_score")) for r in rows if "eval/score_mean" in r]
     gain = float(np.nanmean(reward[-LAST:]) - np.nanmean(reward[:3]))
     used = get("rollouts/used")
-    return {"variant": name, "seed": seed, "wall_s": time.perf_counter() - t0,
+    return {"variant": name, "seed": seed, "wall_s": wall_s, "evals": evals,
             "reward": reward.tolist(), "seconds": seconds.tolist(), "rollouts": np.nancumsum(used).tolist(),
             "reward_last": float(np.nanmean(reward[-LAST:])), "eval_final": evals[-1][1] if evals else np.nan,
             "gold_final": evals[-1][2] if evals and evals[-1][2] is not None else np.nan,
@@ -107,11 +123,14 @@ def _cell(v: np.ndarray) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Reward against rollouts and against seconds; with a gold score, a third panel: the
+    eval prompts' gold (solid) and proxy (dashed) scores against the step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    gold = any(e[2] is not None for r in results for e in r["evals"])
+    fig, axes = plt.subplots(1, 3 if gold else 2, figsize=(16 if gold else 11, 4))
     for name in VARIANTS:
         mine = [r for r in results if r["variant"] == name]
         if not mine:
@@ -119,14 +138,27 @@ def plot(results: list[dict], path: Path) -> None:
         n = min(len(r["reward"]) for r in mine)
         reward, rollouts, seconds = (np.nanmean([r[k][:n] for r in mine], axis=0)
                                      for k in ("reward", "rollouts", "seconds"))
-        axes[0].plot(rollouts, reward, label=name)
+        line, = axes[0].plot(rollouts, reward, label=name)
         axes[1].plot(seconds, reward, label=name)
+        if gold:
+            steps = [e[0] for e in mine[0]["evals"]]
+            axes[2].plot(steps, _eval_curve(mine, 2), color=line.get_color(), label=f"{name} gold")
+            axes[2].plot(steps, _eval_curve(mine, 1), color=line.get_color(), linestyle="--")
     axes[0].set_xlabel("rollouts trained on")
     axes[1].set_xlabel("wall seconds of the steps")
     axes[0].set_ylabel("reward/mean (mean over seeds)")
+    axes[1].sharey(axes[0])
     axes[1].legend()
+    if gold:
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("eval: gold (solid), proxy (dashed)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _eval_curve(runs: list[dict], column: int) -> np.ndarray:
+    """Mean over seeds of one eval column (1: proxy score, 2: gold score) at each eval step."""
+    return np.nanmean([[np.nan if e[column] is None else e[column] for e in r["evals"]] for r in runs], axis=0)
 
 
 def main(argv=None) -> int:
@@ -140,6 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more cluster.train overrides for every run, e.g. model.dtype=float32")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-estimators"))
+    ap.add_argument("--reuse", action="store_true",
+                    help="summarise a run already finished in --out (same name and steps) instead of rerunning it")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     task, critic = task_setup(args)

@@ -1,5 +1,6 @@
 """The benchmark harness's cheap parts: workload prompts, pool CPU overrides, peak-memory sampler.
 Nothing here is timed."""
+import json
 import subprocess
 import sys
 
@@ -90,3 +91,24 @@ def test_estimator_table_averages_seeds_and_leaves_out_an_absent_gold_score():
     lines = table(results).splitlines()
     assert "gold_final" not in lines[0] and lines[0].startswith("| variant | reward_last | eval_final")
     assert lines[2].startswith("| gae-shared | 1 |") and lines[3].startswith("| grpo | 2.5 ± 0.5 |")
+
+
+@pytest.mark.unit
+def test_estimator_runs_are_summarised_from_their_folder_and_reused_only_when_finished(tmp_path):
+    from bench.estimators import _finished, plot, summarise
+
+    run = tmp_path / "grpo-s0"
+    run.mkdir()
+    rows = [{"step": 0, "eval/score_mean": -0.3, "eval/gold_score": 2.4}]
+    rows += [{"step": s, "reward/mean": 0.1 * s, "perf/step_seconds": 0.5, "perf/learn_seconds": 0.3,
+              "rollouts/used": 64, "kl/mean": 1.0} for s in (1, 2, 3)]
+    rows[-1].update({"eval/score_mean": 0.2, "eval/gold_score": 2.9})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert not _finished(run, 3)  # no status: the run never ended
+    (run / "status.json").write_text(json.dumps({"state": "succeeded", "steps": 3}))
+    assert _finished(run, 3) and not _finished(run, 4)
+    r = summarise("grpo", 0, run, wall_s=1.0)
+    assert r["evals"] == [(0, -0.3, 2.4), (3, 0.2, 2.9)] and r["gold_final"] == 2.9
+    assert r["rollouts"] == [64, 128, 192] and r["seconds"] == [0.5, 1.0, 1.5]
+    plot([r], tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")

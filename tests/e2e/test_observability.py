@@ -26,7 +26,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import pytest
 from browser import Chromium, find_chromium
 
@@ -62,19 +62,6 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 WANTED_METRICS = ("ray_tether_reward_mean", "ray_tether_kl_mean", "ray_tether_ppo_clip_frac",
                   "ray_tether_perf_sync_seconds", "ray_tether_generator_tokens_per_s",
                   "ray_tether_score_seconds")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _strict_json(line: str):
@@ -184,44 +171,60 @@ class Live:
 
 # ---------------------------------------------------------------------- the live setup
 
-def _start_head(tmp: Path, env: dict, ports: dict) -> subprocess.Popen:
+CLIENT_PORT = 10001  # Ray 2.60 needs a number for the head's Ray Client server (it refuses 0)
+
+
+def _start_head(tmp: Path, env: dict) -> subprocess.Popen:
+    """Every port but the Ray Client server's is the OS's choice (0), read back afterwards."""
     log = open(tmp / "ray-start.log", "wb")
-    cmd = [str(RAY), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={ports['dashboard']}", f"--metrics-export-port={ports['metrics']}",
-           f"--ray-client-server-port={ports['client']}",
-           f"--dashboard-agent-listen-port={ports['agent_http']}",
-           f"--dashboard-agent-grpc-port={ports['agent_grpc']}",
-           f"--runtime-env-agent-port={ports['runtime_env']}",
-           f"--node-manager-port={ports['node_manager']}",
-           f"--object-manager-port={ports['object_manager']}",
-           "--num-cpus=4", "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}"]
+    cmd = [str(RAY), "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--port=0",
+           "--dashboard-host=127.0.0.1", "--dashboard-port=0", "--dashboard-agent-listen-port=0",
+           f"--ray-client-server-port={CLIENT_PORT}", "--num-cpus=4", "--disable-usage-stats",
+           f"--temp-dir={tmp / 'ray'}"]
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def _start_head_with_fresh_ports(tmp: Path, env: dict, token: str, run_root: Path, attempts: int = 3):
-    """Ray takes the ports we name; one may be taken by another process between our pick and
-    Ray's bind, so a head that fails to come up is stopped and started again on fresh ports."""
-    names = ("gcs", "dashboard", "metrics", "client", "agent_http", "agent_grpc", "runtime_env",
-             "node_manager", "object_manager")
-    for attempt in range(1, attempts + 1):
-        ports = dict(zip(names, _free_ports(len(names))))
-        live = Live(tmp=tmp, dashboard=f"http://127.0.0.1:{ports['dashboard']}",
-                    metrics_url=f"http://127.0.0.1:{ports['metrics']}/metrics", token=token, env=env,
+# Run in a child process: the test process must not join this cluster as a driver.
+_ADDRESSES = """
+import json, logging, sys, ray
+ctx = ray.init(address=sys.argv[1], logging_level=logging.ERROR, log_to_driver=False)
+ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
+print(json.dumps({"dashboard": ctx.dashboard_url, "metrics_port": ports[0]}))
+"""
+
+
+def _addresses(tmp: Path, env: dict, head: subprocess.Popen, timeout: float = 120) -> dict:
+    """The dashboard's address and the metrics port, as the head chose them."""
+    gcs_file, deadline = tmp / "ray" / "ray_current_cluster", time.monotonic() + timeout
+    while not gcs_file.is_file() or not gcs_file.read_text().strip():  # written once the GCS is up
+        if head.poll() is not None or time.monotonic() > deadline:
+            log = (tmp / "ray-start.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"`ray start` did not bring up a GCS (exit {head.poll()}):\n{log}")
+        time.sleep(0.2)
+    out = subprocess.run([sys.executable, "-c", _ADDRESSES, gcs_file.read_text().strip()], env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"could not read the head's addresses: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _start_live_head(tmp: Path, env: dict, token: str, run_root: Path):
+    if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == CLIENT_PORT
+           for c in psutil.net_connections("tcp")):
+        pytest.fail(f"port {CLIENT_PORT} (a Ray Client server) is taken: another Ray head is running here")
+    head = _start_head(tmp, env)
+    try:
+        found = _addresses(tmp, env, head)
+        live = Live(tmp=tmp, dashboard=f"http://{found['dashboard']}",
+                    metrics_url=f"http://127.0.0.1:{found['metrics_port']}/metrics", token=token, env=env,
                     submission_id=f"tether-obs-{secrets.token_hex(4)}", run_dir=run_root / "runs" / "obs",
                     out=run_root)
-        head = _start_head(tmp, env, ports)
-        try:
-            _wait_dashboard(live, head)
-            return head, live
-        except RuntimeError as e:
-            _stop_head(head, tmp)
-            if attempt == attempts:
-                raise
-            print(f"ray head did not come up ({str(e).splitlines()[0]}); retrying with fresh ports "
-                  f"(attempt {attempt + 1}/{attempts})")
-    raise AssertionError("unreachable")
+        _wait_dashboard(live, head)
+        return head, live
+    except BaseException:
+        _stop_head(head, tmp)
+        raise
 
 
 def _stop_head(head: subprocess.Popen, tmp: Path) -> None:
@@ -427,7 +430,7 @@ def live(tmp_path_factory, request):
            if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_API_SERVER_ADDRESS")}
     env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN_PATH=str(token_file), RAY_USAGE_STATS_ENABLED="0")
-    head, live = _start_head_with_fresh_ports(tmp, env, token, run_root)
+    head, live = _start_live_head(tmp, env, token, run_root)
     browse = None
     try:
         live.timings["head_up_s"] = round(time.monotonic() - t_module, 1)
