@@ -7,7 +7,7 @@ import sys
 
 from cluster.job.errors import EXIT_DONE, user_error
 
-# subcommand -> (module with main(argv), what it does); modules are imported only when run.
+# subcommand -> (module with main(argv, prog=...), what it does); modules are imported only when run.
 SUBCOMMANDS = {
     "train": ("cluster.train", "PPO as a distributed actor-learner job on Ray"),
     "sft": ("cluster.sft", "supervised fine-tuning: the policy PPO starts from"),
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     if argv[0] not in SUBCOMMANDS:
         return user_error(f"unknown subcommand {argv[0]!r}; choose one of {choices}")
     module, _ = SUBCOMMANDS[argv[0]]
-    return importlib.import_module(module).main(argv[1:])
+    return importlib.import_module(module).main(argv[1:], prog=f"tether {argv[0]}")  # --help names what was typed
 
 
 if __name__ == "__main__":

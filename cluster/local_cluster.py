@@ -33,8 +33,8 @@ class _Parser(argparse.ArgumentParser):
         raise _Mistake(f"{message} ({self.prog} --help)")
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description=__doc__, exit_on_error=False,
+def parser(prog: str = PROG) -> argparse.ArgumentParser:
+    ap = _Parser(prog=prog, description=__doc__, exit_on_error=False,
                  formatter_class=argparse.RawDescriptionHelpFormatter,
                  epilog="Each subcommand has its own --help. The record lives in the current directory: "
                         "run every subcommand from the same one (the repository root).")
@@ -67,11 +67,11 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ["RAY_AUTH_MODE"] = "token"  # before anything imports Ray: its clients need the token
     try:
-        args = parser().parse_args(argv)
+        args = parser(prog).parse_args(argv)
         return COMMANDS[args.command](args, Path.cwd() / local.STATE_FILE)
     except (_Mistake, argparse.ArgumentError, local.LocalClusterError) as e:
         return user_error(str(e))

@@ -84,8 +84,8 @@ def scale(run_dir: Path, targets: dict, timeout_s: float = 600.0) -> dict:
     raise TimeoutError(f"the driver did not apply the new sizes within {timeout_s:.0f}s")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.scale", description=__doc__.split("\n")[0])
+def main(argv=None, *, prog: str = "python -m cluster.scale") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("run", help="the running job's run folder (run.dir/run.name)")
     ap.add_argument("targets", nargs="*", help="pool=replicas, pool one of generator, reference, reward")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the change")

@@ -12,13 +12,13 @@ from cluster.recipes.stage import stage_main
 from cluster.recipes.sweep import split_betas, sweep
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, prog: str = "python -m cluster.sweep") -> int:
     try:  # --betas first: the rest is a pipeline's command line
         betas, rest = split_betas(list(sys.argv[1:] if argv is None else argv))
     except UserError as e:
         return user_error(str(e))
     return stage_main(rest, name="sweep", config_cls=PipelineConfig, default_config="pipeline-cpu.yaml",
-                      run=partial(sweep, betas=betas))
+                      run=partial(sweep, betas=betas), prog=prog)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ def _run(args) -> str:
     return f"reward/mean={final.get('reward/mean', float('nan')):.3f}"
 
 
-def main(argv=None) -> int:
-    return job_main(argv, prog="python -m cluster.train", description=__doc__.split("\n")[0],
+def main(argv=None, *, prog: str = "python -m cluster.train") -> int:
+    return job_main(argv, prog=prog, description=__doc__.split("\n")[0],
                     config_cls=_config_cls, run=_run, user_errors=(InvalidScores,))
 
 

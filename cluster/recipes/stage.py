@@ -31,7 +31,8 @@ def stage_threads(lp) -> dict:
     return {} if lp.num_gpus else thread_env(max(int(lp.num_cpus), node_cores() // lp.replicas))
 
 
-def stage_main(argv=None, *, name: str, config_cls, default_config: str, run: Callable) -> int:
+def stage_main(argv=None, *, name: str, config_cls, default_config: str, run: Callable,
+               prog: str | None = None) -> int:
     """job_main for ``python -m cluster.<name>``: ``config_cls`` from --config (default
     configs/<default_config>) and the overrides, then ``run(cfg) -> summary line``."""
     def load_and_run(args) -> str:
@@ -39,7 +40,7 @@ def stage_main(argv=None, *, name: str, config_cls, default_config: str, run: Ca
         from cluster.config.stages import load_stage_config
         return run(load_stage_config(config_cls, args.config or CONFIGS / default_config, args.overrides))
 
-    return job_main(argv, prog=f"python -m cluster.{name}", description=config_cls.__doc__,
+    return job_main(argv, prog=prog or f"python -m cluster.{name}", description=config_cls.__doc__,
                     config_cls=lambda: config_cls, run=load_and_run)
 
 

@@ -32,6 +32,14 @@ def test_train_help_is_the_entrypoints():
     result = tether("train", "--help")
     assert result.returncode == 0, result.stderr
     assert "--help-config" in result.stdout and "Job entrypoint" in result.stdout
+    assert result.stdout.startswith("usage: tether train "), result.stdout[:200]
+
+
+@pytest.mark.parametrize("name", ["sft", "sweep", "scale", "cluster"])
+def test_each_subcommands_help_names_the_command_typed(name):
+    result = tether(name, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: tether {name} "), result.stdout[:200]
 
 
 def test_unknown_subcommand_names_the_valid_ones_and_exits_2():
