@@ -86,6 +86,19 @@ def flat_groups(scored: list) -> set:
     return {i for i, s in scores.items() if len(s) > 1 and max(s) == min(s)}
 
 
+def first_groups(items: list, n: int) -> tuple[list, list]:
+    """(kept, surplus): whole prompt groups in (chunk id, prompt index) order until ``n``
+    rollouts are kept, and the rest. Chunk ids are issued in order, so the choice does not
+    depend on which generator finished first."""
+    ordered = sorted(items, key=lambda x: (x.chunk_id, x.prompt_index, x.sample_index))
+    cut = min(n, len(ordered))
+    if cut:
+        last = _prompt_group(ordered[cut - 1])
+        while last is not None and cut < len(ordered) and _prompt_group(ordered[cut]) == last:
+            cut += 1
+    return ordered[:cut], ordered[cut:]
+
+
 class BufferClosed(RuntimeError):
     """The buffer was closed while a caller waited on it (or before it called)."""
 
@@ -225,19 +238,27 @@ class RolloutBuffer:
                            filtered_prompts=len(flat), filtered_rollouts=filtered)
 
     def take(self, n: int, *, world_size: int, min_version: int = 0, current_version: int = 0,
-             timeout: Optional[float] = None) -> tuple:
+             timeout: Optional[float] = None, drop_surplus: bool = False) -> tuple:
         """get() n rollouts (whole prompt groups: maybe more) and split them for the learner:
-        (shard_0, ..., shard_{W-1}, BatchSummary)."""
+        (shard_0, ..., shard_{W-1}, BatchSummary). ``drop_surplus`` (dynamic sampling after a
+        refill): the batch is the first whole groups in (chunk, prompt) order that make n,
+        whatever order they arrived in, and every other rollout held is left out."""
         items = self.get(n, min_version=min_version, timeout=timeout, current_version=current_version)
+        surplus: list = []
         with self._cond:
+            if drop_surplus:
+                items, surplus = first_groups(items + list(self._items), n)
+                self._items.clear()
+                self._cond.notify_all()  # room for waiting puts
             left, self._left = self._left, []
             depth, dropped_stale = len(self._items), self._dropped_stale
-        consumed = left + [(x.chunk_id, x.prompt_index) for x in items]
+        consumed = left + [(x.chunk_id, x.prompt_index) for x in items + surplus]
         shards, dropped = shard_rollouts(items, world_size)
         # The buffer's own figures travel with the batch: no second call to a buffer that may
         # have died since.
         return (*shards, BatchSummary.of(items, current_version=current_version, dropped=dropped,
-                                         consumed=consumed, buffer_depth=depth, dropped_stale=dropped_stale))
+                                         consumed=consumed, buffer_depth=depth, dropped_stale=dropped_stale,
+                                         surplus=len(surplus)))
 
     def _to_group_end(self, n: int) -> int:
         """How many items the oldest n are, with the rest of the n-th one's prompt group."""

@@ -120,6 +120,7 @@ class BatchSummary:
     token_staleness: np.ndarray = None  # [N] float64: per rollout, mean of learner version - token version
     partial: np.ndarray = None  # [N] bool: sampled by more than one version (partial rollout)
     dropped: int = 0            # rollouts left out so every learner rank got an equal shard
+    surplus: int = 0            # dynamic sampling: rollouts of whole groups beyond the step's batch, left out
     # (chunk_id, prompt_index) of every rollout that left the buffer since the previous
     # take: this batch's and the ones discarded as stale. The driver's ledger uses it to
     # know which prompts the buffer no longer holds (what a dead buffer would lose).
@@ -130,7 +131,7 @@ class BatchSummary:
 
     @classmethod
     def of(cls, rollouts: list, *, current_version: int, dropped: int = 0, n_samples: int = 4,
-           consumed: tuple = (), buffer_depth: int = 0, dropped_stale: int = 0) -> "BatchSummary":
+           consumed: tuple = (), buffer_depth: int = 0, dropped_stale: int = 0, surplus: int = 0) -> "BatchSummary":
         firsts = [r for r in rollouts if r.sample_index == 0][:n_samples]  # distinct prompts
         samples = tuple({"prompt_ids": r.prompt_ids.tolist(), "response_ids": r.response_ids.tolist(),
                          "score": float(r.score), "kl_sum": float(np.sum(r.kl)),
@@ -144,5 +145,5 @@ class BatchSummary:
                    token_staleness=np.array([float(np.mean(np.maximum(0, current_version - r.token_versions)))
                                              if r.token_versions.size else 0.0 for r in rollouts]),
                    partial=np.array([r.partial for r in rollouts], dtype=bool),
-                   dropped=dropped, samples=samples, consumed=tuple(consumed),
+                   dropped=dropped, surplus=surplus, samples=samples, consumed=tuple(consumed),
                    buffer_depth=buffer_depth, dropped_stale=dropped_stale)

@@ -126,8 +126,8 @@ class PPOSection(PPOConfig):
     truncation_penalty: float = setting(0.0, "added to the score of responses cut at max_new_tokens (use < 0)")
     reward_clip: Optional[float] = setting(None, "clip scores to +-this before they enter the reward")
     filter_groups: bool = setting(False, "dynamic sampling (DAPO): leave out prompts whose samples all scored the "
-                                         "same and draw more prompt batches until the step has its rollouts "
-                                         "(sync mode)")
+                                         "same and draw more prompt batches until the step has its rollouts; "
+                                         "it trains on one batch of them (sync mode)")
     filter_max_batches: int = setting(3, "with filter_groups: prompt batches one step may draw at most, the first "
                                          "included (the cap on extra generation)")
 

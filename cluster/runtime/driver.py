@@ -172,7 +172,8 @@ class Driver:
         """Sync mode: this step's prompts generated, scored and stored, by the current version.
         With dynamic sampling (ppo.filter_groups) the buffer leaves out prompts whose samples
         all scored alike, and further prompt batches are drawn, up to ppo.filter_max_batches
-        in all, until the step holds a full batch of rollouts; the step trains on all it holds."""
+        in all, until the step holds a full batch of rollouts; the step trains on one batch of
+        whole groups, the first in prompt order, and leaves out the rest (``_take``)."""
         cfg = self.cfg
         produced = self.rollouts.produce(self.issue(), self.shaping())
         check_invalid_scores(produced, cfg.reward, self.step_count + 1)
@@ -198,8 +199,10 @@ class Driver:
             # again (sync: and generated now; async: by the producer).
             if self.rollouts.recover_lost_buffer() and producer is None:
                 regenerated = regenerated.merge(self.rollouts.produce([], self.shaping()))
-            n = (self.rollouts.ledger.held_rollouts() if producer is None
-                 else cfg.data.prompts_per_step * cfg.generator.sampling.n)
+            full = cfg.data.prompts_per_step * cfg.generator.sampling.n
+            held = self.rollouts.ledger.held_rollouts() if producer is None else full
+            # Sync: all that was made for this step; after a refill, one batch of it (DAPO).
+            n, trim = (min(held, full), held > full) if cfg.ppo.filter_groups else (held, False)
             if n == 0:
                 raise RuntimeError(f"version {self.version}: no usable rollouts (all prompts skipped or all "
                                    "scores invalid); check data.max_prompt_tokens and the reward")
@@ -208,7 +211,7 @@ class Driver:
             try:
                 *shards, summary_ref = buffer.take.options(num_returns=world + 1).remote(
                     n, world_size=world, min_version=min_version, current_version=self.version,
-                    timeout=cfg.buffer.timeout_s)
+                    timeout=cfg.buffer.timeout_s, drop_surplus=trim)
                 batch = ray.get(summary_ref)
             except RayActorError:
                 if alive(buffer):
@@ -261,7 +264,7 @@ class Driver:
              "rollouts/empty_responses": produced.empty_responses,
              "rollouts/duplicate_chunks": produced.duplicate_chunks,
              "rollouts/redispatched_chunks": produced.redispatched_chunks,
-             **self._filter_metrics(produced),
+             **self._filter_metrics(produced, batch),
              "learner/dropped_rollouts": batch.dropped,
              "policy/version": self.version, "data/batches_issued": self.batches_issued,
              **{f"pool/{role}_replicas": n for role, n in self.pools.sizes().items()},
@@ -287,13 +290,13 @@ class Driver:
                                                 for row in batch.samples])
         return m
 
-    def _filter_metrics(self, produced: Produced) -> dict:
+    def _filter_metrics(self, produced: Produced, batch) -> dict:
         """Dynamic sampling's share left out and what refilling the step cost (ppo.filter_groups)."""
         if not self.cfg.ppo.filter_groups:
             return {}
         sampled = max(produced.prompts - produced.skipped_prompts, 1)
         return {"rollouts/filtered_frac": produced.filtered_prompts / sampled,
-                "rollouts/extra_generated": produced.extra_rollouts}
+                "rollouts/extra_generated": produced.extra_rollouts, "rollouts/surplus": batch.surplus}
 
     # ------------------------------------------------------------------ checkpoints
     def run_state(self) -> RunState:

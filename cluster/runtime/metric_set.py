@@ -93,6 +93,8 @@ MEANINGS: dict[str, str] = {
     "rollouts/filtered_frac": "dynamic sampling (ppo.filter_groups): share of the step's sampled prompts left out "
                               "because their samples all scored the same",
     "rollouts/extra_generated": "dynamic sampling: rollouts of the extra prompt batches drawn to refill the step",
+    "rollouts/surplus": "dynamic sampling: rollouts of whole prompt groups held beyond the step's batch after a "
+                        "refill, left out untrained",
     "eval/score_mean": "mean score on the held-out eval prompts (eval steps only)",
     "eval/response_len": "mean eval response length in tokens (eval steps only)",
     "policy/version": "policy version the generators run",

@@ -141,8 +141,9 @@ class Pool:
                                                 labels=self._labels, target=target)))
                 self._nodes[index] = group_nodes(reserved[-1][1]).get(0, "")
         except PlacementError:
-            for _, pg in reserved:
+            for index, pg in reserved:
                 free_placement(pg)
+                self._nodes.pop(index, None)
             raise PlacementError(cannot_place(self.role, n, bundle, timeout, self._labels)) from None
         return reserved
 
@@ -150,7 +151,7 @@ class Pool:
         """The node the next replica prefers (cluster/runtime/placement.py): by this pool's
         replicas, live or just reserved, per node."""
         with self._lock:
-            indices = [int(rid.rsplit("-", 1)[1]) for rid in self._replicas]
+            indices = [_index(rid) for rid in self._replicas]
         held = [self._nodes[i] for i in indices + [i for i, _ in reserved] if self._nodes.get(i)]
         return spread_target(self._labels, bundle, held) if self._strategy == "spread" else pack_target(held)
 
@@ -184,6 +185,7 @@ class Pool:
         by the caller (the ledger's release() says which). True if it was serving."""
         with self._lock:
             replica = self._replicas.pop(replica_id, None)
+            self._nodes.pop(_index(replica_id), None)
         if replica is not None:  # another thread may have removed it already
             kill_replica(replica)
         return replica is not None and not replica.retiring
@@ -196,7 +198,7 @@ class Pool:
             return self.add(n - len(serving)), []
         with self._lock:  # the newest, least-loaded ones go first
             order = sorted((r for r in self._replicas.values() if not r.retiring),
-                           key=lambda r: (r.load, -int(r.id.rsplit("-", 1)[1])))
+                           key=lambda r: (r.load, -_index(r.id)))
             retiring = order[:len(serving) - n]
             for r in retiring:
                 r.retiring = True
@@ -227,6 +229,7 @@ class Pool:
             if r is None or not r.retiring or r.load > 0:
                 return
             del self._replicas[replica_id]
+            self._nodes.pop(_index(replica_id), None)
         log.info("%s retired", replica_id)
         kill_replica(r)
 
@@ -381,3 +384,8 @@ class Pools:
             except Exception:  # noqa: BLE001 - already dead is fine at shutdown
                 pass
         free_placement(self.learner_placement)
+
+
+def _index(replica_id: str) -> int:
+    """generator-3 -> 3: the pool's serial number of a replica."""
+    return int(replica_id.rsplit("-", 1)[1])

@@ -331,3 +331,25 @@ def test_dynamic_sampling_leaves_out_prompts_whose_samples_all_scored_alike():
         assert [p for p, _ in report.held] == kept
         assert (report.filtered_prompts, report.filtered_rollouts) == ((1, 3) if drop else (0, 0))
         assert report.stored == buf.stats()["depth"] == 3 * len(kept) - 2  # prompt 2: one valid sample
+
+
+@pytest.mark.unit
+def test_drop_surplus_takes_the_first_whole_groups_in_prompt_order_and_leaves_the_rest_out():
+    """A refilled step (dynamic sampling) trains on one batch: whatever order the chunks came
+    in, the first whole groups by (chunk, prompt) make it, and every other rollout held
+    leaves the buffer as consumed, untrained."""
+    buf = RolloutBuffer(capacity=64)
+    _put_prompts(buf, 2, [20, 21])  # a refill's chunk lands first
+    _put_prompts(buf, 0, [5], invalid={(5, 3)})  # 3 valid samples
+    _put_prompts(buf, 1, [7, 8])
+    *shards, summary = buf.take(12, world_size=1, min_version=1, current_version=1, drop_surplus=True)
+    groups = [(x.chunk_id, x.prompt_index) for x in shards[0]]
+    assert groups == [(0, 5)] * 3 + [(1, 7)] * 4 + [(1, 8)] * 4 + [(2, 20)] * 4  # 12 reached inside (2, 20)
+    assert summary.surplus == 4 and buf.stats()["depth"] == 0
+    assert collections.Counter(summary.consumed) == {(0, 5): 3, (1, 7): 4, (1, 8): 4, (2, 20): 4, (2, 21): 4}
+    # without it, the take is the oldest in arrival order and the rest stays for later
+    buf = RolloutBuffer(capacity=64)
+    _put_prompts(buf, 2, [20, 21])
+    _put_prompts(buf, 1, [7, 8])
+    *shards, summary = buf.take(8, world_size=1, min_version=1, current_version=1)
+    assert {x.chunk_id for x in shards[0]} == {2} and summary.surplus == 0 and buf.stats()["depth"] == 8

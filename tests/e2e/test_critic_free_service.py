@@ -43,7 +43,7 @@ def test_grpo_learns_without_a_critic_and_resumes(cluster, tmp_path):
 def test_dynamic_sampling_trains_no_flat_prompt_and_refills_the_step(cluster, tmp_path):
     """GRPO on a pass/fail reward with ppo.filter_groups: prompts whose 4 samples all passed or
     all failed never reach the learner (not one token with a zero advantage), and the steps
-    that lost some drew further prompt batches, up to the cap, to refill."""
+    that lost some drew further prompt batches, up to the cap, to refill to exactly one batch."""
     args = [f"run.dir={tmp_path}", "run.name=dapo", "run.steps=6", "run.eval_every=0",
             "reward.function=cluster.demo.sentiment:is_positive", "ppo.advantage=grpo",
             "ppo.kl.placement=loss", "ppo.kl.estimator=k3", "ppo.filter_groups=true", "ppo.filter_max_batches=3"]
@@ -55,9 +55,11 @@ def test_dynamic_sampling_trains_no_flat_prompt_and_refills_the_step(cluster, tm
         assert 0 <= m["rollouts/filtered_frac"] <= 1
         drawn = m["rollouts/prompts"] // 16
         assert m["rollouts/extra_generated"] == (drawn - 1) * full and 1 <= drawn <= 3
-        # refilled to a full batch, or stopped at the cap
-        assert m["rollouts/used"] >= full or drawn == 3, m
+        # refilled to exactly one batch of whole prompts (the rest left out), or stopped at the cap
+        assert m["rollouts/used"] == full or (drawn == 3 and m["rollouts/used"] < full), m
+        assert m["rollouts/surplus"] % 4 == 0 and (m["rollouts/surplus"] == 0 or drawn > 1), m
     print("dapo: filtered", [round(m["rollouts/filtered_frac"], 2) for m in steps],
           "batches", [m["rollouts/prompts"] // 16 for m in steps], "used", [m["rollouts/used"] for m in steps])
     assert any(m["rollouts/filtered_frac"] > 0 for m in steps)
     assert any(m["rollouts/extra_generated"] > 0 for m in steps)
+    assert any(m["rollouts/surplus"] > 0 for m in steps)  # a refill overshot, and the overshoot was left out
