@@ -86,16 +86,22 @@ def flat_groups(scored: list) -> set:
     return {i for i, s in scores.items() if len(s) > 1 and max(s) == min(s)}
 
 
+def group_end(items, n: int) -> int:
+    """How many of ``items`` (a sequence, groups side by side) the first n are, with the rest
+    of the n-th one's prompt group."""
+    n = min(n, len(items))
+    last = _prompt_group(items[n - 1]) if n else None
+    while last is not None and n < len(items) and _prompt_group(items[n]) == last:
+        n += 1
+    return n
+
+
 def first_groups(items: list, n: int) -> tuple[list, list]:
     """(kept, surplus): whole prompt groups in (chunk id, prompt index) order until ``n``
     rollouts are kept, and the rest. Chunk ids are issued in order, so the choice does not
     depend on which generator finished first."""
     ordered = sorted(items, key=lambda x: (x.chunk_id, x.prompt_index, x.sample_index))
-    cut = min(n, len(ordered))
-    if cut:
-        last = _prompt_group(ordered[cut - 1])
-        while last is not None and cut < len(ordered) and _prompt_group(ordered[cut]) == last:
-            cut += 1
+    cut = group_end(ordered, n)
     return ordered[:cut], ordered[cut:]
 
 
@@ -186,7 +192,7 @@ class RolloutBuffer:
                     if remaining is not None and remaining <= 0:
                         raise TimeoutError(f"buffer: waited {timeout}s for {n} rollouts, have {len(self._items)}")
                     self._cond.wait(remaining)
-                out = [self._items.popleft() for _ in range(self._to_group_end(n))]
+                out = [self._items.popleft() for _ in range(group_end(self._items, n))]
                 self._got_total += len(out)
                 ref = current_version if current_version is not None else self._latest_version
                 lag = staleness(out, ref)
@@ -259,13 +265,6 @@ class RolloutBuffer:
         return (*shards, BatchSummary.of(items, current_version=current_version, dropped=dropped,
                                          consumed=consumed, buffer_depth=depth, dropped_stale=dropped_stale,
                                          surplus=len(surplus)))
-
-    def _to_group_end(self, n: int) -> int:
-        """How many items the oldest n are, with the rest of the n-th one's prompt group."""
-        last = _prompt_group(self._items[n - 1])
-        while last is not None and n < len(self._items) and _prompt_group(self._items[n]) == last:
-            n += 1
-        return n
 
     def _discard_stale(self, min_version: int) -> int:
         # Versions interleave when several generators put, so scan everything, not just the head.

@@ -215,6 +215,11 @@ class TetherConfig(RootConfig):
                              top_k=self.generator.sampling.top_k, top_p=self.generator.sampling.top_p,
                              kl_loss_estimator=self.ppo.kl.estimator if self.ppo.kl.placement == "loss" else None)
 
+    @property
+    def rollouts_per_step(self) -> int:
+        """One step's batch: data.prompts_per_step prompts x generator.sampling.n samples each."""
+        return self.data.prompts_per_step * self.generator.sampling.n
+
     def precision(self) -> dict[str, tuple[str, str]]:
         """role -> (dtype, why): the role's own setting (generator.engine.dtype, learner.dtype)
         else model.dtype, ``auto`` resolved for the role's device (a GPU when its pool reserves
@@ -262,7 +267,7 @@ def validate(cfg: TetherConfig) -> None:
     _check_ptx(cfg)
     # Every learner rank must get an equal shard (core.rollout.shard_rollouts drops the rest),
     # so a step that does not divide evenly would throw rollouts away every step.
-    rollouts = cfg.data.prompts_per_step * cfg.generator.sampling.n
+    rollouts = cfg.rollouts_per_step
     if rollouts % cfg.learner.replicas:
         raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x generator.sampling.n), "
                           f"not divisible by learner.replicas={cfg.learner.replicas}; make prompts_per_step x n "

@@ -8,7 +8,7 @@ from core.choices import GROUP_ESTIMATORS
 
 def check_step(cfg) -> None:
     """A step's rollouts against the minibatch and the buffer that holds them."""
-    rollouts = cfg.data.prompts_per_step * cfg.generator.sampling.n
+    rollouts = cfg.rollouts_per_step
     if rollouts < cfg.ppo.minibatch_size:
         raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x "
                           f"generator.sampling.n) but ppo.minibatch_size={cfg.ppo.minibatch_size}; "
@@ -39,7 +39,7 @@ def _check_filter(cfg) -> None:
     if cfg.generator.sampling.n < 2:
         raise ConfigError(f"config: ppo.filter_groups compares the samples of each prompt, but "
                           f"generator.sampling.n={cfg.generator.sampling.n}; set generator.sampling.n >= 2")
-    full = cfg.data.prompts_per_step * cfg.generator.sampling.n
+    full = cfg.rollouts_per_step
     if cfg.buffer.capacity < 2 * full:
         raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} cannot hold a refilled step with "
                           f"ppo.filter_groups (up to {2 * full - 1} rollouts: a batch short of {full}, plus one "

@@ -90,7 +90,7 @@ class Driver:
                                         chunks_per_generator=chunks_per_generator(cfg),
                                         on_new_generator=self._give_current_weights,
                                         filter_groups=cfg.ppo.filter_groups)
-        self.admission = Admission(per_step=cfg.data.prompts_per_step * cfg.generator.sampling.n,
+        self.admission = Admission(per_step=cfg.rollouts_per_step,
                                    max_staleness=cfg.buffer.max_staleness, outstanding=self._outstanding_rollouts)
         self.stop_requested = threading.Event()  # set by SIGTERM/SIGINT: stop at the next step boundary
         self.producer_stop_timeout_s = 60.0      # async mode: how long a stop waits for the producer thread
@@ -177,9 +177,9 @@ class Driver:
         cfg = self.cfg
         produced = self.rollouts.produce(self.issue(), self.shaping())
         check_invalid_scores(produced, cfg.reward, self.step_count + 1)
-        full, batches = cfg.data.prompts_per_step * cfg.generator.sampling.n, 1
+        batches = 1
         while (cfg.ppo.filter_groups and batches < cfg.ppo.filter_max_batches
-               and self.rollouts.ledger.held_rollouts() < full):
+               and self.rollouts.ledger.held_rollouts() < cfg.rollouts_per_step):
             more = self.rollouts.produce(self.issue(), self.shaping())
             check_invalid_scores(more, cfg.reward, self.step_count + 1)
             more.extra_rollouts = more.prompts * cfg.generator.sampling.n
@@ -199,7 +199,7 @@ class Driver:
             # again (sync: and generated now; async: by the producer).
             if self.rollouts.recover_lost_buffer() and producer is None:
                 regenerated = regenerated.merge(self.rollouts.produce([], self.shaping()))
-            full = cfg.data.prompts_per_step * cfg.generator.sampling.n
+            full = cfg.rollouts_per_step
             held = self.rollouts.ledger.held_rollouts() if producer is None else full
             # Sync: all that was made for this step; after a refill, one batch of it (DAPO).
             n, trim = (min(held, full), held > full) if cfg.ppo.filter_groups else (held, False)
@@ -228,7 +228,7 @@ class Driver:
         if self.ptx is None:
             return None
         c = self.cfg
-        minibatches = -(-c.data.prompts_per_step * c.generator.sampling.n // c.ppo.minibatch_size)
+        minibatches = -(-c.rollouts_per_step // c.ppo.minibatch_size)
         return self.ptx.rows_for_step(self.step_count, c.ppo.ppo_epochs * minibatches * c.ptx.batch_size)
 
     def _publish(self, batch) -> dict:

@@ -17,7 +17,6 @@ class Produced:
     duplicate_chunks: int = 0     # chunks the buffer had already stored (exactly-once at work)
     redispatched_chunks: int = 0  # chunks sent again because the replica holding them died
     filtered_prompts: int = 0     # dynamic sampling: prompts left out, their samples all scored alike
-    filtered_rollouts: int = 0
     extra_rollouts: int = 0       # dynamic sampling: rollouts of the prompt batches drawn to refill the step
     generate_seconds: float = 0.0
     score_seconds: float = 0.0    # scoring time not hidden behind generation
@@ -33,7 +32,7 @@ class Produced:
                    for k in set(self.score_latency) | set(other.score_latency)}
         sums = {f: getattr(self, f) + getattr(other, f) for f in
                 ("stored", "prompts", "skipped_prompts", "invalid_scores", "empty_responses",
-                 "duplicate_chunks", "redispatched_chunks", "filtered_prompts", "filtered_rollouts",
+                 "duplicate_chunks", "redispatched_chunks", "filtered_prompts",
                  "extra_rollouts", "generate_seconds", "score_seconds", "tokens",
                  "to_scorers", "to_buffer")}
         return Produced(**sums, per_generator_tps={**self.per_generator_tps, **other.per_generator_tps},

@@ -326,7 +326,6 @@ class RolloutProducer:
             return True
         out.stored += report.stored
         out.filtered_prompts += report.filtered_prompts
-        out.filtered_rollouts += report.filtered_rollouts
         out.invalid_scores += report.invalid_scores
         out.empty_responses += report.empty_responses
         return True
