@@ -51,8 +51,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                     help="extra node labels: one set for all workers, or one per worker, in order "
                          "(e.g. tether.pool=gen tether.pool=score); pools pick nodes by label with "
                          "<pool>.node_labels")
-    up.add_argument("--client-port", type=int, default=10001, metavar="PORT",
-                    help="the head's Ray Client server port (Ray needs a fixed one; default 10001)")
+    up.add_argument("--client-port", type=int, default=None, metavar="PORT",
+                    help="the head's Ray Client server port (default: one the OS chooses)")
     status = sub.add_parser("status", help="list the nodes and the job submit command",
                             description="List the cluster's nodes (id, name, labels, CPUs, alive) and print "
                                         "the `ray job submit` command for it.")
@@ -93,7 +93,7 @@ def cmd_up(args, path: Path) -> int:
     recorded = local.load(path)
     if recorded is not None and local.running(recorded):
         raise _Mistake(f"a cluster recorded in {path} is still up; stop it first with `tether cluster down`")
-    if args.workers < 1 or not 1024 <= args.client_port <= 65535:
+    if args.workers < 1 or (args.client_port is not None and not 1024 <= args.client_port <= 65535):
         raise _Mistake("--workers must be >= 1 and --client-port within 1024..65535")
     cpus = _per_worker(args.cpus_per_worker, args.workers, "--cpus-per-worker")
     if min(cpus) < 1:
@@ -122,6 +122,8 @@ def _print_status(state) -> int:
         labels = ",".join(f"{k}={v}" for k, v in r["labels"].items())
         print(f"{r['name']:<10} {r['id']:<56}  {r['cpus']:>4g}  {'yes' if r['alive'] else 'NO':<5}  {labels}")
     print(f"\ndashboard: {state.dashboard_url} (token: ~/.ray/auth_token)   GCS: {state.gcs_address}")
+    if state.client_port:
+        print(f"Ray Client: ray://{state.gcs_address.rsplit(':', 1)[0]}:{state.client_port}")
     print(f"Ray's logs: {state.temp_dir}/session_latest/logs")
     print("\nsubmit the default job (from this directory; its run folder lands in ./runs):\n")
     print(local.submit_command(state))

@@ -5,8 +5,9 @@ started with the real ``ray start`` of this Python environment:
 
 - The head has no CPUs: a job's driver runs there and every actor on a worker node.
 - Every port is the OS's choice (``--port=0``, ``--dashboard-port=0``, the agents' 0), read
-  back afterwards. Only the head's Ray Client server needs a number (Ray 2.60 refuses 0):
-  ``client_port``, checked free first.
+  back afterwards. The head's Ray Client server needs a number (Ray 2.60 refuses 0): one the
+  OS chose, held until the server has it (cluster/nodes/ports.py), or ``client_port`` when
+  given, checked free first.
 - Its own ``--temp-dir`` (/tmp/tether-ray-*), which the worker nodes share: its sessions,
   logs and address file are this cluster's only, so a plain ``ray.init()`` elsewhere never
   joins it by accident.
@@ -19,6 +20,7 @@ started with the real ``ray start`` of this Python environment:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +35,7 @@ import psutil
 
 from cluster.nodes.health import system_config_flag
 from cluster.nodes.kill import NodeNotFound, gcs_of, kill_node, node_processes
+from cluster.nodes.ports import held_port, wait_listening
 
 STATE_FILE = ".tether-cluster.json"
 NODE_LABEL = "tether.node"              # worker-1, worker-2, ... (the head: head)
@@ -59,6 +62,7 @@ class State:
     pids: dict[str, int] = field(default_factory=dict)        # "raylet <id>" / "gcs": pid at start
     started_at: float = 0.0
     workdir: str = "."
+    client_port: int = 0                                      # the head's Ray Client server
 
 
 def parse_labels(text: str) -> dict:
@@ -132,9 +136,10 @@ def _worker_args(gcs: str, cpus: int, labels: dict) -> list[str]:
             "--disable-usage-stats", "--labels", text]
 
 
-def up(cpus: list[int], labels: list[dict], *, client_port: int, workdir: Path) -> State:
-    """Start the head and one worker node per entry of ``cpus``; wait until all are alive."""
-    if _port_taken(client_port):
+def up(cpus: list[int], labels: list[dict], *, client_port: int | None = None, workdir: Path) -> State:
+    """Start the head and one worker node per entry of ``cpus``; wait until all are alive.
+    ``client_port``: the head's Ray Client server's; None, one the OS chooses."""
+    if client_port is not None and _port_taken(client_port):
         raise LocalClusterError(f"port {client_port} (the head's Ray Client server) is in use, likely by "
                                 "another Ray head; choose a free one with --client-port=PORT")
     env = ray_env()
@@ -143,9 +148,14 @@ def up(cpus: list[int], labels: list[dict], *, client_port: int, workdir: Path) 
     state = State(temp_dir=str(temp), gcs_address="", dashboard_url="", head_id="", started_at=time.time(),
                   workdir=str(workdir.resolve()))
     try:
-        head = _start(_head_args(temp, client_port), temp / "ray-start-head.log", env)
-        state.sessions.append(head.pid)
-        _finish("head", head, temp / "ray-start-head.log")
+        with held_port() if client_port is None else contextlib.nullcontext(client_port) as port:
+            head = _start(_head_args(temp, port), temp / "ray-start-head.log", env)
+            state.sessions.append(head.pid)
+            state.client_port = port
+            _finish("head", head, temp / "ray-start-head.log")
+            if not wait_listening(port, JOIN_TIMEOUT_S):  # a held port stays ours until it listens
+                raise LocalClusterError(f"the head's Ray Client server is not listening on port {port} after "
+                                        f"{JOIN_TIMEOUT_S:.0f}s; see the logs in {temp}/session_latest/logs")
         state.gcs_address = (temp / "ray_current_cluster").read_text().strip()  # written by `ray start`
         for i, (n, extra) in enumerate(zip(cpus, labels), start=1):  # one at a time: concurrent
             log = temp / f"ray-start-worker-{i}.log"             # starts race for socket names

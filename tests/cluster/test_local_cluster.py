@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from cluster.nodes import local
+from cluster.nodes.ports import wait_listening
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +103,8 @@ def test_up_status_kill_node_down_leaves_other_ray_alone(cluster, env, other_ray
     assert {n["cpus"] for n in workers.values()} == {2}
     assert f"ray job submit --address {info['dashboard_url']}" in info["submit"]
     assert len({n["id"] for n in info["nodes"]} | {other_ray[1]}) == 4  # each its own raylet
+    # The Ray Client server's port is the OS's choice too (held until the server took it)
+    assert info["client_port"] > 0 and wait_listening(info["client_port"], timeout_s=5)
 
     one_line_error(tether(cluster, env, "up"), "still up", "tether cluster down")
     one_line_error(tether(cluster, env, "kill-node", "worker-9"), "worker-9", "worker-1", "worker-2")

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import psutil
 import pytest
 from browser import Chromium, find_chromium
 
+from cluster.nodes.ports import held_port, wait_listening
 from cluster.runtime.metrics import METRICS
 
 pytestmark = pytest.mark.e2e
@@ -171,15 +171,13 @@ class Live:
 
 # ---------------------------------------------------------------------- the live setup
 
-CLIENT_PORT = 10001  # Ray 2.60 needs a number for the head's Ray Client server (it refuses 0)
-
-
-def _start_head(tmp: Path, env: dict) -> subprocess.Popen:
-    """Every port but the Ray Client server's is the OS's choice (0), read back afterwards."""
+def _start_head(tmp: Path, env: dict, client_port: int) -> subprocess.Popen:
+    """Every port is the OS's choice: 0, read back afterwards, and for the Ray Client server
+    (Ray refuses 0 there) one the OS chose and the caller holds until the server has it."""
     log = open(tmp / "ray-start.log", "wb")
     cmd = [str(RAY), "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--port=0",
            "--dashboard-host=127.0.0.1", "--dashboard-port=0", "--dashboard-agent-listen-port=0",
-           f"--ray-client-server-port={CLIENT_PORT}", "--num-cpus=4", "--disable-usage-stats",
+           f"--ray-client-server-port={client_port}", "--num-cpus=4", "--disable-usage-stats",
            f"--temp-dir={tmp / 'ray'}"]
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -210,12 +208,15 @@ def _addresses(tmp: Path, env: dict, head: subprocess.Popen, timeout: float = 12
 
 
 def _start_live_head(tmp: Path, env: dict, token: str, run_root: Path):
-    if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == CLIENT_PORT
-           for c in psutil.net_connections("tcp")):
-        pytest.fail(f"port {CLIENT_PORT} (a Ray Client server) is taken: another Ray head is running here")
-    head = _start_head(tmp, env)
+    with held_port() as client_port:
+        head = _start_head(tmp, env, client_port)
+        try:
+            found = _addresses(tmp, env, head)
+            assert wait_listening(client_port, 120), "the head's Ray Client server never listened"
+        except BaseException:
+            _stop_head(head, tmp)
+            raise
     try:
-        found = _addresses(tmp, env, head)
         live = Live(tmp=tmp, dashboard=f"http://{found['dashboard']}",
                     metrics_url=f"http://127.0.0.1:{found['metrics_port']}/metrics", token=token, env=env,
                     submission_id=f"tether-obs-{secrets.token_hex(4)}", run_dir=run_root / "runs" / "obs",
