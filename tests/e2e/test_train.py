@@ -135,7 +135,8 @@ def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_
         "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "run.steps=4", "learner.replicas=2",
         "generator.replicas=2", "reward.replicas=2",
         "ppo.ptx_coef=0.5", f"ptx.path={text}", "ptx.seq_len=24", "ptx.batch_size=4",
-        "generator.sampling.top_p=0.9", "generator.sampling.top_k=50"])
+        "generator.sampling.top_p=0.9", "generator.sampling.top_k=50",
+        "model.dtype=float32"])  # the KL of 1e-4 and the 1e-5 log-prob gaps below are fp32's
     policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     ptx = prepare_ptx(cfg, tokenizer_path)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
