@@ -33,15 +33,16 @@ def test_kl_in_the_loss_with_truncated_sampling(cluster, tmp_path):
 
 
 def test_async_trains_partial_rollouts_with_off_policy_weights(cluster, tmp_path):
-    """Async mode with staleness 1, where generation is the bottleneck by a wide margin (the
-    engine runs 2 sequences at a time and every response runs its full 16 tokens: a batch
-    takes about 2.5x the learner's step here, so every push finds a generate call running;
-    with EOS allowed, responses of ~5 tokens made the two equal and pushes fell between
-    calls on faster machines): weight pushes land mid-response, those rollouts are trained
-    one version later with per-token behaviour log-probs of two versions, the off-policy
-    weights move off 1, and the policy still learns."""
+    """Async mode with staleness 1, where generation is the bottleneck by a wide margin: the
+    engine runs one sequence at a time and every response runs its full 16 tokens, so a batch
+    takes several times the learner's step (the test holds while it takes more than one, on a
+    machine several times faster or slower alike) and every push finds a generate call
+    running. (With EOS allowed, responses of ~5 tokens made the two equal and pushes fell
+    between calls on faster machines.) Weight pushes land mid-response, those rollouts are
+    trained one version later with per-token behaviour log-probs of two versions, the
+    off-policy weights move off 1, and the policy still learns."""
     argv = [f"run.dir={tmp_path}", "run.name=async-partial", "run.mode=async", "buffer.max_staleness=1",
-            "generator.engine.max_num_seqs=2", "generator.sampling.ignore_eos=true", "run.steps=12",
+            "generator.engine.max_num_seqs=1", "generator.sampling.ignore_eos=true", "run.steps=12",
             "run.eval_every=0", "model.dtype=float32"]
     assert train.main(argv) == 0
     run_dir = tmp_path / "async-partial"
@@ -51,6 +52,12 @@ def test_async_trains_partial_rollouts_with_off_policy_weights(cluster, tmp_path
             round(m["reward/mean"], 3)) for m in steps])
     assert max(m["rollouts/partial_frac"] for m in steps) > 0
     assert max(m["buffer/staleness_max"] for m in steps) == 1
+    # Admission by version at staleness 1: a batch is issued only when it can still be trained
+    # within one version of the weights that sample it, so none is dropped as stale.
+    assert steps[-1]["buffer/dropped_stale"] == 0
+    # The premise: generation outlasts the learner's step (by how much shows in the print).
+    print("generate / learn seconds per step:", sum(m["perf/generate_seconds"] for m in steps)
+          / sum(m["perf/learner_seconds"] for m in steps))
     assert max(abs(m["off_policy/is_weight_mean"] - 1) for m in steps) > 1e-3
     assert max(m["off_policy/behaviour_kl"] for m in steps) > 1e-5
     first = sum(m["reward/mean"] for m in steps[:3]) / 3

@@ -3,6 +3,7 @@
 Each run is `python -m cluster.train` in its own process (and its own local Ray); the
 driver is killed by the pid of the process the test started.
 """
+import json
 import os
 import re
 import signal
@@ -77,9 +78,26 @@ def test_sigterm_stops_async_run_with_a_checkpoint_and_resume_finishes(tmp_path)
     assert st["state"] == "stopped" and st["resumable"] is True
     stopped_at = st["step"]
     assert Path(st["checkpoint"]).name == f"step-{stopped_at:06d}"
+    at_stop = drawn_and_trained(Path(st["checkpoint"]))
+    # The producer works a batch ahead of the learner: the stop left drawn prompts untrained.
+    assert at_stop["unfinished"] > 0, at_stop
     assert finish(start(run_dir, "run.mode=async", "run.resume=auto")) == 0
     assert status(run_dir)["resumed_from_step"] == stopped_at
     resumed = rows(run_dir)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5]
     assert [r["policy/version"] for r in resumed[1:]] == [1, 2, 3, 4, 5]
     assert all(r["buffer/staleness_max"] <= 1 for r in resumed[1:])  # buffer.max_staleness, across the restart
+    assert all(r["buffer/dropped_stale"] == 0 and r["rollouts/skipped_prompts"] == 0 for r in resumed[1:])
+    # Every prompt drawn is trained or still unfinished, across the restart: the ones the stop
+    # left untrained came back (had they been lost, the later checkpoint would miss them).
+    later = drawn_and_trained(max((run_dir / "checkpoints" / "resume").glob("step-*")))
+    assert later["step"] > stopped_at and later["drawn"] == later["trained"] + later["unfinished"], later
+    assert at_stop["drawn"] == at_stop["trained"] + at_stop["unfinished"], at_stop
+
+
+def drawn_and_trained(checkpoint: Path) -> dict:
+    """Prompt counts of a resumable checkpoint: drawn from the data, trained on, and unfinished
+    (drawn, not trained: in flight or buffered). Every step trains data.prompts_per_step (16)."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    return {"step": state["step"], "drawn": 16 * state["batches_issued"], "trained": 16 * state["step"],
+            "unfinished": len(state["unfinished"])}
