@@ -2,8 +2,8 @@
 records the stack it installed (cpu or gpu), so a .venv moved to the other kind of machine is re-installed."""
 import os
 import shutil
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
