@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
+from actors.timed_call import CallTimedOut, TimedCall, TooManyAbandoned
 from core.architectures import load_pretrained
 from core.dtypes import torch_dtype
 from core.errors import type_and_first_line
@@ -84,10 +85,15 @@ def load_function(spec: str, key: str = "reward.function"):
     return fn
 
 
-def probe_function(spec: str, prompts: list[str], responses: list[str], key: str = "reward.function") -> None:
+# Abandoned calls (actors/timed_call.py) a replica keeps per function before it refuses calls.
+MAX_ABANDONED_CALLS = 4
+
+
+def probe_function(spec: str, prompts: list[str], responses: list[str], key: str = "reward.function",
+                   timeout_s: float = 60.0) -> None:
     """Call the function once on example pairs, as the actors will; a ValueError naming
-    ``key`` (reward.function, reward.gold) if it raises, does not return one number per pair,
-    or returns no finite one.
+    ``key`` (reward.function, reward.gold) if it raises, does not return within ``timeout_s``
+    (reward.timeout_s), does not return one number per pair, or returns no finite one.
 
     At run time such a function only invalidates every batch (the actor must keep
     serving), so a run would train on nothing; the driver asks first.
@@ -95,7 +101,11 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
     fn = load_function(spec, key)
     n = len(prompts)
     try:
-        out = fn(list(prompts), list(responses))
+        out = TimedCall(fn, timeout_s, name=f"probe {spec}")(list(prompts), list(responses))
+    except CallTimedOut:
+        raise ValueError(f"{key} {spec!r} did not return within reward.timeout_s={timeout_s:g} s on a probe with "
+                         f"{n} example (prompt, response) pairs; make it return sooner, or raise "
+                         "reward.timeout_s") from None
     except Exception as e:  # noqa: BLE001 - user code fails in every flavour
         raise ValueError(f"{key} {spec!r} raised on a probe with {n} example (prompt, response) "
                          f"pairs: {type_and_first_line(e)}; fix the function") from None
@@ -133,11 +143,14 @@ class Reward:
     reward model must share the policy's vocabulary. ``batch_size`` bounds a model forward; a
     function is called once per ``score`` call. ``gold`` (a function spec, needs ``tokenizer``)
     is the evaluation-only score of ``gold_scores``: what the proxy reward stands in for.
+    A function (or gold) call that does not return within ``timeout_s`` leaves its items invalid
+    and goes on in an abandoned thread (actors/timed_call.py); the replica serves the next call.
     """
 
     def __init__(self, *, model: str | None = None, function: str | None = None,
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
-                 device: str | None = None, normalize: bool = False, gold: str | None = None):
+                 device: str | None = None, normalize: bool = False, gold: str | None = None,
+                 timeout_s: float = 60.0):
         fit_threads()
         if (model is None) == (function is None):
             raise ValueError("Reward: give exactly one of model= or function= "
@@ -151,9 +164,10 @@ class Reward:
         self.normalization: tuple[float, float] | None = None  # (mean, std) applied to model scores
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.gold_name = gold
-        self.gold_fn = load_function(gold, "reward.gold") if gold is not None else None
+        self.timeout_s = float(timeout_s)
+        self.gold_fn = self._timed(load_function(gold, "reward.gold"), gold) if gold is not None else None
         if function is not None:
-            self.fn = load_function(function)
+            self.fn = self._timed(load_function(function), function)
         if function is not None or gold is not None:  # text functions see decoded tokens
             if tokenizer is None:
                 raise ValueError(f"Reward: function {function or gold!r} needs tokenizer= (a path) to decode tokens")
@@ -164,6 +178,9 @@ class Reward:
                 self.normalization = load_reward_stats(self.model_path)
         self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "seconds": 0.0}
         self.last_error: str | None = None
+
+    def _timed(self, fn, spec: str) -> TimedCall:
+        return TimedCall(fn, self.timeout_s, MAX_ABANDONED_CALLS, name=f"reward {spec}")
 
     def _load_model(self, model: str, dtype: torch.dtype) -> None:
         from transformers import AutoModelForSequenceClassification
@@ -254,6 +271,13 @@ class Reward:
         n = len(prompts)
         try:
             out = fn(decode(prompts), decode(responses))
+        except CallTimedOut:
+            return self._invalid_batch(n, f"{name} did not return within reward.timeout_s={self.timeout_s:g} s; all "
+                                          f"{n} items invalid (the call goes on in the background: {fn.abandoned} "
+                                          f"such, at most {fn.max_abandoned})")
+        except TooManyAbandoned as e:
+            return self._invalid_batch(n, f"{name} not called: {e} (reward.timeout_s); all {n} items invalid "
+                                          "until one returns")
         except Exception as e:  # noqa: BLE001 - user code must not crash the actor
             return self._invalid_batch(n, f"{name} raised {type_and_first_line(e)}; all {n} items invalid")
         try:
@@ -289,8 +313,9 @@ class Reward:
         return self._head(pool_last_token(hidden, mask_t)).float().squeeze(-1).cpu().numpy()
 
     def stats(self) -> dict:
+        abandoned = sum(f.abandoned for f in (self.fn, self.gold_fn) if f is not None)
         return {**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()},
-                "last_error": self.last_error}
+                "abandoned_calls": abandoned, "last_error": self.last_error}
 
     def health(self) -> dict:
         source = {"function": self.function_name} if self.fn is not None else {

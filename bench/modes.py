@@ -1,4 +1,4 @@
-"""Async against sync mode on the issue-14 workload (~30M preset), at equal rollouts.
+"""Async against sync mode on the tether-vs-TRL benchmark workload (bench/workload.py, ~30M preset), at equal rollouts.
 
     .venv/bin/python -m bench.modes                         # 1 warm-up + 4 timed steps per mode
     .venv/bin/python -m bench.modes --steps 1 --prompts 8 --new-tokens 8   # smoke

@@ -1,4 +1,4 @@
-"""The issue-14 benchmark workload, built offline, seeded and cached: models and prompts.
+"""The tether-vs-TRL benchmark workload (bench.vs_trl), built offline, seeded and cached: models and prompts.
 
     .venv/bin/python -m bench.workload          # build it, print workload.json's path
 

@@ -3,7 +3,8 @@
 # branch), run the gpu-marked tests, run a 20-step job (configs/gpu-check.yaml: weight_sync=ipc on
 # one GPU, nccl and a GPU each with two or more), print its learner MFU, generation tokens/s and
 # weight-sync seconds (bench/mfu.py). The job and the report run even when a test failed.
-# Exit codes: 0 all passed; 3 no NVIDIA GPU on this machine; otherwise the failing step's.
+# Exit codes: 0 all passed; 3 no NVIDIA GPU on this machine; 6 every gpu test skipped (the GPU
+# stack is not usable: the run checked nothing); otherwise the failing step's.
 # Usage: scripts/gpu-check.sh [pytest arguments for the gpu tests]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,8 @@ bash scripts/setup.sh
 export DS_ACCELERATOR=cuda  # the learner's DeepSpeed on CUDA (scripts/run.sh and test.sh default to cpu)
 
 tests=0
-.venv/bin/python -m pytest -m gpu -rs -p no:cacheprovider "$@" || tests=$?
+.venv/bin/python -m pytest -m gpu -rs -p no:cacheprovider --require-passed "$@" || tests=$?
+[ "$tests" != 6 ] || echo "gpu-check: every gpu test skipped (exit 6 at the end); the skip reasons are above" >&2
 
 if [ "$gpus" -ge 2 ]; then
   placement=(learner.weight_sync=nccl learner.num_gpus=1 generator.num_gpus=1)

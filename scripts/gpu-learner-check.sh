@@ -13,7 +13,8 @@
 # Time: the runs after the first three are skipped once they would end past BUDGET_S seconds
 # (default 340) since the start, so the whole check fits a short lease.
 # Output: each run's JSON under $OUT when set, else runs/gpu-learner-check-<time>/; a summary last.
-# Exit codes: 0 every run passed; 3 no NVIDIA GPU; else the first failed run's (the rest still run).
+# Exit codes: 0 every run passed; 3 no NVIDIA GPU; 6 the GPU test skipped (torch sees no CUDA: nothing
+# checked); else the first failed run's (the rest still run).
 # Usage: scripts/gpu-learner-check.sh            # on the GPU machine
 #        scripts/gpu-learner-check.sh --cpu-smoke  # the same steps, tiny and on the CPU (a dry run)
 set -uo pipefail
@@ -73,7 +74,7 @@ maybe() {
   else echo "gpu-learner-check: == $1 skipped: ${SECONDS}s gone, it needs ~$2s, budget ${budget}s"; fi
 }
 if [ "$device" = cuda ]; then  # the update on CUDA equals the plain-torch one on the CPU (ZeRO-2 and -3)
-  run gpu-update-test 150 -m pytest -p no:cacheprovider -m gpu -q tests/learner/test_gpu_update.py
+  run gpu-update-test 150 -m pytest -p no:cacheprovider -m gpu -q -rs --require-passed tests/learner/test_gpu_update.py
 fi
 bench=(-m bench.learner --device "$device" --policy-size "$size" "${sizes[@]}")
 run bf16-shared 150 "${bench[@]}" --dtype bfloat16 --critic shared --zero 2 3 --out "$out/learner-bf16-shared.json"

@@ -27,8 +27,10 @@ fi
 
 VENV=.venv
 STAMP=$VENV/.tether-installed
-# Re-install only when the dependency list or the pins changed since the last successful run.
-WANT=$(cat pyproject.toml scripts/setup.sh constraints/cpu.txt constraints/gpu.txt | sha256sum | cut -c1-16)
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then STACK=gpu; else STACK=cpu; fi
+# Re-install only when the stack (cpu or gpu), the dependency list or the pins changed since the
+# last successful run: a .venv made on a CPU machine is re-installed on a GPU one, and back.
+WANT="$STACK $(cat pyproject.toml scripts/setup.sh constraints/cpu.txt constraints/gpu.txt | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
@@ -42,7 +44,7 @@ pip_install() {
   return "${PIPESTATUS[0]}"
 }
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+if [ "$STACK" = gpu ]; then
   # Pinned by constraints/gpu.txt (resolved without a GPU; not yet installed on one).
   echo "setup: NVIDIA GPU found; installing the CUDA vLLM build, pinned by constraints/gpu.txt" >&2
   pip_install -c constraints/gpu.txt -e ".[gpu,test]"

@@ -16,6 +16,37 @@ UNIT_TIMEOUT_S = 120     # pure functions: seconds each, even on a loaded 2-core
 SLOW_TIMEOUT_S = 1800    # the slow tier's full runs (not in CI)
 
 
+# --require-passed: the GPU scripts' pytest runs exit with this when no test passed (all
+# skipped, e.g. no usable CUDA): such a run checked nothing and must not read as a pass.
+NOTHING_PASSED_EXIT = 6
+
+
+def pytest_addoption(parser):
+    parser.addoption("--require-passed", action="store_true",
+                     help=f"exit {NOTHING_PASSED_EXIT} when no selected test passed (every one skipped)")
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        _PASSED.append(report.nodeid)
+
+
+_PASSED: list[str] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("require_passed") and exitstatus == 0 and not _PASSED:
+        session.exitstatus = NOTHING_PASSED_EXIT
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.getoption("require_passed") and exitstatus == 0 and not _PASSED:
+        terminalreporter.write_line(f"--require-passed: no test passed (every selected test was skipped), exit "
+                                    f"{NOTHING_PASSED_EXIT}: this run checked nothing; the skip reasons say why (-rs)")
+
+
 def pytest_collection_modifyitems(config, items):
     wrong = []
     for item in items:

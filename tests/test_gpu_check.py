@@ -1,6 +1,8 @@
-"""scripts/gpu-check.sh on a machine without an NVIDIA GPU: one line, exit code 3, nothing installed."""
+"""scripts/gpu-check.sh on a machine without an NVIDIA GPU: one line, exit code 3, nothing installed;
+and the GPU scripts' pytest runs fail (exit 6) when every gpu test skipped."""
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,31 @@ def test_no_gpu_is_one_line_and_exit_3(tmp_path, setup):
     result = run_check(path)
     assert result.returncode == 3
     assert result.stderr == NO_GPU + "\n" and result.stdout == ""
+
+
+def cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def run_pytest(*args):
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "--require-passed",
+                           *args], cwd=REPO, text=True, capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.skipif(cuda_available(), reason="CUDA is usable here: the gpu tests run")
+def test_a_gpu_run_whose_every_test_skipped_is_not_a_pass():
+    result = run_pytest("-m", "gpu", "tests/learner/test_gpu_update.py")
+    assert result.returncode == 6, result.stdout[-2000:]
+    assert "--require-passed: no test passed (every selected test was skipped), exit 6" in result.stdout
+    passed = run_pytest("tests/cluster/test_reward_check.py::test_a_share_at_or_below_the_threshold_passes")
+    assert passed.returncode == 0, passed.stdout[-2000:]
+
+
+@pytest.mark.parametrize("script", ["gpu-check.sh", "gpu-learner-check.sh"])
+def test_the_gpu_scripts_require_a_passed_test(script):
+    text = (REPO / "scripts" / script).read_text()
+    runs = [line for line in text.splitlines() if "-m pytest" in line and "-m gpu" in line]
+    assert runs and all("--require-passed" in line for line in runs)
+    assert "; 6 " in text  # the exit codes in the header say what 6 means

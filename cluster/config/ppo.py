@@ -90,6 +90,9 @@ class RewardPoolConfig(PoolConfig):
     max_invalid_fraction: float = setting(0.5, "a step whose share of invalid scores (NaN/inf, or the reward "
                                                "raised) is above this stops the run, naming the reward; "
                                                "1 = never")
+    timeout_s: float = setting(60.0, "a reward.function or reward.gold call that has not returned after this "
+                                     "many seconds counts its pairs as invalid scores (the call is abandoned; "
+                                     "the start-up probe refuses such a function)")
 
 
 @config_class
@@ -298,6 +301,9 @@ def _check_reward(reward: RewardPoolConfig) -> None:
     if not 0 <= reward.max_invalid_fraction <= 1:
         raise ConfigError(f"config: reward.max_invalid_fraction={reward.max_invalid_fraction} must be in [0, 1] "
                           "(the share of a step's scores that may be invalid)")
+    if not reward.timeout_s > 0:
+        raise ConfigError(f"config: reward.timeout_s={reward.timeout_s} must be > 0 (seconds a reward function "
+                          "call may take)")
 
 
 def _check_run(run: RunConfig) -> None:

@@ -45,7 +45,7 @@ class TinySpec:
 # ~30M parameters, for benchmarks that need a model big enough to show costs.
 SPEC_30M = TinySpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=10,
                     num_attention_heads=8, num_key_value_heads=4)
-# ~31.7M parameters: the issue-14 benchmark workload shared with TRL (bench/workload.py).
+# ~31.7M parameters: the benchmark workload shared with TRL (bench/workload.py).
 SPEC_BENCH_32M = TinySpec(vocab_size=512, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=4)
 

@@ -11,6 +11,9 @@ Unless run.library_logs is true:
   not forward it to the driver (cluster/job/startup.py ``connect_ray``). What an actor has to
   tell the user reaches the console through the driver, in tether's words: a reward's
   errors, a replica that died, prompts skipped as too long for the model.
+* Ray's banner for a worker that died ("A worker died or was killed ...", many lines of ids
+  and likely causes) goes to ``library.log`` too: tether's own line names the replica and
+  what happens to its work. Ray's other messages from its raylet still reach the console.
 
 The start-up prints where both are (``library logs: ...``).
 """
@@ -23,6 +26,7 @@ from typing import Optional
 
 TETHER_LOGGERS = ("tether", "cluster", "actors", "learner", "core")
 LIBRARY_LOG = "library.log"
+WORKER_DIED = "A worker died or was killed"
 
 
 def is_tethers(record: logging.LogRecord) -> bool:
@@ -92,6 +96,34 @@ def _console_loggers() -> list[logging.Logger]:
 
 
 @contextlib.contextmanager
+def worker_deaths_to_log():
+    """While inside, Ray's worker-death banner is a record of the ``ray.raylet`` logger.
+
+    Ray's driver prints its raylet's error messages to stdout itself, from a thread of its own
+    (``listen_error_messages`` calls the module's ``print_to_stdstream`` for each), not
+    through logging, so no logging filter reaches them: the printer is wrapped instead.
+    """
+    import ray._private.worker as ray_worker
+
+    printer = ray_worker.print_to_stdstream
+    banner_log = logging.getLogger("ray.raylet")
+
+    def print_or_log(data: dict, ignore_prefix: bool) -> None:
+        lines = data.get("lines") or ()
+        if data.get("pid") == "raylet" and any(WORKER_DIED in line for line in lines):
+            for line in lines:
+                banner_log.warning("%s", line)
+            return
+        printer(data, ignore_prefix)
+
+    ray_worker.print_to_stdstream = print_or_log
+    try:
+        yield
+    finally:
+        ray_worker.print_to_stdstream = printer
+
+
+@contextlib.contextmanager
 def quiet_console(library_logs: bool):
     """While inside, the console shows tether's own lines (module docstring); yields the
     LibraryLog to open() once the run folder exists (None when run.library_logs is true)."""
@@ -113,7 +145,8 @@ def quiet_console(library_logs: bool):
         lg.addHandler(library)
     logging.captureWarnings(True)
     try:
-        yield library
+        with worker_deaths_to_log():
+            yield library
     finally:
         logging.captureWarnings(False)
         for lg in loggers:

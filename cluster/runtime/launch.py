@@ -71,7 +71,8 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
                                           runtime_env=env("reward"), **options).remote(
             model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
-            normalize=w.normalize, gold=w.gold, dtype=dtype["reward"])
+            normalize=w.normalize, gold=w.gold, dtype=dtype["reward"],
+            timeout_s=w.timeout_s)
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t,
                       node_labels=p.node_labels, strategy=p.strategy)

@@ -125,7 +125,7 @@ def prepare(cfg):
     prompts = train_set.texts[:len(PROBE_RESPONSES)]
     for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
         if spec:  # with real prompts: a function that cannot score them would void every batch (or eval)
-            probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key)
+            probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key, cfg.reward.timeout_s)
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 

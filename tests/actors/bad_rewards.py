@@ -1,5 +1,6 @@
 """Deliberately misbehaving reward functions for tests/actors/test_reward.py."""
 import math
+import threading
 
 
 def nan_for_odd(prompts, responses):
@@ -20,3 +21,14 @@ def not_numbers(prompts, responses):
 
 def length_of_response(prompts, responses):
     return [float(len(r)) for r in responses]
+
+
+# Set by a test to let the calls that hang_when_asked holds return.
+RELEASE = threading.Event()
+
+
+def hangs_when_asked(prompts, responses):
+    """Hangs (until RELEASE is set) on a batch with a response that says "hang"; else scores lengths."""
+    if any("hang" in r for r in responses):
+        RELEASE.wait(600)
+    return length_of_response(prompts, responses)

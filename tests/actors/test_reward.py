@@ -1,5 +1,6 @@
 import logging
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ from actors.reward import Reward, ScoreResult
 from cluster.demo.sentiment import SENTIMENT_SCALE, sentiment
 
 sys.path.insert(0, str(Path(__file__).parent))  # makes tests/actors/bad_rewards.py importable
+import bad_rewards  # noqa: E402 - the module Reward imports by name, whose RELEASE the tests set
 
 SENTIMENT = "cluster.demo.sentiment:sentiment"
 
@@ -27,6 +29,14 @@ def _batch(seed=0, lens=((3, 4), (9, 2), (5, 7), (1, 0), (6, 3), (2, 8), (4, 4))
 
 def _encode(tokenizer, texts):
     return [np.array(tokenizer(t)["input_ids"]) for t in texts]
+
+
+def _rollouts(prompts, responses):
+    from core.rollout import Rollout
+
+    return [Rollout(prompt_ids=p, response_ids=r, behaviour_logprobs=np.zeros(r.size, np.float32),
+                    finish_reason="stop", policy_version=0, prompt_index=i, sample_index=0)
+            for i, (p, r) in enumerate(zip(prompts, responses))]
 
 
 # --------------------------------------------------------------------------- model path
@@ -147,6 +157,71 @@ def test_broken_function_invalidates_batch_without_crashing(policy_path, name, n
     assert h["ok"] and h["failed_calls"] == 2 and h["invalid_items"] == 6
 
 
+def _wait_until(predicate, deadline_s=60.0):
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
+@pytest.mark.integration
+def test_a_call_past_the_timeout_invalidates_its_items_and_the_replica_serves_on(policy_path, tokenizer):
+    from actors.reward import MAX_ABANDONED_CALLS
+
+    bad_rewards.RELEASE.clear()
+    rw = Reward(function="bad_rewards:hangs_when_asked", tokenizer=policy_path, timeout_s=2)
+    prompts = _encode(tokenizer, ["Once"] * 2)
+    fine, hangs = _encode(tokenizer, ["a cat", "a dog"]), _encode(tokenizer, ["a cat", "hang on"])
+    try:
+        assert rw.score(prompts, fine).valid.all()
+        for i in range(MAX_ABANDONED_CALLS):
+            res = rw.score(prompts, hangs)
+            assert not res.valid.any() and np.isnan(res.scores).all()
+            assert res.errors == ["reward function bad_rewards:hangs_when_asked did not return within "
+                                  f"reward.timeout_s=2 s; all 2 items invalid (the call goes on in the background: "
+                                  f"{i + 1} such, at most {MAX_ABANDONED_CALLS})"]
+            if i + 1 < MAX_ABANDONED_CALLS:
+                assert rw.score(prompts, fine).valid.all()  # the next call is served
+        refused = rw.score(prompts, fine)  # the abandoned calls are bounded: no more threads
+        assert not refused.valid.any() and "not called: 4 earlier calls are still running" in refused.errors[0]
+        assert rw.stats()["abandoned_calls"] == MAX_ABANDONED_CALLS
+    finally:
+        bad_rewards.RELEASE.set()
+    _wait_until(lambda: rw.stats()["abandoned_calls"] == 0)  # they returned; what they return is dropped
+    res = rw.score(prompts, fine)
+    assert res.valid.all() and rw.stats()["failed_calls"] == MAX_ABANDONED_CALLS + 1
+
+
+@pytest.mark.integration
+def test_a_gold_call_past_the_timeout_invalidates_its_items(policy_path, tokenizer):
+    bad_rewards.RELEASE.clear()
+    rw = Reward(function=SENTIMENT, tokenizer=policy_path, gold="bad_rewards:hangs_when_asked", timeout_s=1)
+    rollouts = _rollouts(_encode(tokenizer, ["Then"] * 2), _encode(tokenizer, ["a cat", "hang on"]))
+    try:
+        gold = rw.gold_scores(rollouts)
+        assert not gold.valid.any()
+        assert gold.errors[0].startswith("reward.gold bad_rewards:hangs_when_asked did not return within "
+                                         "reward.timeout_s=1 s; all 2 items invalid")
+        assert rw.score_rollouts(rollouts).valid.all()  # the reward itself is unaffected
+    finally:
+        bad_rewards.RELEASE.set()
+
+
+@pytest.mark.unit
+def test_the_probe_refuses_a_function_that_does_not_return_in_time():
+    from actors.reward import probe_function
+
+    bad_rewards.RELEASE.clear()
+    try:
+        with pytest.raises(ValueError) as e:
+            probe_function("bad_rewards:hangs_when_asked", ["p", "q"], ["hang", "x"], "reward.gold", timeout_s=0.5)
+    finally:
+        bad_rewards.RELEASE.set()
+    assert str(e.value) == ("reward.gold 'bad_rewards:hangs_when_asked' did not return within reward.timeout_s=0.5 s "
+                            "on a probe with 2 example (prompt, response) pairs; make it return sooner, or raise "
+                            "reward.timeout_s")
+
+
 @pytest.mark.unit
 def test_construction_errors():
     policy_path = "/never-read"  # every check below fires before the tokenizer is loaded
@@ -187,13 +262,9 @@ def test_runs_unchanged_as_ray_actor(reward_path, policy_path, tokenizer, ray_cl
 
 @pytest.mark.integration
 def test_gold_scores_the_decoded_text_beside_a_reward_model(reward_path, policy_path, tokenizer):
-    from core.rollout import Rollout
-
     texts = ["The cat was happy and glad.", "It was a sad, grim day.", "Fine."]
     prompts, responses = _encode(tokenizer, ["My friend felt"] * 3), _encode(tokenizer, texts)
-    rollouts = [Rollout(prompt_ids=p, response_ids=r, behaviour_logprobs=np.zeros(r.size, np.float32),
-                        finish_reason="stop", policy_version=0, prompt_index=i, sample_index=0)
-                for i, (p, r) in enumerate(zip(prompts, responses))]
+    rollouts = _rollouts(prompts, responses)
     reward = Reward(model=reward_path, tokenizer=policy_path, gold=SENTIMENT)
     gold = reward.gold_scores(rollouts)
     decoded = tokenizer.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)

@@ -21,6 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Reward functions that the driver's probe must refuse (imported through PYTHONPATH).
 PROBE_REWARDS = '''
+import time
+
+def sleeps(prompts, responses):
+    time.sleep(3600)
+    return [0.0] * len(responses)
+
 def one_score(prompts, responses):
     return [1.0]
 
@@ -206,6 +212,12 @@ CASES = [
                  "non-finite scores (inf, nan) for all 2 example (prompt, response) pairs", id="reward-non-finite"),
     pytest.param(["reward.gold=probe_rewards:non_finite"], "reward.gold 'probe_rewards:non_finite' returned non-finite",
                  id="gold-non-finite"),
+    pytest.param(["reward.function=probe_rewards:sleeps", "reward.timeout_s=1"], "reward.function "
+                 "'probe_rewards:sleeps' did not return within reward.timeout_s=1 s on a probe with 2 example "
+                 "(prompt, response) pairs; make it return sooner, or raise reward.timeout_s", id="reward-sleeps"),
+    pytest.param(["reward.gold=probe_rewards:sleeps", "reward.timeout_s=0.5"],
+                 "reward.gold 'probe_rewards:sleeps' did not return within reward.timeout_s=0.5 s", id="gold-sleeps"),
+    pytest.param(["reward.timeout_s=0"], "reward.timeout_s=0.0 must be > 0", id="reward-timeout-zero"),
     pytest.param(["reward.function=null", "reward.model=/nonexistent/rm"],
                  "reward.model='/nonexistent/rm' does not exist",
                  id="reward-model-missing"),
@@ -254,8 +266,9 @@ def test_user_mistake_exits_2_with_one_line(tmp_path, inputs, entrypoints, args,
 
 
 # The same through a fresh interpreter, as a user types it: a config mistake, a data mistake
-# found in prepare(), and a reward function that raises inside the probe.
-REAL = {p.id: p for p in CASES if p.id in ("yaml-malformed", "data-not-utf8", "reward-raises")}
+# found in prepare(), a reward function that raises inside the probe and one that never returns
+# (its abandoned thread must not keep the interpreter from exiting).
+REAL = {p.id: p for p in CASES if p.id in ("yaml-malformed", "data-not-utf8", "reward-raises", "reward-sleeps")}
 
 
 @pytest.mark.parametrize("case", REAL)

@@ -1,11 +1,41 @@
-"""A reward function slow enough that a test can kill the reward actor while it scores."""
+"""Reward functions that take their time: slow enough that a test can kill the reward actor while it
+scores, never returning (reward.timeout_s), or killing its replica."""
+import os
+import signal
+import tempfile
 import time
+from pathlib import Path
+
+import psutil
 
 from cluster.demo.sentiment import sentiment
+from cluster.runtime.prepare import PROBE_RESPONSES
 
 SECONDS = 0.5
 
 
 def slow_sentiment(prompts, responses):
     time.sleep(SECONDS)
+    return sentiment(prompts, responses)
+
+
+def hangs_after_probe(prompts, responses):
+    """Scores the start-up probe's example pairs; never returns on any other call."""
+    if list(responses) == list(PROBE_RESPONSES[:len(responses)]):
+        return sentiment(prompts, responses)
+    time.sleep(3600)
+    return sentiment(prompts, responses)
+
+
+def dies_once(prompts, responses):
+    """Scores as sentiment does; the first call after the probe on a Ray node SIGKILLs its own
+    process (a reward replica dying while it scores), later calls there score."""
+    if list(responses) != list(PROBE_RESPONSES[:len(responses)]):
+        raylet = psutil.Process(os.getppid())  # Ray's workers are its raylet's children
+        marker = Path(tempfile.gettempdir()) / f"tether-test-died-{raylet.pid}-{raylet.create_time():.0f}"
+        try:
+            marker.touch(exist_ok=False)
+        except FileExistsError:
+            return sentiment(prompts, responses)
+        os.kill(os.getpid(), signal.SIGKILL)
     return sentiment(prompts, responses)
