@@ -95,17 +95,30 @@ def _console_loggers() -> list[logging.Logger]:
     return found
 
 
+# Ray releases whose driver-side printer the banner's rerouting was tested against (below).
+BANNER_REROUTE_TESTED = ("2.60.",)
+
+
 @contextlib.contextmanager
 def worker_deaths_to_log():
     """While inside, Ray's worker-death banner is a record of the ``ray.raylet`` logger.
 
     Ray's driver prints its raylet's error messages to stdout itself, from a thread of its own
     (``listen_error_messages`` calls the module's ``print_to_stdstream`` for each), not
-    through logging, so no logging filter reaches them: the printer is wrapped instead.
+    through logging, so no logging filter reaches them, and Ray has no switch for them: the
+    printer is wrapped instead. That reaches into Ray's internals, so only on the releases
+    it was tested on; on another the banner stays on the console (one log line says why).
     """
+    import ray
     import ray._private.worker as ray_worker
 
-    printer = ray_worker.print_to_stdstream
+    printer = getattr(ray_worker, "print_to_stdstream", None)
+    if printer is None or not ray.__version__.startswith(BANNER_REROUTE_TESTED):
+        logging.getLogger(__name__).info(
+            "Ray %s: its worker-death banner stays on the console (rerouting tested on %s)",
+            ray.__version__, ", ".join(BANNER_REROUTE_TESTED))
+        yield
+        return
     banner_log = logging.getLogger("ray.raylet")
 
     def print_or_log(data: dict, ignore_prefix: bool) -> None:
