@@ -76,3 +76,29 @@ def test_actor_threads_fit_the_cores_of_a_node_that_advertises_more(ray_nodes):
     probe = ray.remote(num_cpus=1)(threads).options(label_selector={"tether.test": "big"},
                                                     runtime_env={"env_vars": thread_env(cores + 2)})
     assert ray.get(probe.remote()) == (cores, cores, cores)
+
+
+def test_a_learner_rank_lost_with_its_node_and_no_room_left_fails_placement_in_one_line(ray_nodes, policy_path):
+    """The learner's only node is lost and no other node carries its label: restart() gives up
+    after the placement timeout with LearnerPlacementError's one line (the fix named), instead
+    of starting ranks that wait for a node that will not come (until the start timeout)."""
+    from cluster.runtime.pools import reserve
+    from learner.group import LearnerGroup, LearnerPlacementError, LearnerRankDied
+
+    node = ray_nodes.add(num_cpus=1, labels={"tether.test": "learn"})
+    ray_nodes.add(num_cpus=1, labels={"tether.test": "other"})  # room, but not the learner's
+    pg = reserve("learner", 1, 1, 0, 60, labels={"tether.test": "learn"})
+    group = LearnerGroup(model=policy_path, config={"zero_stage": 0}, world_size=1, placement_group=pg)
+    group.start_timeout_s = 120  # bounds only a start that waits for the node (the failure pinned here)
+    ray_nodes.kill(node)
+    with pytest.raises(LearnerRankDied):
+        group.health()
+    deadline = time.monotonic() + 120
+    while next(n for n in ray.nodes() if n["NodeID"] == node)["Alive"]:  # until Ray re-places its bundle
+        assert time.monotonic() < deadline, f"node {node} never declared dead"
+        time.sleep(0.05)
+    with pytest.raises(LearnerPlacementError) as failed:
+        group.restart(placement_timeout_s=3)
+    message = str(failed.value)
+    assert "\n" not in message and "within 3s" in message and "add a node with room" in message, message
+    group.shutdown()
