@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 
 from core.errors import type_and_first_line
+from core.node_loss import dead_nodes, start_placed
 from core.transfer import Pull, lost_with_a_node
 from learner.config import LearnerConfig
 from learner.rendezvous import RendezvousError, StoreAddress
@@ -208,17 +209,24 @@ class LearnerGroup:
     def restart(self, placement_timeout_s: float = 600.0) -> None:
         """New ranks (fresh weights from ``model``) after a rank died; load a checkpoint next.
         A rank's bundle on a node that died is re-placed by Ray on a node with room; after
-        ``placement_timeout_s`` without one, LearnerPlacementError."""
-        import ray
-        names = [f"{self._actor_options['name_prefix']}-{r}" for r in range(self.world_size)]
+        ``placement_timeout_s`` without one, LearnerPlacementError. Ranks that die with their
+        node while starting (Ray had not yet declared it dead) are started again once Ray has
+        re-placed that node's bundles (core/node_loss.py)."""
         self.shutdown()
+        start_placed(lambda avoid: self._start_off(avoid, placement_timeout_s), errors=(LearnerRankDied,),
+                     timeout_s=placement_timeout_s, what="learner")
+
+    def _start_off(self, avoid: frozenset, placement_timeout_s: float) -> None:
+        """_start() once every bundle is placed on a live node outside ``avoid`` and every old
+        rank's name is free."""
+        import ray
         if self._actor_options["placement_group"] is not None:
-            _wait_placed(self._actor_options["placement_group"], placement_timeout_s, self.world_size)
+            _wait_placed(self._actor_options["placement_group"], placement_timeout_s, self.world_size, avoid)
         deadline = time.monotonic() + 60
-        for name in names:  # a killed actor's name frees a moment later
+        for r in range(self.world_size):  # a killed actor's name frees a moment later
             while time.monotonic() < deadline:
                 try:
-                    ray.get_actor(name)
+                    ray.get_actor(f"{self._actor_options['name_prefix']}-{r}")
                 except ValueError:
                     break
                 time.sleep(0.1)
@@ -235,13 +243,17 @@ class LearnerPlacementError(RuntimeError):
     """The learner's ranks cannot all be placed again (a node died and no other has room)."""
 
 
-def _wait_placed(pg, timeout_s: float, ranks: int) -> None:
-    """Until every bundle of ``pg`` is placed on a live node (Ray re-places the bundles of a dead
-    node by itself), or LearnerPlacementError after ``timeout_s``."""
+def _wait_placed(pg, timeout_s: float, ranks: int, avoid: frozenset = frozenset()) -> None:
+    """Until every bundle of ``pg`` is placed on a live node outside ``avoid`` (Ray re-places the
+    bundles of a dead node by itself), or LearnerPlacementError after ``timeout_s``."""
     from ray.util import placement_group_table
 
     deadline = time.monotonic() + timeout_s
-    while (state := placement_group_table(pg)["state"]) != "CREATED":
+    while True:
+        table = placement_group_table(pg)
+        state, nodes = table["state"], set((table.get("bundles_to_node_id") or {}).values())
+        if state == "CREATED" and not nodes & (avoid | dead_nodes()):
+            return
         if time.monotonic() > deadline:
             raise LearnerPlacementError(
                 f"learner: its {ranks} rank(s) could not be placed again within {timeout_s:.0f}s after losing a "

@@ -14,9 +14,9 @@ import ray
 from ray.util import placement_group_table
 
 from cluster.config.labels import format_labels
+from core.node_loss import NODE_ID_LABEL
 
 RAY_PREFIX = "ray.io/"            # Ray's own labels (ray.io/node-id, ...)
-NODE_ID_LABEL = "ray.io/node-id"
 LISTED_NODES = 8                  # nodes an error lists by name before "and N more"
 
 
@@ -61,12 +61,13 @@ def pack_target(held: list[str]) -> Optional[str]:
     return Counter(held).most_common(1)[0][0] if held else None
 
 
-def spread_target(labels: dict, bundle: dict, held: list[str]) -> Optional[str]:
+def spread_target(labels: dict, bundle: dict, held: list[str], avoid: frozenset = frozenset()) -> Optional[str]:
     """The node a spread pool's next replica should go to: of the alive nodes carrying ``labels``
-    that could hold ``bundle``, the one holding the fewest of the pool's replicas (``held``: the
-    node id of each); None when there is none (Ray then waits for one, up to the timeout)."""
+    that could hold ``bundle`` (and are not in ``avoid``, nodes seen dying), the one holding the
+    fewest of the pool's replicas (``held``: the node id of each); None when there is none (Ray
+    then waits for one, up to the timeout)."""
     count = Counter(held)
-    nodes = [n["NodeID"] for n in carrying(labels) if could_hold(n, bundle)]
+    nodes = [n["NodeID"] for n in carrying(labels) if could_hold(n, bundle) and n["NodeID"] not in avoid]
     return min(nodes, key=lambda node_id: (count[node_id], node_id), default=None)
 
 

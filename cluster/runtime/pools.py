@@ -19,15 +19,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.buffer import RolloutBuffer
 from actors.generator import engine_process_env
 from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
-from cluster.runtime.placement import PlacementError, cannot_place, carrying, group_nodes, pack_target, spread_target
+from cluster.runtime.buffer_slot import BufferSlot
+from cluster.runtime.placement import PlacementError, cannot_place, group_nodes, pack_target, spread_target
 from cluster.runtime.threads import thread_env
+from core.node_loss import off_nodes, start_placed
 from learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
@@ -70,18 +72,18 @@ def pool_env(cfg: TetherConfig, pool: str, threads: int) -> dict:
 
 def reserve(pool: str, bundles: int, num_cpus: float, num_gpus: float, timeout_s: float,
             name: str | None = None, *, labels: dict | None = None, strategy: str = "pack",
-            target: str | None = None):
+            target: str | None = None, avoid: frozenset = frozenset()):
     """A placement group of ``bundles`` equal bundles, or PlacementError naming the pool.
 
     ``name`` (default: the pool's) must be unique among the run's live placement groups.
     ``labels``: only on nodes carrying them; ``strategy``: pack or spread (Ray's PACK / SPREAD);
     ``target``: a node id the group prefers, placed elsewhere (among ``labels``' nodes) when that
-    node has no room.
+    node has no room; ``avoid``: nodes seen dying, which the group keeps off.
     """
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
     options = {"strategy": "SPREAD" if strategy == "spread" else "PACK"}
-    if labels:
-        options["bundle_label_selector"] = [dict(labels) for _ in range(bundles)]
+    if labels or avoid:
+        options["bundle_label_selector"] = [{**(labels or {}), **off_nodes(avoid)} for _ in range(bundles)]
     if target is not None:
         # _soft_target_node_id: an experimental keyword of Ray's public placement_group (STRICT_PACK
         # only): Ray places on the target when it has room, else on any other node that fits, at once.
@@ -128,17 +130,18 @@ class Pool:
         self._lock = threading.Lock()
 
     # ---- membership
-    def reserve(self, n: int) -> list[tuple[int, object]]:
+    def reserve(self, n: int, avoid: frozenset = frozenset()) -> list[tuple[int, object]]:
         """(index, placement group) for n new replicas: phase 1 of add, which fails before any
-        model loads. An index is never reused, so neither is a replica's name."""
+        model loads. An index is never reused, so neither is a replica's name. ``avoid``: nodes
+        seen dying, kept off."""
         num_cpus, num_gpus, timeout = self._resources
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
         reserved = []
         try:
             for _ in range(n):
-                index, target = next(self._serial), self._target(bundle, reserved)
+                index, target = next(self._serial), self._target(bundle, reserved, avoid)
                 reserved.append((index, reserve(self.role, 1, num_cpus, num_gpus, timeout, name=f"{self.role}-{index}",
-                                                labels=self._labels, target=target)))
+                                                labels=self._labels, target=target, avoid=avoid)))
                 self._nodes[index] = group_nodes(reserved[-1][1]).get(0, "")
         except PlacementError:
             for index, pg in reserved:
@@ -147,13 +150,14 @@ class Pool:
             raise PlacementError(cannot_place(self.role, n, bundle, timeout, self._labels)) from None
         return reserved
 
-    def _target(self, bundle: dict, reserved: list[tuple[int, object]]) -> str | None:
+    def _target(self, bundle: dict, reserved: list[tuple[int, object]], avoid: frozenset) -> str | None:
         """The node the next replica prefers (cluster/runtime/placement.py): by this pool's
-        replicas, live or just reserved, per node."""
+        replicas, live or just reserved, per node; never one of ``avoid``."""
         with self._lock:
             indices = [_index(rid) for rid in self._replicas]
-        held = [self._nodes[i] for i in indices + [i for i, _ in reserved] if self._nodes.get(i)]
-        return spread_target(self._labels, bundle, held) if self._strategy == "spread" else pack_target(held)
+        held = [self._nodes.get(i) for i in indices + [i for i, _ in reserved]]
+        held = [node for node in held if node and node not in avoid]
+        return spread_target(self._labels, bundle, held, avoid) if self._strategy == "spread" else pack_target(held)
 
     def start(self, reserved: list[tuple[int, object]]) -> list[str]:
         """Start one replica in each reserved group and wait until each answers health()."""
@@ -178,7 +182,21 @@ class Pool:
         return [r.id for r in started]
 
     def add(self, n: int = 1) -> list[str]:
-        return self.start(self.reserve(n))
+        """Start ``n`` more replicas. One placed on a node that turns out to be dying (Ray had not
+        declared it dead yet) dies unstarted: all are placed again off that node
+        (core/node_loss.py), within the pool's placement timeout."""
+        return start_placed(lambda avoid: self._add_off(n, avoid), errors=(RayActorError,),
+                            timeout_s=self._resources[2], what=f"pool {self.role}")
+
+    def _add_off(self, n: int, avoid: frozenset) -> list[str]:
+        reserved = self.reserve(n, avoid)
+        try:
+            return self.start(reserved)
+        except BaseException:
+            with self._lock:  # start() freed their placement groups
+                for index, _ in reserved:
+                    self._nodes.pop(index, None)
+            raise
 
     def remove(self, replica_id: str) -> bool:
         """Stop a replica and free its resources; work in flight on it must be redispatched
@@ -274,56 +292,6 @@ def alive(handle, timeout_s: float = 30.0) -> bool:
         return True
     except (RayActorError, GetTimeoutError):
         return False
-
-
-class BufferSlot:
-    """The run's one rollout buffer, replaceable: a dead buffer gives way to a fresh, empty
-    one under a new name (buffer-0, buffer-1, ...). What the dead one held is not restored
-    from it: the ledger knows those prompts and the producer generates them again."""
-
-    def __init__(self, *, capacity: int, env: dict, node_labels: str | None = None,
-                 placement_timeout_s: float = 60.0) -> None:
-        self._capacity, self._env = capacity, env
-        self._labels, self._timeout_s = parse_labels(node_labels), placement_timeout_s
-        self._serial, self._lock = itertools.count(), threading.Lock()
-        self.id, self.handle = self._start()
-
-    def _start(self):
-        rid = f"buffer-{next(self._serial)}"
-        # Many producers may block in put() at once; leave room for stats()/health().
-        placed = {"label_selector": dict(self._labels)} if self._labels else {}
-        handle = ray.remote(RolloutBuffer).options(name=rid, num_cpus=0, max_concurrency=16,
-                                                   runtime_env={"env_vars": self._env}, **placed).remote(
-            capacity=self._capacity)
-        self._wait_placed(handle)
-        ray.get(handle.health.remote())
-        return rid, handle
-
-    def _wait_placed(self, handle) -> None:
-        """With node labels: PlacementError if no alive node carries them after the timeout
-        (a matching node that is merely slow to start the buffer is waited for)."""
-        if not self._labels:
-            return
-        ready, _ = ray.wait([handle.health.remote()], timeout=self._timeout_s)
-        if not ready and not carrying(self._labels):
-            ray.kill(handle)
-            raise PlacementError(cannot_place("buffer", 1, {"CPU": 0.0}, self._timeout_s, self._labels))
-
-    def replace(self, dead_id: str) -> bool:
-        """Start a new buffer if ``dead_id`` is still the current one; False if another
-        thread did so already."""
-        with self._lock:
-            if self.id != dead_id:
-                return False
-            self.shutdown()
-            self.id, self.handle = self._start()
-            return True
-
-    def shutdown(self) -> None:
-        try:
-            ray.kill(self.handle)
-        except Exception:  # noqa: BLE001 - already dead is fine
-            pass
 
 
 def kill_replica(replica: Replica) -> None:

@@ -29,3 +29,22 @@ class Accounting:
         lost = len([i for i in set(issued) if i not in trained])
         twice = sum(max(0, trained.count(i) - samples) for i in set(trained))
         return lost, twice
+
+    def follow_rollbacks(self, driver) -> None:
+        """Cut the record back at each rollback to what it was at the checkpoint restored: the
+        abandoned step's prompts are issued (and trained) again, which is not a duplicate."""
+        marks = {0: (0, 0)}
+        checkpoint, restore = driver.checkpoint, driver.restore
+
+        def checkpoint_and_mark():
+            path = checkpoint()
+            marks[driver.step_count] = (len(self.issued), len(self.trained))
+            return path
+
+        def restore_and_cut(path):
+            state = restore(path)
+            issued, trained = marks[state.step]
+            del self.issued[issued:], self.trained[trained:]
+            return state
+
+        driver.checkpoint, driver.restore = checkpoint_and_mark, restore_and_cut

@@ -32,17 +32,18 @@ def label(node: str) -> dict:
 
 
 class Cluster:
-    """The run's nodes by name (node ids), the spare, and the driver on top."""
+    """The run's nodes by name (node ids), the spare, and the driver on top. ``nodes``: node
+    name -> logical CPUs; ``pools``: pool -> the node name it is pinned to."""
 
-    def __init__(self, ray_nodes, tmp_path, *overrides, spare_for=tuple(NODES)):
+    def __init__(self, ray_nodes, tmp_path, *overrides, spare_for=tuple(NODES), nodes=NODES, pools=POOL_NODE):
         from cluster.config.ppo import load_config
         from cluster.runtime.driver import Driver
         from cluster.runtime.launch import create_pools
         from cluster.runtime.metrics import RunMetrics
 
         self.nodes = ray_nodes
-        self.ids = {name: ray_nodes.add(num_cpus=cpus, labels=label(name)) for name, cpus in NODES.items()}
-        pinned = [f"{pool}.node_labels=tether.{node}=yes" for pool, node in POOL_NODE.items()]
+        self.ids = {name: ray_nodes.add(num_cpus=cpus, labels=label(name)) for name, cpus in nodes.items()}
+        pinned = [f"{pool}.node_labels=tether.{node}=yes" for pool, node in pools.items()]
         cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32", "run.eval_every=0", "run.samples_every=0",
                                            "run.plot_every=0",
                                            "resources.placement_timeout_s=60", *pinned, *overrides])
@@ -53,12 +54,29 @@ class Cluster:
                              metrics=self.metrics)
         # Joins after the pools are placed: nothing is on it until a node named in ``spare_for`` dies.
         spare = {k: v for name in spare_for for k, v in label(name).items()}
-        self.spare = ray_nodes.add(num_cpus=sum(NODES[n] for n in spare_for), labels=spare)
-        self.killed_at = None
+        self.spare = ray_nodes.add(num_cpus=sum(nodes[n] for n in spare_for), labels=spare)
+        self.killed_at = self._declared = None
 
     def kill(self, name: str) -> None:
+        """SIGKILL the node whole, and watch for Ray declaring it dead (declared_at())."""
+        node_id, declared = self.ids[name], []
         self.killed_at = time.perf_counter()
-        self.nodes.kill(self.ids[name])
+        self.nodes.kill(node_id)
+
+        def watch():
+            while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+                time.sleep(0.02)
+            declared.append(time.perf_counter())
+
+        self._declared = (threading.Thread(target=watch, daemon=True), declared)
+        self._declared[0].start()
+
+    def declared_at(self, timeout_s: float = 120.0) -> float:
+        """When Ray declared the last killed node dead (perf_counter), as this process saw it."""
+        thread, declared = self._declared
+        thread.join(timeout_s)
+        assert declared, f"Ray never declared the node dead within {timeout_s:.0f}s"
+        return declared[0]
 
     def where(self, actor) -> str:
         from cluster.runtime.placement import ask_nodes
@@ -141,10 +159,10 @@ def test_losing_the_scorers_node_mid_step_then_scaling_onto_a_new_node(run):
     assert m["rollouts/redispatched_chunks"] >= 1 and m["rollouts/used"] == 64 == after["rollouts/used"]
     assert account.lost_and_twice() == (0, 0)
     assert [m["policy/version"], after["policy/version"]] == [2, 3]
-    detect = min(r["detected"] for r in recoveries.values()) - c.killed_at
-    recover = max(r["serving"] for r in recoveries.values()) - c.killed_at - detect
+    detected = min(r["detected"] for r in recoveries.values())
+    detect, recover = detected - c.killed_at, max(r["serving"] for r in recoveries.values()) - detected
     print(f"\nscorers' node: detected in {detect:.2f}s, both replaced in {recover:.2f}s")
-    assert detect < 10
+    assert_noticed_with_ray(c, detected)
 
     late = c.nodes.add(num_cpus=1, labels=label("gen"))  # the generators' node is full
     control = scale_to(c, generator=2)
@@ -156,7 +174,18 @@ def test_losing_the_scorers_node_mid_step_then_scaling_onto_a_new_node(run):
     assert m["ppo/logprob_gap_mean"] < 1e-3  # the new generator got the current weights first
 
 
-@pytest.mark.slow  # three full runs; the default suite loses a worker node (above) and a driver (test_resume)
+def assert_noticed_with_ray(c, detected: float) -> None:
+    """The run noticed the loss through Ray's declaring the node dead (or sooner), not through a
+    timeout of its own: within one more of Ray's detection windows after the declaration, with
+    room for a machine 3x slower. Timed from Ray's own event, so a machine's speed cancels out."""
+    from cluster.nodes.health import NODE_FAILURE_DETECTION as d
+
+    window = (d["health_check_period_ms"] * d["health_check_failure_threshold"] + d["health_check_timeout_ms"]) / 1e3
+    late = detected - c.declared_at()
+    print(f"noticed {late:+.2f}s after Ray declared the node dead (window {window:.0f}s)")
+    assert late < 3 * window < c.driver.rollouts.health_timeout_s
+
+
 def scale_to(c, **sizes):
     """What ``tether scale`` does, through the run's real control actor, applied at a step boundary."""
     from cluster.runtime import scaling
@@ -260,3 +289,90 @@ def test_head_node_death_ends_the_job_and_resubmitting_resumes(tmp_path):
     for key in ("data/batches_issued", "reward/mean", "kl/mean", "kl/beta", "ppo/policy_loss", "ppo/grad_norm"):
         got, want = ([r.get(key) for r in rs if r["step"] > 0] for rs in (resumed, baseline))
         assert got == pytest.approx(want, rel=1e-6, abs=1e-9), key
+
+
+# ---------------------------------------------------------------- several roles on one lost node
+# Roles packed on nodes the way Ray packs a job without labels (the learner beside the
+# reference, the generator beside the reward and the buffer), each node then lost whole.
+# Every object goes to an object store (none inline in its owner's reply, as a real model's
+# rollouts and shards would not be), so a lost node takes its rollouts and shards with it.
+STORED = {"max_direct_call_object_size": 1024}
+PAIR = {"learner": "pair", "reference": "pair"}
+
+
+@pytest.fixture
+def stored_run(tmp_path):
+    from nodes import LocalNodes
+
+    nodes, runs = LocalNodes(system_config=STORED), []
+    ray.init(address=nodes.address, logging_level="WARNING")
+
+    def make(*overrides, **kwargs):
+        runs.append(Cluster(nodes, tmp_path, *overrides, **kwargs))
+        return runs[-1]
+
+    try:
+        yield make
+    finally:
+        for r in runs:
+            r.close()
+        nodes.shutdown()
+
+
+def on_call(obj, name: str, call: int, before) -> None:
+    """Run ``before()`` ahead of the ``call``-th call of ``obj.name`` (then the call itself)."""
+    original, calls = getattr(obj, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            before()
+        return original(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+
+
+def test_losing_the_generators_node_then_the_learner_and_reference_node(stored_run, caplog):
+    """Step 1: the generator's node is lost as its first chunk goes to be scored: the chunk's
+    rollouts went with it, so it is generated again by a new generator on the spare. Step 2:
+    the node of the learner's rank and the reference is lost as the learner trains: the run
+    rolls back to step 1's checkpoint; the new rank (and the new reference) must not be
+    started on the dying node before Ray declares it dead, or, if it is, started again; step 2
+    is made again on the new ones."""
+    c = stored_run("run.steps=2", "run.checkpoint_every=1", nodes={"pair": 2, "gen": 1, "rb": 1},
+                   pools={**PAIR, "generator": "gen", "reward": "rb", "buffer": "rb"}, spare_for=("pair", "gen"))
+    account = Accounting(c.driver)
+    account.follow_rollbacks(c.driver)
+    on_call(c.driver.rollouts, "_score", 1, lambda: c.kill("gen"))
+    on_call(c.pools.learner, "train", 2, lambda: c.kill("pair"))
+    c.driver.run()
+    assert c.driver.step_count == 2 and "its rollouts were lost with a node" in caplog.text
+    [rb] = c.driver.rollbacks
+    assert (rb["failed_at_step"], rb["resumed_at_step"]) == (1, 1)
+    roles = [r["role"] for r in c.driver.rollouts.recoveries]
+    assert sorted(roles) == ["generator", "reference"], roles
+    for actor in (c.pools.generators.first(), c.pools.references.first(), c.pools.learner.workers[0]):
+        assert c.where(actor) == c.spare
+    assert account.lost_and_twice() == (0, 0) and len(account.trained) == 2 * 64
+    assert [r["step"] for r in rows(c.metrics.run_dir) if r["step"]] == [1, 2]
+    print(f"\nlearner's node: rollback {rb['recovery_seconds']:.1f}s after the loss was noticed")
+
+
+def test_losing_the_generator_reward_and_buffer_node_as_the_learner_takes_its_batch(stored_run, caplog):
+    """The node of the generator, the reward and the buffer is lost just after the learner's
+    take: the ranks' shards went with the buffer's object store (LearnerInputLost), so the run
+    rolls back; the buffer, the generator and the reward start again on the spare."""
+    c = stored_run("run.steps=2", "run.checkpoint_every=1", nodes={"pair": 2, "trio": 2},
+                   pools={**PAIR, "generator": "trio", "reward": "trio", "buffer": "trio"}, spare_for=("trio",))
+    account = Accounting(c.driver)
+    account.follow_rollbacks(c.driver)
+    on_call(c.pools.learner, "train", 2, lambda: c.kill("trio"))
+    c.driver.run()
+    assert c.driver.step_count == 2 and "lost its input during train" in caplog.text
+    [rb] = c.driver.rollbacks
+    assert (rb["failed_at_step"], rb["resumed_at_step"]) == (1, 1)
+    assert sorted(r["role"] for r in c.driver.rollouts.recoveries) == ["generator", "reward"]
+    for actor in (c.pools.generators.first(), c.pools.rewards.first(), c.pools.buffer):
+        assert c.where(actor) == c.spare
+    assert account.lost_and_twice() == (0, 0) and len(account.trained) == 2 * 64
+    assert [r["step"] for r in rows(c.metrics.run_dir) if r["step"]] == [1, 2]
