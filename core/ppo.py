@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from core.choices import AGG_MODES, OFF_POLICY_MODES
-from core.kl import kl_estimate
+from core.kl import LOG_RATIO_LIMIT, bounded_kl
 from core.logprobs import logprobs_from_logits
 from core.masked import check_masked, check_shapes, masked_mean, require, zero_pad
 
@@ -60,21 +60,19 @@ def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str
             global_seqs: Optional[float] = None, horizon: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """The KL to the reference as a loss term (``ppo.kl.placement: loss``); all [B, T].
 
-    ``kl_estimate(logprobs, ref_logprobs, estimator)`` aggregated like the policy loss, with
+    ``bounded_kl(logprobs, ref_logprobs, estimator)`` aggregated like the policy loss, with
     the gradient flowing through ``logprobs`` (the reference is frozen): per token,
-    d k2 / d log pi = log pi - log ref and d k3 / d log pi = 1 - pi_ref / pi. The caller
+    d k2 / d log pi = log pi - log ref and d k3 / d log pi = 1 - pi_ref / pi, within the
+    clamps of core.kl (one token's k3 gradient at most K3_GRAD_BOUND, 12.61). The caller
     multiplies by beta. Returns (loss, masked mean of the estimate, detached).
     """
     fn = "kl_loss"
     check_masked(fn, mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     # Masked before the estimate: exp of padding garbage could overflow into inf * 0 = NaN.
-    kl = kl_estimate(zero_pad(logprobs, mask), zero_pad(ref_logprobs.detach(), mask), estimator)
+    kl = bounded_kl(zero_pad(logprobs, mask), zero_pad(ref_logprobs.detach(), mask), estimator)
     loss = aggregate_loss(kl, mask, agg, global_tokens, global_seqs, horizon)
     with torch.no_grad():
         return loss, masked_mean(kl, mask)
-
-
-LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| beyond this is clamped before exp (e^20 ~ 4.9e8)
 
 
 def behaviour_weights(

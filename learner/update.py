@@ -143,21 +143,23 @@ class PPOUpdate:
     def _advantages(self, batch: Batch, shard: list[ScoredRollout]):
         """(advantages, returns or None), [B, R] each, by ``ppo.advantage`` (core/estimators.py).
         Statistics over the batch are sums over every rank (all-reduces); a group estimator
-        gathers every rank's (group, return) pairs, since a prompt's samples may sit on
+        gathers every rank's (group, score) pairs, since a prompt's samples may sit on
         several ranks."""
         cfg = self.config.ppo
         chosen = estimator(cfg.advantage)
         mask = batch.response_mask
-        seq_returns = (batch.rewards.double() * mask).sum(1)  # the score, less the KL when it is in the reward
+        # Each score as it entered the rewards, no KL: the estimators add the KL penalty themselves.
+        scores = torch.tensor([r.reward_score for r in shard], dtype=torch.float64)
         keys = [(r.chunk_id, r.prompt_index) if r.chunk_id >= 0 else (-1, -1) for r in shard]
         group = _group_ids(keys, offset=self.rank * len(shard))
         population = None
         if chosen.uses_groups:
-            rows = self.comm.gather_rows([(*k, float(s)) for k, s in zip(keys, seq_returns.tolist())])
+            rows = self.comm.gather_rows([(*k, s) for k, s in zip(keys, scores.tolist())])
             everyone = torch.tensor(rows, dtype=torch.float64)
             population = (everyone[:, 2].to(self.device),
                           _group_ids(everyone[:, :2].long().tolist(), offset=0).to(self.device))
-        inputs = AdvantageInputs(rewards=batch.rewards, scores=seq_returns, mask=mask, group=group.to(self.device),
+        inputs = AdvantageInputs(rewards=batch.rewards, scores=scores.to(self.device), mask=mask,
+                                 group=group.to(self.device),
                                  values=batch.old_values if self.critic else None, population=population)
         options = EstimatorOptions(gamma=cfg.gamma, lam=cfg.lam, scale_by_std=cfg.group_std,
                                    whiten_gae=cfg.whiten_advantages)
