@@ -26,8 +26,11 @@ def aggregate_loss(
 
     token-mean:               sum(loss * mask) / num_valid_tokens.
     seq-mean-token-mean:      mean over sequences of each sequence's token mean.
-    seq-mean-token-sum-norm:  each sequence's token sum / horizon (default T, the
-                              padded length, as in Dr. GRPO), then mean over sequences.
+    seq-mean-token-sum-norm:  each sequence's token sum / horizon, then mean over
+                              sequences. Dr. GRPO's horizon is a constant, the generation
+                              budget (the learner passes max_new_tokens), so a row weighs
+                              the same in any batch; the default T (the padded length) is
+                              for callers without one.
     Sequences with no valid token are not counted. For data parallelism, pass
     ``global_tokens`` (token-mean) or ``global_seqs`` (seq modes): the count over
     all ranks is then the divisor instead of the local one, so the per-rank losses

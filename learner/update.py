@@ -48,7 +48,8 @@ class PPOUpdate:
         ``kl_coef``: beta of the KL loss term when ``config.kl_loss_estimator`` is set."""
         t0 = time.perf_counter()
         self.kl_coef = float(kl_coef) if self.config.kl_loss_estimator else 0.0
-        global_tokens, horizon = self._check_shard(shard)
+        global_tokens = self._check_shard(shard)
+        horizon = self.config.max_new_tokens  # seq-mean-token-sum-norm's divisor: a constant, not this batch's longest
         batch = collate(shard, self.pad_id).to(self.device)
         metrics = self._prepare(batch, shard)
         stats = UpdateStats()
@@ -87,12 +88,11 @@ class PPOUpdate:
         lp = self._score(collate(rollouts, self.pad_id).to(self.device))[0].cpu().numpy()
         return [lp[i, :r.response_ids.size].copy() for i, r in enumerate(rollouts)]
 
-    def _check_shard(self, shard: list[ScoredRollout]) -> tuple[int, int]:
-        """Agree across ranks on sizes before any collective that depends on them."""
+    def _check_shard(self, shard: list[ScoredRollout]) -> int:
+        """Agree across ranks on sizes before any collective that depends on them; the batch's tokens."""
         n = len(shard)
         tokens = sum(int(r.response_ids.size) for r in shard)
-        max_r = max((int(r.response_ids.size) for r in shard), default=0)
-        n_max, neg_n_min, no_tokens, horizon = self.comm.max([n, -n, float(tokens == 0), max_r])
+        n_max, neg_n_min, no_tokens = self.comm.max([n, -n, float(tokens == 0)])
         (global_tokens,) = self.comm.sum([tokens])
         if global_tokens == 0:
             raise ValueError(f"learner.train: zero valid response tokens in the batch "
@@ -103,7 +103,7 @@ class PPOUpdate:
         if no_tokens:
             raise ValueError("learner.train: a rank's shard has zero valid response tokens; "
                              "shard so that every rank gets some response tokens")
-        return int(global_tokens), int(horizon)
+        return int(global_tokens)
 
     def _forward(self, mb: Batch, with_entropy: bool, values_only: bool = False, with_own_set: bool = False):
         return self.engine(mb.input_ids, mb.attention_mask, mb.position_ids, prompt_len=mb.prompt_len,

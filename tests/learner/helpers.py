@@ -99,7 +99,7 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
         adv, ret = critic_free_advantages(rollouts, batch, p), None
     weights, _ = ppo.behaviour_weights(own, batch.behaviour_logprobs, mask, p.off_policy, p.is_cap)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
-    horizon = batch.response_len
+    horizon = cfg.max_new_tokens
     norms = []
     for _ in range(p.ppo_epochs):
         for start in range(0, len(batch), p.minibatch_size):
