@@ -23,20 +23,35 @@ def _last_valid_index(fn: str, mask: Tensor) -> Tensor:
     return last
 
 
+def shaped_scores(scores: Tensor, *, truncated: Optional[Tensor] = None, truncation_penalty: float = 0.0,
+                  reward_clip: Optional[float] = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """[B] each score as it enters the rewards, in ``dtype``: ``scores`` [B] clipped to
+    [-reward_clip, reward_clip] if given, then ``truncation_penalty`` ADDED on the rows with
+    ``truncated`` [B] (bool, cut at max length without EOS; a penalty is normally negative,
+    e.g. -1.0, and is not clipped)."""
+    fn = "shaped_scores"
+    require(reward_clip is None or reward_clip > 0,
+            f"{fn}: reward_clip must be > 0 or None, got {reward_clip}")
+    score = scores.to(dtype)
+    if reward_clip is not None:
+        score = score.clamp(-reward_clip, reward_clip)
+    if truncated is not None:
+        check_shapes(fn, "scores", scores.shape, truncated=truncated)
+        score = score + truncated.to(torch.bool).to(score.dtype) * truncation_penalty
+    return score
+
+
 def per_token_rewards(
     kl: Tensor, scores: Tensor, mask: Tensor, beta: float, *,
     truncated: Optional[Tensor] = None, truncation_penalty: float = 0.0, reward_clip: Optional[float] = None,
 ) -> Tensor:
-    """Dense PPO rewards [B, T]: ``-beta * kl`` per valid token, score on the last one.
+    """Dense PPO rewards [B, T]: ``-beta * kl`` per valid token, the shaped score on the last one.
 
     kl: [B, T] per-token KL estimate; scores: [B] reward-model score per sequence;
-    mask: [B, T]. The score is placed only on each row's last valid token (the EOS,
-    or the final token of a truncated response), never broadcast. If ``reward_clip``
-    is given the score is first clipped to [-reward_clip, reward_clip]; then rows
-    with ``truncated`` [B] (bool, cut at max length without EOS) get
-    ``truncation_penalty`` ADDED (so a penalty is normally negative, e.g. -1.0);
-    the penalty is not clipped. Padding is 0. Gradients are not stopped: call
-    under ``torch.no_grad()``.
+    mask: [B, T]. The score, shaped by ``shaped_scores`` (clip, truncation penalty), is
+    placed only on each row's last valid token (the EOS, or the final token of a truncated
+    response), never broadcast. Padding is 0. Gradients are not stopped: call under
+    ``torch.no_grad()``.
     """
     fn = "per_token_rewards"
     require(mask.dim() == 2, f"{fn}: mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
@@ -45,15 +60,9 @@ def per_token_rewards(
     if truncated is not None:
         check_shapes(fn, "mask rows", mask.shape[:1], truncated=truncated)
     require(beta >= 0, f"{fn}: beta must be >= 0, got {beta}")
-    require(reward_clip is None or reward_clip > 0,
-            f"{fn}: reward_clip must be > 0 or None, got {reward_clip}")
     last = _last_valid_index(fn, mask)
-
-    score = scores.to(kl.dtype)
-    if reward_clip is not None:
-        score = score.clamp(-reward_clip, reward_clip)
-    if truncated is not None:
-        score = score + truncated.to(torch.bool).to(score.dtype) * truncation_penalty
+    score = shaped_scores(scores, truncated=truncated, truncation_penalty=truncation_penalty,
+                          reward_clip=reward_clip, dtype=kl.dtype)
     rewards = zero_pad(-beta * kl, mask)
     rows = torch.arange(mask.shape[0], device=mask.device)
     return rewards.index_put((rows, last), score, accumulate=True)

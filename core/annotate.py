@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from core.advantages import per_token_rewards
+from core.advantages import per_token_rewards, shaped_scores
 from core.kl import kl_estimate
 from core.rollout import Rollout, ScoredRollout
 
@@ -86,13 +86,14 @@ def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], sc
     if not keep:
         return []
     lengths = [r.response_ids.size for r in keep]
-    kl_np, rewards_np = _kl_and_rewards(keep, refs, kept_scores, beta=beta, kl_estimator=kl_estimator,
-                                        truncation_penalty=truncation_penalty, reward_clip=reward_clip)
+    kl_np, rewards_np, shaped = _kl_and_rewards(keep, refs, kept_scores, beta=beta, kl_estimator=kl_estimator,
+                                                truncation_penalty=truncation_penalty, reward_clip=reward_clip)
     out = []
     for row, (r, ref, R) in enumerate(zip(keep, refs, lengths)):
         base = {name: getattr(r, name) for name in _ROLLOUT_FIELDS}
         out.append(ScoredRollout(**base, reference_logprobs=ref, kl=kl_np[row, :R].copy(),
-                                 rewards=rewards_np[row, :R].copy(), score=float(kept_scores[row])))
+                                 rewards=rewards_np[row, :R].copy(), score=float(kept_scores[row]),
+                                 reward_score=float(shaped[row])))
     return out
 
 
@@ -120,9 +121,10 @@ def _non_empty(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray],
 
 def _kl_and_rewards(keep: list[Rollout], refs: list[np.ndarray], scores: np.ndarray, *, beta: float,
                     kl_estimator: str, truncation_penalty: float,
-                    reward_clip: Optional[float]) -> tuple[np.ndarray, np.ndarray]:
+                    reward_clip: Optional[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-token KL and rewards, each [B, T] float32 (T = the longest response; 0 past a row's end),
-    of non-empty rollouts with their reference log-probs and [B] scores (see ``annotate``)."""
+    and the [B] float32 scores as they entered the rewards, of non-empty rollouts with their
+    reference log-probs and [B] scores (see ``annotate``)."""
     B, T = len(keep), max(r.response_ids.size for r in keep)
     behaviour = np.zeros((B, T), np.float32)
     reference = np.zeros((B, T), np.float32)
@@ -135,8 +137,9 @@ def _kl_and_rewards(keep: list[Rollout], refs: list[np.ndarray], scores: np.ndar
         mask_t = torch.from_numpy(mask)
         kl = kl_estimate(torch.from_numpy(behaviour), torch.from_numpy(reference), kl_estimator)
         kl = torch.where(mask_t, kl, torch.zeros(()))
-        rewards = per_token_rewards(
-            kl, torch.from_numpy(scores.astype(np.float32)), mask_t.float(), beta,
-            truncated=torch.tensor([r.truncated for r in keep]),
-            truncation_penalty=truncation_penalty, reward_clip=reward_clip)
-    return kl.numpy(), rewards.numpy()
+        shaping = dict(truncated=torch.tensor([r.truncated for r in keep]),
+                       truncation_penalty=truncation_penalty, reward_clip=reward_clip)
+        score = torch.from_numpy(scores.astype(np.float32))
+        rewards = per_token_rewards(kl, score, mask_t.float(), beta, **shaping)
+        shaped = shaped_scores(score, **shaping)
+    return kl.numpy(), rewards.numpy(), shaped.numpy()

@@ -13,8 +13,9 @@ baseline is 0 (its advantage is its own reward), as verl does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -29,10 +30,10 @@ Tensor = torch.Tensor
 class AdvantageInputs:
     """One batch's material for an estimator.
 
-    rewards: [B, T] dense per-token rewards (core.advantages.per_token_rewards: the score on
-        the last valid token, minus beta x the per-token KL when the KL is in the reward);
-    scores: [B] each sequence's return: the sum of its rewards (the score, less the KL penalty
-        when the KL is in the reward), what the group estimators compare;
+    rewards: [B, T] dense per-token rewards (core.advantages.per_token_rewards): -beta x the
+        per-token KL when the KL is in the reward (else 0), plus ``scores`` on the last valid token;
+    scores: [B] each sequence's score as it enters its rewards (clipped, plus any truncation
+        penalty; no KL): what the group estimators compare;
     mask: [B, T] valid response tokens; group: [B] int64 group id per row (its prompt);
     values: [B, T] the critic's values (GAE only), else None;
     population: (scores [N], group [N]) of the whole batch when these rows are one rank's
@@ -65,45 +66,54 @@ def batch_whiten(x: Tensor, mask: Tensor, reduce=local_sums) -> Tensor:
 Result = Tuple[Tensor, Optional[Tensor]]
 
 
-def _group_sums(scores: Tensor, group: Tensor, population) -> Tuple[Tensor, Tensor, Tensor]:
-    """(count, sum, sum of squares about the group mean), each [B]: the statistics of each
-    row's group over ``population`` (scores [N], group [N]; these rows among them), or over
-    the rows themselves when it is None."""
+class GroupStats(NamedTuple):
+    """Each row's group over the population, [B] float64 each: its size, the mean and the sum of
+    squares about it of its scores, and whether its scores are all equal (``flat``)."""
+    count: Tensor
+    mean: Tensor
+    squares: Tensor
+    flat: Tensor
+
+
+def group_stats(scores: Tensor, group: Tensor, population=None) -> GroupStats:
+    """The statistics of each row's group over ``population`` (scores [N], group [N]; these rows
+    among them), or over the rows themselves when it is None. In float64: n float32 copies of
+    a score such as 3.3 sum to a mean a rounding step off it, and a std above 0."""
     pop_scores, pop_group = population if population is not None else (scores, group)
     check_shapes("group statistics", "population scores", pop_scores.shape, group=pop_group)
     _, index = torch.unique(torch.cat([pop_group, group]), return_inverse=True)
     pop, rows = index[:pop_group.numel()], index[pop_group.numel():]
     size = int(index.max()) + 1
-    pop_scores = pop_scores.to(scores.dtype)
-    count = torch.zeros(size, dtype=scores.dtype, device=scores.device).index_add(0, pop, torch.ones_like(pop_scores))
-    total = torch.zeros_like(count).index_add(0, pop, pop_scores)
-    mean = total / count.clamp(min=1)
+    pop_scores = pop_scores.to(device=scores.device, dtype=torch.float64)
+    count = torch.zeros(size, dtype=torch.float64, device=scores.device).index_add(0, pop, torch.ones_like(pop_scores))
+    mean = torch.zeros_like(count).index_add(0, pop, pop_scores) / count.clamp(min=1)
     squares = torch.zeros_like(count).index_add(0, pop, (pop_scores - mean[pop]) ** 2)
-    return count[rows], total[rows], squares[rows]
+    low = torch.full_like(count, math.inf).scatter_reduce(0, pop, pop_scores, "amin")
+    high = torch.full_like(count, -math.inf).scatter_reduce(0, pop, pop_scores, "amax")
+    return GroupStats(count[rows], mean[rows], squares[rows], (low == high)[rows])
 
 
 def group_baseline(scores: Tensor, group: Tensor, *, leave_one_out: bool, population=None) -> Tuple[Tensor, Tensor]:
-    """(baseline [B], group size [B]): each row's group mean of ``scores`` [B], or with
-    ``leave_one_out`` the mean of the OTHER rows of its group; 0 for a group of one.
+    """(baseline [B], group size [B]), float64: each row's group mean of ``scores`` [B], or with
+    ``leave_one_out`` the mean of the OTHER rows of its group; 0 for a group of one. A group
+    whose scores are all equal has its score as the baseline exactly, so its samples get 0.
     ``population``: the (scores [N], group [N]) the groups are taken over, these rows included."""
     check_shapes("group_baseline", "scores", scores.shape, group=group)
-    n, s, _ = _group_sums(scores, group, population)
+    g = group_stats(scores, group, population)
+    s = scores.double()
     if leave_one_out:
-        baseline = torch.where(n > 1, (s - scores) / (n - 1).clamp(min=1), torch.zeros_like(scores))
+        baseline = torch.where(g.count > 1, (g.mean * g.count - s) / (g.count - 1).clamp(min=1), torch.zeros_like(s))
     else:
-        baseline = torch.where(n > 1, s / n, torch.zeros_like(scores))
-    return baseline, n
+        baseline = torch.where(g.count > 1, g.mean, torch.zeros_like(s))
+    return torch.where(g.flat & (g.count > 1), s, baseline), g.count
 
 
 def group_std(scores: Tensor, group: Tensor, population=None) -> Tensor:
-    """[B] the unbiased standard deviation of each row's group (1 for a group of one)."""
-    n, _, squares = _group_sums(scores, group, population)
-    return torch.where(n > 1, (squares / (n - 1).clamp(min=1)).sqrt(), torch.ones_like(scores))
-
-
-def _on_tokens(per_sequence: Tensor, mask: Tensor) -> Tensor:
-    """[B] -> [B, T]: the sequence's value on each of its valid tokens, 0 on padding."""
-    return zero_pad(per_sequence[:, None].expand(mask.shape).to(torch.float32), mask)
+    """[B] float64 the unbiased standard deviation of each row's group (1 for a group of one,
+    exactly 0 for a group whose scores are all equal)."""
+    g = group_stats(scores, group, population)
+    std = torch.where(g.count > 1, (g.squares / (g.count - 1).clamp(min=1)).sqrt(), torch.ones_like(g.mean))
+    return torch.where(g.flat & (g.count > 1), torch.zeros_like(std), std)
 
 
 def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
@@ -129,25 +139,40 @@ def gae_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums)
     return (batch_whiten(adv, x.mask, reduce) if opt.whiten_gae else adv), ret
 
 
+def score_with_kl_penalty(x: AdvantageInputs, shaped: Tensor, gamma: float) -> Tensor:
+    """[B, T] float32: the returns-to-go of ``shaped`` [B] (each row's score after its group's
+    baseline) on the row's last valid token plus the per-token KL penalty of ``x.rewards``
+    (x.rewards less x.scores on the last token; 0 when the KL is in the loss). The group
+    statistics see the score alone, so beta keeps its meaning whatever the group's spread
+    (OpenRLHF's rloo / group_norm / reinforce_baseline; REINFORCE++'s per-token KL)."""
+    rows = torch.arange(x.mask.shape[0], device=x.mask.device)
+    last = last_token_index((x.mask != 0).long())
+    rewards = zero_pad(x.rewards.detach().to(torch.float32), x.mask)
+    # In the rewards' own precision: the score on the last token cancels exactly.
+    kl_penalty = rewards.index_put((rows, last), -x.scores.detach().to(torch.float32), accumulate=True)
+    dense = kl_penalty.index_put((rows, last), shaped.to(torch.float32), accumulate=True)
+    return returns_to_go(dense, x.mask, gamma)
+
+
 def grpo_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
-    """(score - group mean) / (group std + eps) on every token; without ``scale_by_std``
-    only the mean is taken off (Dr. GRPO). A group whose scores are equal gets 0."""
+    """(score - group mean) / (group std + eps), then the KL penalty's returns-to-go added
+    (``score_with_kl_penalty``); without ``scale_by_std`` only the mean is taken off (Dr. GRPO).
+    A group whose scores are all equal gets 0 from its score."""
     _check("grpo", x)
-    scores = x.scores.detach().to(torch.float32)
-    mean, _ = group_baseline(scores, x.group, leave_one_out=False, population=x.population)
-    adv = scores - mean
+    mean, _ = group_baseline(x.scores.detach(), x.group, leave_one_out=False, population=x.population)
+    adv = x.scores.detach().double() - mean
     if opt.scale_by_std:  # equal scores: nothing to learn, 0 (not 0 / 0)
-        std = group_std(scores, x.group, x.population)
+        std = group_std(x.scores.detach(), x.group, x.population)
         adv = torch.where(std > 0, adv / (std + opt.eps), torch.zeros_like(adv))
-    return _on_tokens(adv, x.mask), None
+    return score_with_kl_penalty(x, adv, opt.gamma), None
 
 
 def rloo_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
-    """score minus the mean score of the group's other samples, on every token."""
+    """score minus the mean score of the group's other samples, then the KL penalty's
+    returns-to-go added (``score_with_kl_penalty``)."""
     _check("rloo", x)
-    scores = x.scores.detach().to(torch.float32)
-    baseline, _ = group_baseline(scores, x.group, leave_one_out=True, population=x.population)
-    return _on_tokens(scores - baseline, x.mask), None
+    baseline, _ = group_baseline(x.scores.detach(), x.group, leave_one_out=True, population=x.population)
+    return score_with_kl_penalty(x, x.scores.detach().double() - baseline, opt.gamma), None
 
 
 def reinforce_pp_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
@@ -158,15 +183,13 @@ def reinforce_pp_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=lo
 
 
 def reinforce_pp_baseline_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
-    """REINFORCE++ with a group baseline: the group's mean score is taken off the last
-    token's reward first, then returns-to-go and batch whitening as reinforce_pp."""
+    """REINFORCE++-baseline (Hu et al. 2025; OpenRLHF's reinforce_baseline): the group's mean
+    score taken off each score, the KL penalty's returns-to-go added (``score_with_kl_penalty``),
+    then whitened over the whole batch as reinforce_pp."""
     _check("reinforce_pp_baseline", x)
-    mean, _ = group_baseline(x.scores.detach().to(x.rewards.dtype), x.group, leave_one_out=False,
-                             population=x.population)
-    last = last_token_index((x.mask != 0).long())
-    rows = torch.arange(x.mask.shape[0], device=x.mask.device)
-    rewards = x.rewards.detach().index_put((rows, last), -mean, accumulate=True)
-    return batch_whiten(returns_to_go(rewards, x.mask, opt.gamma), x.mask, reduce), None
+    mean, _ = group_baseline(x.scores.detach(), x.group, leave_one_out=False, population=x.population)
+    returns = score_with_kl_penalty(x, x.scores.detach().double() - mean, opt.gamma)
+    return batch_whiten(returns, x.mask, reduce), None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,21 @@ from core.masked import check_shapes, require
 
 Tensor = torch.Tensor
 
+LOG_RATIO_LIMIT = 20.0  # |log pi/ref| (and PPO's |log pi/pi_old|) beyond this is clamped before exp (e^20 ~ 4.9e8)
+K3_LIMIT = 10.0  # k3 in the loss is clamped to [0, K3_LIMIT] per token, as verl's low_var_kl
+
+
+def _k3_grad_bound(limit: float) -> float:
+    """The largest |d k3 / d log pi| = e^x - 1 (x = log ref/pi) left by clamping k3 to ``limit``:
+    at the x* where e^x* - x* - 1 = limit, i.e. limit + x* (x* = log(limit + 1 + x*))."""
+    x = 2.0
+    for _ in range(60):  # a contraction (slope 1 / (limit + 1 + x)): converges to double precision
+        x = math.log(limit + 1.0 + x)
+    return limit + x
+
+
+K3_GRAD_BOUND = _k3_grad_bound(K3_LIMIT)  # 12.61: one token's largest k3 gradient in the loss
+
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
     """Per-token estimate [B, T] of KL(pi || ref) from samples drawn from pi.
@@ -34,6 +49,19 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -
     # expm1 keeps precision for small r; the clamp removes rounding below the true
     # minimum of 0 (k3 is non-negative mathematically).
     return (torch.expm1(-log_ratio) + log_ratio).clamp_min(0.0)
+
+
+def bounded_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """``kl_estimate`` [B, T] for a loss term, in at least float32, with one token's gradient
+    bounded as verl's kl_penalty does: the log-ratio clamped to +-LOG_RATIO_LIMIT, k3 to
+    [0, K3_LIMIT]. Unclamped, k3's gradient 1 - pi_ref/pi is -e^12 ~ -1.6e5 at log pi/ref = -12;
+    clamped it is at most K3_GRAD_BOUND (12.61) in size, and 0 past the clamp (such a token
+    gets no pull from the KL at all, as in verl). k2's gradient is the log-ratio itself, so
+    at most LOG_RATIO_LIMIT."""
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    r = (logprobs.to(dtype) - ref_logprobs.to(dtype)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    kl = kl_estimate(r, torch.zeros_like(r), estimator)
+    return kl.clamp(max=K3_LIMIT) if estimator == "k3" else kl
 
 
 class FixedKLController:

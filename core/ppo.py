@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from core.choices import AGG_MODES, OFF_POLICY_MODES
-from core.kl import kl_estimate
+from core.kl import LOG_RATIO_LIMIT, bounded_kl
 from core.logprobs import logprobs_from_logits
 from core.masked import check_masked, check_shapes, masked_mean, require, zero_pad
 
@@ -26,8 +26,11 @@ def aggregate_loss(
 
     token-mean:               sum(loss * mask) / num_valid_tokens.
     seq-mean-token-mean:      mean over sequences of each sequence's token mean.
-    seq-mean-token-sum-norm:  each sequence's token sum / horizon (default T, the
-                              padded length, as in Dr. GRPO), then mean over sequences.
+    seq-mean-token-sum-norm:  each sequence's token sum / horizon, then mean over
+                              sequences. Dr. GRPO's horizon is a constant, the generation
+                              budget (the learner passes max_new_tokens), so a row weighs
+                              the same in any batch; the default T (the padded length) is
+                              for callers without one.
     Sequences with no valid token are not counted. For data parallelism, pass
     ``global_tokens`` (token-mean) or ``global_seqs`` (seq modes): the count over
     all ranks is then the divisor instead of the local one, so the per-rank losses
@@ -60,21 +63,19 @@ def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str
             global_seqs: Optional[float] = None, horizon: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """The KL to the reference as a loss term (``ppo.kl.placement: loss``); all [B, T].
 
-    ``kl_estimate(logprobs, ref_logprobs, estimator)`` aggregated like the policy loss, with
+    ``bounded_kl(logprobs, ref_logprobs, estimator)`` aggregated like the policy loss, with
     the gradient flowing through ``logprobs`` (the reference is frozen): per token,
-    d k2 / d log pi = log pi - log ref and d k3 / d log pi = 1 - pi_ref / pi. The caller
+    d k2 / d log pi = log pi - log ref and d k3 / d log pi = 1 - pi_ref / pi, within the
+    clamps of core.kl (one token's k3 gradient at most K3_GRAD_BOUND, 12.61). The caller
     multiplies by beta. Returns (loss, masked mean of the estimate, detached).
     """
     fn = "kl_loss"
     check_masked(fn, mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     # Masked before the estimate: exp of padding garbage could overflow into inf * 0 = NaN.
-    kl = kl_estimate(zero_pad(logprobs, mask), zero_pad(ref_logprobs.detach(), mask), estimator)
+    kl = bounded_kl(zero_pad(logprobs, mask), zero_pad(ref_logprobs.detach(), mask), estimator)
     loss = aggregate_loss(kl, mask, agg, global_tokens, global_seqs, horizon)
     with torch.no_grad():
         return loss, masked_mean(kl, mask)
-
-
-LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| beyond this is clamped before exp (e^20 ~ 4.9e8)
 
 
 def behaviour_weights(

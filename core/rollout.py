@@ -76,9 +76,14 @@ class ScoredRollout(Rollout):
     rewards: np.ndarray = None             # [R] float32: -beta*kl_t, plus the score on the last token
     score: float = 0.0                     # reward-model / reward-function score of the whole sequence
     chunk_id: int = -1                     # the driver's prompt chunk it came from (set by the buffer)
+    # The score as it entered ``rewards`` (clipped, plus any truncation penalty), float32 like
+    # them: what the group estimators compare. None: ``score`` (no shaping).
+    reward_score: float = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.reward_score is None:
+            self.reward_score = float(np.float32(self.score))
         for name in ("reference_logprobs", "kl", "rewards"):
             arr = np.asarray(getattr(self, name), dtype=np.float32)
             if arr.shape != self.response_ids.shape:

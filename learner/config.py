@@ -218,6 +218,9 @@ class LearnerConfig(TrainerConfig):
     top_k: int = setting(0, "the sampling top-k: the learner scores the distribution the generator sampled "
                             "from (core.sampling)")
     top_p: float = setting(1.0, "the sampling top-p, as top_k")
+    max_new_tokens: Optional[int] = setting(
+        None, "the generation budget (generator.sampling.max_new_tokens): ppo.agg=seq-mean-token-sum-norm divides "
+              "each sequence's token sum by it, a constant as in Dr. GRPO")
     kl_loss_estimator: Optional[KLEstimator] = setting(
         None, "ppo.kl.placement=loss: the KL estimator (k2 | k3) added to the loss as beta x its aggregate, "
               "the gradient flowing through the policy's log-probs; None: the KL is in the reward")
@@ -229,6 +232,11 @@ class LearnerConfig(TrainerConfig):
         if self.top_k < 0 or not 0 < self.top_p <= 1:
             _fail(f"learner.top_k={self.top_k} must be >= 0 and learner.top_p={self.top_p} in (0, 1] "
                   "(the sampling truncation)")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            _fail(f"learner.max_new_tokens={self.max_new_tokens} must be >= 1 (the generation budget)")
+        if self.ppo.agg == "seq-mean-token-sum-norm" and self.max_new_tokens is None:
+            _fail("learner: ppo.agg=seq-mean-token-sum-norm divides by the generation budget; set "
+                  "learner max_new_tokens (a job sets it from generator.sampling.max_new_tokens)")
         if self.kl_loss_estimator is not None:
             problem = kl_placement_error("loss", self.kl_loss_estimator)
             if problem:

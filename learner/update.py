@@ -48,7 +48,8 @@ class PPOUpdate:
         ``kl_coef``: beta of the KL loss term when ``config.kl_loss_estimator`` is set."""
         t0 = time.perf_counter()
         self.kl_coef = float(kl_coef) if self.config.kl_loss_estimator else 0.0
-        global_tokens, horizon = self._check_shard(shard)
+        global_tokens = self._check_shard(shard)
+        horizon = self.config.max_new_tokens  # seq-mean-token-sum-norm's divisor: a constant, not this batch's longest
         batch = collate(shard, self.pad_id).to(self.device)
         metrics = self._prepare(batch, shard)
         stats = UpdateStats()
@@ -87,12 +88,11 @@ class PPOUpdate:
         lp = self._score(collate(rollouts, self.pad_id).to(self.device))[0].cpu().numpy()
         return [lp[i, :r.response_ids.size].copy() for i, r in enumerate(rollouts)]
 
-    def _check_shard(self, shard: list[ScoredRollout]) -> tuple[int, int]:
-        """Agree across ranks on sizes before any collective that depends on them."""
+    def _check_shard(self, shard: list[ScoredRollout]) -> int:
+        """Agree across ranks on sizes before any collective that depends on them; the batch's tokens."""
         n = len(shard)
         tokens = sum(int(r.response_ids.size) for r in shard)
-        max_r = max((int(r.response_ids.size) for r in shard), default=0)
-        n_max, neg_n_min, no_tokens, horizon = self.comm.max([n, -n, float(tokens == 0), max_r])
+        n_max, neg_n_min, no_tokens = self.comm.max([n, -n, float(tokens == 0)])
         (global_tokens,) = self.comm.sum([tokens])
         if global_tokens == 0:
             raise ValueError(f"learner.train: zero valid response tokens in the batch "
@@ -103,7 +103,7 @@ class PPOUpdate:
         if no_tokens:
             raise ValueError("learner.train: a rank's shard has zero valid response tokens; "
                              "shard so that every rank gets some response tokens")
-        return int(global_tokens), int(horizon)
+        return int(global_tokens)
 
     def _forward(self, mb: Batch, with_entropy: bool, values_only: bool = False, with_own_set: bool = False):
         return self.engine(mb.input_ids, mb.attention_mask, mb.position_ids, prompt_len=mb.prompt_len,
@@ -143,21 +143,23 @@ class PPOUpdate:
     def _advantages(self, batch: Batch, shard: list[ScoredRollout]):
         """(advantages, returns or None), [B, R] each, by ``ppo.advantage`` (core/estimators.py).
         Statistics over the batch are sums over every rank (all-reduces); a group estimator
-        gathers every rank's (group, return) pairs, since a prompt's samples may sit on
+        gathers every rank's (group, score) pairs, since a prompt's samples may sit on
         several ranks."""
         cfg = self.config.ppo
         chosen = estimator(cfg.advantage)
         mask = batch.response_mask
-        seq_returns = (batch.rewards.double() * mask).sum(1)  # the score, less the KL when it is in the reward
+        # Each score as it entered the rewards, no KL: the estimators add the KL penalty themselves.
+        scores = torch.tensor([r.reward_score for r in shard], dtype=torch.float64)
         keys = [(r.chunk_id, r.prompt_index) if r.chunk_id >= 0 else (-1, -1) for r in shard]
         group = _group_ids(keys, offset=self.rank * len(shard))
         population = None
         if chosen.uses_groups:
-            rows = self.comm.gather_rows([(*k, float(s)) for k, s in zip(keys, seq_returns.tolist())])
+            rows = self.comm.gather_rows([(*k, s) for k, s in zip(keys, scores.tolist())])
             everyone = torch.tensor(rows, dtype=torch.float64)
             population = (everyone[:, 2].to(self.device),
                           _group_ids(everyone[:, :2].long().tolist(), offset=0).to(self.device))
-        inputs = AdvantageInputs(rewards=batch.rewards, scores=seq_returns, mask=mask, group=group.to(self.device),
+        inputs = AdvantageInputs(rewards=batch.rewards, scores=scores.to(self.device), mask=mask,
+                                 group=group.to(self.device),
                                  values=batch.old_values if self.critic else None, population=population)
         options = EstimatorOptions(gamma=cfg.gamma, lam=cfg.lam, scale_by_std=cfg.group_std,
                                    whiten_gae=cfg.whiten_advantages)

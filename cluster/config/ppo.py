@@ -209,13 +209,15 @@ class TetherConfig(RootConfig):
     resources: ResourcesConfig
 
     def learner_config(self) -> LearnerConfig:
-        """What a learner rank needs: the learner section, the PPO update, the run seed and
-        the sampling temperature and truncation (the learner scores the distribution sampled from)."""
+        """What a learner rank needs: the learner section, the PPO update, the run seed, the
+        sampling temperature and truncation (the learner scores the distribution sampled from)
+        and the generation budget (seq-mean-token-sum-norm's divisor)."""
         pick = lambda obj, cls: {f.name: getattr(obj, f.name) for f in fields(cls)}
         trainer = {**pick(self.learner, TrainerConfig), "dtype": self.precision()["learner"][0]}
         return LearnerConfig(**trainer, ppo=PPOConfig(**pick(self.ppo, PPOConfig)),
                              seed=self.run.seed, temperature=self.generator.sampling.temperature,
                              top_k=self.generator.sampling.top_k, top_p=self.generator.sampling.top_p,
+                             max_new_tokens=self.generator.sampling.max_new_tokens,
                              kl_loss_estimator=self.ppo.kl.estimator if self.ppo.kl.placement == "loss" else None)
 
     @property

@@ -106,6 +106,16 @@ def test_kl_in_the_loss_reaches_the_learner():
     assert load_config(None).learner_config().kl_loss_estimator is None
 
 
+def test_the_generation_budget_reaches_the_learner():
+    """seq-mean-token-sum-norm divides by a constant (Dr. GRPO): the job's max_new_tokens."""
+    from learner.config import LearnerConfig, PPOConfig
+    cfg = load_config(None, ["generator.sampling.max_new_tokens=24", "ppo.agg=seq-mean-token-sum-norm"])
+    assert cfg.learner_config().max_new_tokens == 24
+    with pytest.raises(ValueError, match="ppo.agg=seq-mean-token-sum-norm divides by the generation budget"):
+        LearnerConfig(ppo=PPOConfig(agg="seq-mean-token-sum-norm")).validate()
+    LearnerConfig(ppo=PPOConfig(agg="seq-mean-token-sum-norm"), max_new_tokens=24).validate()
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")

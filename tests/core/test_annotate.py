@@ -122,3 +122,17 @@ def test_bad_inputs():
         annotate([r], [np.array([0.0, -np.inf, 0.0])], np.zeros(1), beta=0.1)
     with pytest.raises(ValueError, match="beta"):
         annotate([r], ref, np.zeros(1), beta=-1.0)
+
+
+def test_reward_score_is_the_score_as_it_entered_the_rewards():
+    """What the group estimators compare: the clipped score plus the truncation penalty, in the
+    rewards' float32, so with beta 0 the last token's reward is exactly it and equal raw scores
+    give equal reward scores."""
+    rollouts = [_rollout(3, seed=0), _rollout(2, finish="length", seed=1, prompt_index=1),
+                _rollout(4, seed=2, prompt_index=2), _rollout(2, seed=3, prompt_index=3)]
+    out = annotate(rollouts, _refs(rollouts), np.array([3.3, 0.9, 7.0, 3.3]), beta=0.0,
+                   truncation_penalty=-0.5, reward_clip=5.0)
+    want = np.float32([3.3, 0.9, 5.0, 3.3]) + np.float32([0, -0.5, 0, 0])  # added in float32, as the rewards
+    assert [sr.reward_score for sr in out] == [float(w) for w in want]
+    assert [float(sr.rewards[-1]) for sr in out] == [float(w) for w in want]
+    assert out[0].reward_score == out[3].reward_score and out[0].score == 3.3

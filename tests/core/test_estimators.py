@@ -128,3 +128,87 @@ def test_a_ranks_share_with_the_batch_as_population_gets_the_whole_batchs_advant
         assert torch.allclose(got, whole[rows], atol=1e-6)
         alone, _ = estimator(name).fn(replace(share, population=None), EstimatorOptions())
         assert not torch.allclose(alone, whole[rows], atol=1e-3)  # without it the groups are cut
+
+
+# --- The learning signal: ties, the KL in the reward, the baseline of REINFORCE++-baseline ---
+
+def tied(score, n, dtype=torch.float32, beta=0.0, seed=0):
+    """One group of ``n`` samples that all scored ``score`` plus a group of two that did not
+    (rows n, n+1), ragged rows of up to 5 tokens, the per-token KL penalty -beta x kl in the
+    rewards as core.advantages.per_token_rewards puts it."""
+    from core.advantages import per_token_rewards
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 6, (n + 2,), generator=g)
+    mask = (torch.arange(5)[None] < lengths[:, None]).float()
+    scores = torch.tensor([score] * n + [0.3, 1.7], dtype=torch.float64).to(dtype)
+    kl = torch.randn(n + 2, 5, generator=g) * 0.3
+    rewards = per_token_rewards(kl, scores.to(torch.float32), mask, beta)
+    group = torch.tensor([5] * n + [8, 8])
+    return AdvantageInputs(rewards=rewards, scores=scores, mask=mask, group=group), kl
+
+
+@pytest.mark.parametrize("n", [2, 4, 16, 64])
+@pytest.mark.parametrize("score", [0.1, 0.9, 1.1, 3.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_group_whose_samples_all_scored_alike_gets_exactly_zero(n, score, dtype):
+    """Non-dyadic ties: in float32 the group mean of n copies of 3.3 is a rounding step off it
+    and the std is not 0, which gave advantages up to 0.32 of one sign."""
+    x, _ = tied(score, n, dtype)
+    for name, opt in (("grpo", EstimatorOptions()), ("grpo", EstimatorOptions(scale_by_std=False)),
+                      ("rloo", EstimatorOptions())):
+        adv, _ = estimator(name).fn(x, opt)
+        assert bool((adv[:n] == 0).all()), (name, opt.scale_by_std, adv[:n].abs().max())
+        assert bool((adv[n:][x.mask[n:] != 0] != 0).all())  # the other group still learns
+    mean, _ = group_baseline(x.scores, x.group, leave_one_out=False)
+    assert bool((mean[:n] == x.scores[:n].double()).all())
+
+
+@pytest.mark.parametrize("n", [2, 4, 16])
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_grpo_with_the_kl_in_the_reward_keeps_betas_meaning(n, scale_by_std):
+    """The group's std normalises the score only; the per-token KL penalty is added after, as
+    its returns-to-go: a tied group's advantage scales with beta (100 : 10 : 1), not 0.77 whatever beta."""
+    opt = EstimatorOptions(scale_by_std=scale_by_std)
+    size = {}
+    for beta in (0.05, 0.005, 0.0005):
+        x, kl = tied(3.3, n, beta=beta)
+        adv, _ = estimator("grpo").fn(x, opt)
+        # The score part is 0 (the group tied). The KL part is exact to half a float32 step of
+        # the last token's reward (the score is taken back off it): 1.2e-7 at 3.3.
+        want = beta * returns_to_go(-kl, x.mask)
+        assert torch.allclose(adv[:n], want[:n], rtol=1e-4, atol=2.5e-7)
+        size[beta] = float(adv[:n].abs().sum() / x.mask[:n].sum())
+    assert size[0.05] > 1e-3
+    assert size[0.05] / size[0.005] == pytest.approx(10, rel=1e-2)
+    assert size[0.005] / size[0.0005] == pytest.approx(10, rel=1e-2)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_group_estimators_shape_the_score_then_add_the_kl_penalty(name):
+    """Each group estimator baselines the score within its group (not the score less the KL sum),
+    puts it on the last token, adds -beta x kl per token and takes the returns-to-go
+    (OpenRLHF's rloo / group_norm / reinforce_baseline); reinforce_pp_baseline then whitens
+    over the batch. By hand on a batch whose groups neither tie nor share KL sums."""
+    from core.masked import whiten
+    beta = 0.05
+    x, kl = tied(0.0, 3, beta=beta, seed=4)  # scores 0, 0, 0 | 0.3, 1.7: the first group's changed
+    last = x.mask.sum(1).long() - 1
+    new = torch.tensor([0.2, 1.4, 2.9, 0.3, 1.7], dtype=torch.float64)
+    x = replace(x, scores=new, rewards=x.rewards.index_put((torch.arange(5), last), (new - x.scores).float(),
+                                                           accumulate=True))
+    s, n = x.scores, 3
+    if name == "rloo":
+        base = torch.tensor([(s[1] + s[2]) / 2, (s[0] + s[2]) / 2, (s[0] + s[1]) / 2, s[4], s[3]])
+        shaped = s - base
+    else:
+        means = torch.tensor([s[:n].mean()] * n + [s[n:].mean()] * 2)
+        shaped = s - means
+        if name == "grpo":
+            stds = torch.tensor([s[:n].std()] * n + [s[n:].std()] * 2)
+            shaped = shaped / (stds + 1e-6)
+    dense = torch.zeros_like(x.rewards).index_put((torch.arange(5), last), shaped.float())
+    want = returns_to_go(dense - beta * kl, x.mask)
+    if name == "reinforce_pp_baseline":
+        want = whiten(want.double(), x.mask).float()
+    adv, _ = estimator(name).fn(x, EstimatorOptions())
+    assert torch.allclose(adv, want, atol=1e-5), (adv, want)

@@ -99,7 +99,7 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
         adv, ret = critic_free_advantages(rollouts, batch, p), None
     weights, _ = ppo.behaviour_weights(own, batch.behaviour_logprobs, mask, p.off_policy, p.is_cap)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
-    horizon = batch.response_len
+    horizon = cfg.max_new_tokens
     norms = []
     for _ in range(p.ppo_epochs):
         for start in range(0, len(batch), p.minibatch_size):
@@ -126,8 +126,8 @@ def critic_free_advantages(rollouts, batch, p):
     """[B, R] the estimator's advantages over the whole batch; a group is (chunk, prompt)."""
     keys = sorted({(r.chunk_id, r.prompt_index) for r in rollouts})
     group = torch.tensor([keys.index((r.chunk_id, r.prompt_index)) for r in rollouts])
-    returns = (batch.rewards.double() * batch.response_mask).sum(1)
-    x = AdvantageInputs(rewards=batch.rewards, scores=returns, mask=batch.response_mask, group=group)
+    scores = torch.tensor([r.reward_score for r in rollouts], dtype=torch.float64)
+    x = AdvantageInputs(rewards=batch.rewards, scores=scores, mask=batch.response_mask, group=group)
     opt = EstimatorOptions(gamma=p.gamma, scale_by_std=p.group_std)
     return estimator(p.advantage).fn(x, opt)[0]
 

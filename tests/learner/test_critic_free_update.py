@@ -26,7 +26,8 @@ def grouped(policy_path):
     for i, r in enumerate(make_rollouts(policy_path, 8, seed=3)):
         r = dataclasses.replace(r, chunk_id=0, prompt_index=i // 4)
         if i >= 4:  # equal returns: a group that teaches nothing
-            r = dataclasses.replace(r, score=1.0, rewards=np.eye(r.response_ids.size, dtype=np.float32)[-1])
+            r = dataclasses.replace(r, score=1.0, reward_score=1.0,
+                                    rewards=np.eye(r.response_ids.size, dtype=np.float32)[-1])
         out.append(r)
     return out
 

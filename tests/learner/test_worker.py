@@ -84,6 +84,15 @@ def test_one_rank_update_matches_plain_torch(policy_path, rollouts, initial, ref
     assert w.health() == {**w.health(), "ok": True, "built": True, "step": 1, "optimizer_steps": 4}
 
 
+def test_sum_norm_divides_by_the_generation_budget_whatever_the_batch(policy_path, rollouts, initial, references):
+    """seq-mean-token-sum-norm (Dr. GRPO) divides each row's token sum by the constant budget, not by
+    the step's longest response (<= 10 tokens here): the same row weighs the same in any batch."""
+    cfg = dataclasses.replace(sgd_config(zero_stage=2, agg="seq-mean-token-sum-norm"), max_new_tokens=40)
+    w = worker(policy_path, cfg)
+    metrics = w.train(rollouts)
+    check_against_reference(w.full_state_dict(), metrics, initial, references(cfg), "sum-norm, budget 40")
+
+
 @pytest.mark.parametrize("options", [{"dtype": "bfloat16", "zero_stage": 2}, {"dtype": "bfloat16", "zero_stage": 3},
                                      {"critic": "separate", "zero_stage": 3}])
 def test_bf16_and_separate_critic_train_every_part(policy_path, reward_path, rollouts, options):
