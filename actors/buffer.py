@@ -259,11 +259,11 @@ class RolloutBuffer:
             left, self._left = self._left, []
             depth, dropped_stale = len(self._items), self._dropped_stale
         consumed = left + [(x.chunk_id, x.prompt_index) for x in items + surplus]
-        shards, dropped = shard_rollouts(items, world_size)
+        shards = shard_rollouts(items, world_size)
         # The buffer's own figures travel with the batch: no second call to a buffer that may
         # have died since.
-        return (*shards, BatchSummary.of(items, current_version=current_version, dropped=dropped,
-                                         consumed=consumed, buffer_depth=depth, dropped_stale=dropped_stale,
+        return (*shards, BatchSummary.of(items, current_version=current_version, consumed=consumed,
+                                         buffer_depth=depth, dropped_stale=dropped_stale,
                                          surplus=len(surplus)))
 
     def _discard_stale(self, min_version: int) -> int:

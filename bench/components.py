@@ -71,7 +71,7 @@ def bench_learner(path: str, rollouts, ranks: int, gen, zero: int):
                          name_prefix=f"bench-learner-{ranks}")
     print(f"learner: {ranks} rank(s) started in {time.perf_counter() - t0:.1f}s")
     try:
-        shards, _ = shard_rollouts(rollouts[:n], ranks)
+        shards = shard_rollouts(rollouts[:n], ranks)
         group.train(shards)  # warm-up (first step builds optimizer state)
         times, tps = [], []
         for _ in range(3):

@@ -92,17 +92,43 @@ class ScoredRollout(Rollout):
             setattr(self, name, arr)
 
 
-def shard_rollouts(rollouts: list, world_size: int) -> tuple[list[list], int]:
-    """Interleaved equal shards for ``world_size`` learner ranks, and how many were dropped.
+def prompt_groups(rollouts: list) -> list[list[int]]:
+    """Row indices of each prompt group, groups in order of first appearance, rows in batch order.
 
-    Rank r gets rows r, r+W, ...: with shuffling off, global minibatch k is then rows
-    k*M .. k*M+M-1, as in a single process. The remainder (len % W) is dropped: every
-    rank must run the same number of collectives.
+    A group is the rows of one (chunk_id, prompt_index); a row with no chunk (chunk_id < 0)
+    is a group of its own.
     """
-    keep = len(rollouts) - len(rollouts) % world_size
-    if keep == 0:
-        raise ValueError(f"learner: {len(rollouts)} rollouts cannot fill {world_size} ranks")
-    return [list(rollouts[r:keep:world_size]) for r in range(world_size)], len(rollouts) - keep
+    groups: dict = {}
+    for i, r in enumerate(rollouts):
+        key = (r.chunk_id, r.prompt_index) if r.chunk_id >= 0 else ("row", i)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def shard_rollouts(rollouts: list, world_size: int) -> list[list]:
+    """Shards for ``world_size`` learner ranks: whole prompt groups, every rollout kept.
+
+    The groups (``prompt_groups``) are laid out one after another and cut into ``world_size``
+    consecutive runs, each cut at the group boundary nearest an equal share of the rows.
+    The shards in rank order are the batch (its groups gathered), so global row k is the
+    same row as in one process: with shuffling off, minibatch k is rows k*M .. k*M+M-1 there
+    and here. Deterministic (a resumed run shards alike); ranks may hold unequal numbers of
+    rows (learner/update.py runs the same minibatches and micro-batches on every rank).
+    """
+    groups = prompt_groups(rollouts)
+    if len(groups) < world_size:
+        raise ValueError(f"learner: {len(groups)} prompt groups cannot give each of {world_size} ranks one; "
+                         f"train on at least {world_size} prompts per step")
+    ends = np.cumsum([len(g) for g in groups])  # rows up to and including group j
+    cuts, lo = [0], 0
+    for r in range(1, world_size):
+        share = r * len(rollouts) / world_size
+        # groups lo+1 .. len-(W-r): every rank before and after keeps at least one group
+        options = range(lo + 1, len(groups) - (world_size - r) + 1)
+        lo = min(options, key=lambda k: (abs(ends[k - 1] - share), k))
+        cuts.append(lo)
+    cuts.append(len(groups))
+    return [[rollouts[i] for g in groups[a:b] for i in g] for a, b in zip(cuts, cuts[1:])]
 
 
 def staleness(rollouts: list, version: int) -> np.ndarray:
@@ -124,7 +150,6 @@ class BatchSummary:
     staleness: np.ndarray       # [N] int64: learner version - policy_version that sampled it
     token_staleness: np.ndarray = None  # [N] float64: per rollout, mean of learner version - token version
     partial: np.ndarray = None  # [N] bool: sampled by more than one version (partial rollout)
-    dropped: int = 0            # rollouts left out so every learner rank got an equal shard
     surplus: int = 0            # dynamic sampling: rollouts of whole groups beyond the step's batch, left out
     # (chunk_id, prompt_index) of every rollout that left the buffer since the previous
     # take: this batch's and the ones discarded as stale. The driver's ledger uses it to
@@ -135,7 +160,7 @@ class BatchSummary:
     samples: tuple = field(default_factory=tuple)  # a few rows (dicts of plain values) for samples.jsonl
 
     @classmethod
-    def of(cls, rollouts: list, *, current_version: int, dropped: int = 0, n_samples: int = 4,
+    def of(cls, rollouts: list, *, current_version: int, n_samples: int = 4,
            consumed: tuple = (), buffer_depth: int = 0, dropped_stale: int = 0, surplus: int = 0) -> "BatchSummary":
         firsts = [r for r in rollouts if r.sample_index == 0][:n_samples]  # distinct prompts
         samples = tuple({"prompt_ids": r.prompt_ids.tolist(), "response_ids": r.response_ids.tolist(),
@@ -150,5 +175,5 @@ class BatchSummary:
                    token_staleness=np.array([float(np.mean(np.maximum(0, current_version - r.token_versions)))
                                              if r.token_versions.size else 0.0 for r in rollouts]),
                    partial=np.array([r.partial for r in rollouts], dtype=bool),
-                   dropped=dropped, surplus=surplus, samples=samples, consumed=tuple(consumed),
+                   surplus=surplus, samples=samples, consumed=tuple(consumed),
                    buffer_depth=buffer_depth, dropped_stale=dropped_stale)

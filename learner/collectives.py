@@ -24,13 +24,20 @@ class Collectives:
         return self._reduce(values, dist.ReduceOp.MAX)
 
     def gather_rows(self, rows: Sequence[Sequence[float]]) -> list[list[float]]:
-        """Every rank's ``rows`` [n, k] (the same n and k on every rank), rank 0's first: [W*n, k]."""
+        """Every rank's ``rows`` [n_r, k] (n_r >= 1 may differ between ranks, k may not), rank 0's
+        first: [sum of n_r, k]."""
         t = torch.tensor([[float(v) for v in row] for row in rows], dtype=torch.float64, device=self.device)
         if self.world_size == 1:
             return t.tolist()
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t)
-        return torch.cat(parts).tolist()
+        n = torch.tensor([len(t)], dtype=torch.int64, device=self.device)
+        counts = [torch.empty_like(n) for _ in range(self.world_size)]
+        dist.all_gather(counts, n)
+        counts = [int(c) for c in counts]
+        padded = torch.zeros((max(counts), t.shape[1]), dtype=t.dtype, device=self.device)
+        padded[:len(t)] = t
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)  # all_gather wants one shape: every rank sends max(n_r) rows
+        return torch.cat([p[:c] for p, c in zip(parts, counts)]).tolist()
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -128,7 +128,11 @@ class PolicyWithValueHead(HFWrapper):
         else:
             hidden = self._hidden(self.critic_body, input_ids, attention_mask, position_ids)
             hidden = hidden if cols is None else cols(hidden)
-        return self.value_head(hidden).squeeze(-1).float()
+        # The head computes in fp32 whatever the weights' dtype: a bf16 matmul would round the
+        # values (and so the value loss and GAE) to bf16's 3 significant digits.
+        head = self.value_head
+        bias = None if head.bias is None else head.bias.float()
+        return nn.functional.linear(hidden.float(), head.weight.float(), bias).squeeze(-1)
 
     def forward(self, input_ids, attention_mask, position_ids, *, prompt_len: Optional[int] = None,
                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, kept_ids=None,

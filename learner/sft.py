@@ -80,7 +80,7 @@ class SupervisedStep:
                 self.engine.step()
         lr = self.engine.get_lr()[0]
         norm = None
-        if self.config.zero_stage == 0:  # DeepSpeed records no norm without ZeRO; grads are reduced by now
+        if self.engine.zero_optimization_stage() == 0:  # no norm recorded without ZeRO; grads are reduced now
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters()
                                                   if p.grad is not None])
         self.engine.step()

@@ -1,13 +1,16 @@
 """The PPO update of one data-parallel rank on a DeepSpeed engine.
 
-Every rank holds an equal shard of the batch. Global minibatch k is the union of every
-rank's local minibatch k. Losses are normalised by GLOBAL token (or sequence) counts,
-so per-rank losses SUM to the global loss; DeepSpeed AVERAGES gradients over ranks,
-hence the loss is scaled by world_size before backward (checked against a
-single-process reference in the tests).
+Every rank holds a shard of whole prompt groups (core.rollout.shard_rollouts), maybe
+unequal; the shards in rank order are the global batch. Every rank runs the same minibatches
+and micro-batches (learner/minibatches.py; a rank short of rows runs empty ones), so global
+minibatch k holds the rows one process would train in its minibatch k. Losses are
+normalised by GLOBAL token (or sequence) counts, so per-rank losses SUM to the global loss;
+DeepSpeed AVERAGES gradients over ranks, hence the loss is scaled by world_size before
+backward (checked against a single-process reference in the tests).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Optional
@@ -24,6 +27,7 @@ from core.rollout import ScoredRollout
 from learner.batch import Batch, collate, collate_lm
 from learner.collectives import Collectives
 from learner.config import LearnerConfig
+from learner.minibatches import minibatch_plan, visit_order
 from learner.stats import UpdateStats
 
 
@@ -40,6 +44,7 @@ class PPOUpdate:
         self.last_ptx_rows: Optional[np.ndarray] = None  # [n, T] PTX rows of the last train()
         self.kl_coef = 0.0  # beta of the KL loss term in the current train()
         self.critic = config.value_model != "none"  # a value model to train (gae), or none
+        self.row_offset = 0  # this rank's first row in the global batch (the shards in rank order)
 
     def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None,
               kl_coef: float = 0.0) -> dict:
@@ -48,13 +53,14 @@ class PPOUpdate:
         ``kl_coef``: beta of the KL loss term when ``config.kl_loss_estimator`` is set."""
         t0 = time.perf_counter()
         self.kl_coef = float(kl_coef) if self.config.kl_loss_estimator else 0.0
-        global_tokens = self._check_shard(shard)
+        global_tokens, counts = self._check_shard(shard)
         horizon = self.config.max_new_tokens  # seq-mean-token-sum-norm's divisor: a constant, not this batch's longest
         batch = collate(shard, self.pad_id).to(self.device)
         metrics = self._prepare(batch, shard)
         stats = UpdateStats()
-        local_mb = self.config.ppo.minibatch_size // self.world_size
-        epochs = [self._minibatches(len(batch), local_mb, e) for e in range(self.config.ppo.ppo_epochs)]
+        epochs = [self._minibatches(counts, e) for e in range(self.config.ppo.ppo_epochs)]
+        # What a rank short of rows trains: a row with no valid token (zero loss, whole graph).
+        blank = dataclasses.replace(batch[:1], response_mask=torch.zeros_like(batch.response_mask[:1])).trimmed()
         ptx = self._ptx_slices(ptx_rows, sum(map(len, epochs)))
         # Without a recompute, the first minibatch (still at the update's starting weights)
         # is where the learner's log-probs meet the sampler's: the agreement metrics come from it.
@@ -62,8 +68,8 @@ class PPOUpdate:
         self.epoch_history = []
         for minibatches in epochs:
             before = stats.copy()
-            for rows in minibatches:
-                self._minibatch_step(batch[rows], horizon, next(ptx), stats, probe)
+            for rows, micros in minibatches:
+                self._minibatch_step(batch[rows], micros, blank, horizon, next(ptx), stats, probe)
                 if probe:
                     metrics.update(self._agreement_metrics(probe))
                     probe = None
@@ -88,22 +94,25 @@ class PPOUpdate:
         lp = self._score(collate(rollouts, self.pad_id).to(self.device))[0].cpu().numpy()
         return [lp[i, :r.response_ids.size].copy() for i, r in enumerate(rollouts)]
 
-    def _check_shard(self, shard: list[ScoredRollout]) -> int:
-        """Agree across ranks on sizes before any collective that depends on them; the batch's tokens."""
+    def _check_shard(self, shard: list[ScoredRollout]) -> tuple[int, list[int]]:
+        """Agree across ranks on sizes before any collective that depends on them:
+        (global tokens, rows on each rank)."""
         n = len(shard)
         tokens = sum(int(r.response_ids.size) for r in shard)
-        n_max, neg_n_min, no_tokens = self.comm.max([n, -n, float(tokens == 0)])
+        (no_tokens,) = self.comm.max([float(tokens == 0)])
         (global_tokens,) = self.comm.sum([tokens])
+        counts = [int(row[0]) for row in self.comm.gather_rows([[n]])]
+        self.row_offset = sum(counts[:self.rank])
         if global_tokens == 0:
             raise ValueError(f"learner.train: zero valid response tokens in the batch "
-                             f"({int(n_max)} rollouts per rank); drop empty responses before training")
-        if n_max != -neg_n_min or n == 0:
-            raise ValueError(f"learner.train: ranks got unequal or empty shards (rank {self.rank}: {n}, "
-                             f"max {int(n_max)}); shard with core.rollout.shard_rollouts")
+                             f"({sum(counts)} rollouts); drop empty responses before training")
+        if min(counts) == 0:
+            raise ValueError(f"learner.train: a rank got an empty shard (rows per rank: {counts}); "
+                             "shard with core.rollout.shard_rollouts")
         if no_tokens:
             raise ValueError("learner.train: a rank's shard has zero valid response tokens; "
                              "shard so that every rank gets some response tokens")
-        return int(global_tokens)
+        return int(global_tokens), counts
 
     def _forward(self, mb: Batch, with_entropy: bool, values_only: bool = False, with_own_set: bool = False):
         return self.engine(mb.input_ids, mb.attention_mask, mb.position_ids, prompt_len=mb.prompt_len,
@@ -151,7 +160,7 @@ class PPOUpdate:
         # Each score as it entered the rewards, no KL: the estimators add the KL penalty themselves.
         scores = torch.tensor([r.reward_score for r in shard], dtype=torch.float64)
         keys = [(r.chunk_id, r.prompt_index) if r.chunk_id >= 0 else (-1, -1) for r in shard]
-        group = _group_ids(keys, offset=self.rank * len(shard))
+        group = _group_ids(keys, offset=self.row_offset)
         population = None
         if chosen.uses_groups:
             rows = self.comm.gather_rows([(*k, s) for k, s in zip(keys, scores.tolist())])
@@ -222,24 +231,26 @@ class PPOUpdate:
                 "off_policy/behaviour_kl": s_kl / n, "off_policy/is_weight_mean": s_w / n,
                 "off_policy/is_weight_max": w_max, "off_policy/capped_frac": s_capped / n}
 
-    def _minibatches(self, n: int, size: int, epoch: int) -> list[np.ndarray]:
-        # Seeded by (seed, step, epoch): identical on resume; rank-local like DistributedSampler.
-        order = np.arange(n)
-        if self.config.ppo.shuffle:
-            rng = np.random.default_rng([self.config.seed, self.step, epoch, self.rank])
-            order = rng.permutation(n)
-        return [order[i:i + size] for i in range(0, n, size)]
+    def _minibatches(self, counts: list[int], epoch: int) -> list[tuple[np.ndarray, int]]:
+        """(this rank's rows, micro-batches) per minibatch of an epoch: learner/minibatches.py."""
+        cfg = self.config.ppo
+        order = visit_order(sum(counts), seed=self.config.seed, step=self.step, epoch=epoch, shuffle=cfg.shuffle)
+        return minibatch_plan(counts, self.rank, order, cfg.minibatch_size, cfg.micro_batch_size)
 
-    def _minibatch_step(self, mb: Batch, horizon: int, ptx, stats: UpdateStats, probe=None) -> None:
-        """Accumulate gradients over micro-batches (+ PTX), then one optimizer step. ``probe``: a
-        list that collects each micro-batch's (learner log-probs, behaviour log-probs, mask)."""
+    def _minibatch_step(self, mb: Batch, n_micro: int, blank: Batch, horizon: int, ptx, stats: UpdateStats,
+                        probe=None) -> None:
+        """Accumulate gradients over ``n_micro`` micro-batches (+ PTX), then one optimizer step;
+        ``blank`` fills the micro-batches this rank has no rows for. ``probe``: a list that
+        collects each micro-batch's (learner log-probs, behaviour log-probs, mask)."""
         n_tok, n_seq = self.comm.sum([mb.num_tokens(), float((mb.response_mask.sum(1) > 0).sum())])
         # Length-sorted micro-batches pad less; the minibatch (so the gradient) is unchanged.
         lengths = mb.response_mask.sum(1) + mb.attention_mask[:, :mb.prompt_len].sum(1)
-        micros = mb[torch.argsort(lengths, stable=True)].split(self.config.ppo.micro_batch_size)
+        ordered = mb[torch.argsort(lengths, stable=True)]
+        micros = [m.trimmed() for m in ordered.split(self.config.ppo.micro_batch_size)]
+        micros += [blank] * (n_micro - len(micros))
         for i, mic in enumerate(micros):
             self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1 and ptx is None)
-            loss = self._micro_loss(mic.trimmed(), n_tok, n_seq, horizon, stats, probe)
+            loss = self._micro_loss(mic, n_tok, n_seq, horizon, stats, probe)
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             self._engine_step(stats)
         if ptx is not None:
@@ -252,7 +263,7 @@ class PPOUpdate:
             return
         lr = self.engine.get_lr()[0]  # the lr this step uses
         norm = None
-        if self.config.zero_stage == 0:  # DeepSpeed records no norm without ZeRO; grads are reduced by now
+        if self.engine.zero_optimization_stage() == 0:  # no norm recorded without ZeRO; grads are reduced now
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters()
                                                   if p.grad is not None])
         self.engine.step()

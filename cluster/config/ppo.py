@@ -270,13 +270,11 @@ def validate(cfg: TetherConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"config: {str(e).replace('learner.ppo.', 'ppo.')}") from None
     _check_ptx(cfg)
-    # Every learner rank must get an equal shard (core.rollout.shard_rollouts drops the rest),
-    # so a step that does not divide evenly would throw rollouts away every step.
-    rollouts = cfg.rollouts_per_step
-    if rollouts % cfg.learner.replicas:
-        raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x generator.sampling.n), "
-                          f"not divisible by learner.replicas={cfg.learner.replicas}; make prompts_per_step x n "
-                          f"a multiple of {cfg.learner.replicas}")
+    # Every learner rank trains on whole prompt groups (core.rollout.shard_rollouts): one at least.
+    if cfg.data.prompts_per_step < cfg.learner.replicas:
+        raise ConfigError(f"config: data.prompts_per_step={cfg.data.prompts_per_step} is below "
+                          f"learner.replicas={cfg.learner.replicas}: each learner rank trains on whole prompts; "
+                          f"raise prompts_per_step to at least {cfg.learner.replicas}")
 
 
 def _check_pools(cfg: TetherConfig) -> None:

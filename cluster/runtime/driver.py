@@ -265,7 +265,6 @@ class Driver:
              "rollouts/duplicate_chunks": produced.duplicate_chunks,
              "rollouts/redispatched_chunks": produced.redispatched_chunks,
              **self._filter_metrics(produced, batch),
-             "learner/dropped_rollouts": batch.dropped,
              "policy/version": self.version, "data/batches_issued": self.batches_issued,
              **{f"pool/{role}_replicas": n for role, n in self.pools.sizes().items()},
              "buffer/depth": batch.buffer_depth,

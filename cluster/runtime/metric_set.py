@@ -106,7 +106,6 @@ MEANINGS: dict[str, str] = {
     "learner/step": "learner updates done",
     "learner/optimizer_steps": "optimiser steps done (DeepSpeed global_steps)",
     "learner/tokens": "response tokens in the last learner batch",
-    "learner/dropped_rollouts": "rollouts left out of the batch so every learner rank got an equal shard",
 }
 # Keys exported per replica; every other metric has no tag.
 TAGGED: dict[str, tuple[str, ...]] = {"generator/tokens_per_s": REPLICA_TAGS, "score/seconds": REPLICA_TAGS}

@@ -247,13 +247,12 @@ def test_put_chunk_annotates_and_stores_each_chunk_once():
 
 
 @pytest.mark.unit
-def test_take_returns_interleaved_shards_and_a_summary():
+def test_take_returns_whole_shards_and_a_summary():
     buf = RolloutBuffer(capacity=16)
     items = [item(version=v, index=i) for i, v in enumerate([3, 3, 2, 3, 3])]
     buf.put(items)
     *shards, summary = buf.take(5, world_size=2, current_version=3)
-    assert [[r.prompt_index for r in s] for s in shards] == [[0, 2], [1, 3]]
-    assert summary.dropped == 1  # 5 rollouts, 2 ranks: one left out so the shards are equal
+    assert [[r.prompt_index for r in s] for s in shards] == [[0, 1], [2, 3, 4]]  # none left out
     assert summary.staleness.tolist() == [0, 0, 1, 0, 0]
     assert summary.response_lengths.tolist() == [2] * 5 and len(summary.samples) == 4
 
@@ -265,8 +264,8 @@ def test_take_by_reference_through_ray(cluster):
     ray.get(buf.put.remote([item(index=i) for i in range(4)]))
     *shards, summary = buf.take.options(num_returns=3).remote(4, world_size=2)
     assert all(isinstance(s, ray.ObjectRef) for s in shards)
-    assert [r.prompt_index for r in ray.get(shards[1])] == [1, 3]
-    assert ray.get(summary).dropped == 0
+    assert [r.prompt_index for r in ray.get(shards[1])] == [2, 3]
+    assert ray.get(summary).scores.size == 4
 
 
 # ------------------------------------------------------------ a prompt's samples stay together

@@ -1,6 +1,6 @@
 """The critic-free estimators inside the learner, on real DeepSpeed (CPU, gloo): no value head,
 advantages from the prompt groups, the same weights as a plain single-process update, on one
-rank and on two ranks that each hold half of every group."""
+rank and on two ranks that hold whole groups, in equal or unequal numbers of rows."""
 import dataclasses
 
 import numpy as np
@@ -66,25 +66,42 @@ def test_one_rank_critic_free_update_matches_plain_torch(policy_path, grouped, p
 def two_ranks(ray_cluster, policy_path):
     made = {}
 
-    def get(name):
-        if name not in made:
-            made[name] = LearnerGroup(model=policy_path, config=config(name), world_size=2,
-                                      num_cpus_per_rank=1, name_prefix=f"learner-{name}")
-        return made[name]
+    def get(name, tag=""):  # a new tag: a group at the initial weights
+        if name + tag not in made:
+            made[name + tag] = LearnerGroup(model=policy_path, config=config(name), world_size=2,
+                                            num_cpus_per_rank=1, name_prefix=f"learner-{name}{tag}")
+        return made[name + tag]
     yield get
     for g in made.values():
         g.shutdown()
 
 
 @pytest.mark.parametrize("name", ["grpo", "reinforce_pp_baseline"])
-def test_two_ranks_with_split_groups_match_one_process(two_ranks, policy_path, grouped, pad_id, name):
-    """Interleaved shards put samples 0, 2 of each prompt on rank 0 and 1, 3 on rank 1: the
-    group statistics must still cover all four."""
+def test_two_ranks_with_whole_groups_match_one_process(two_ranks, policy_path, grouped, pad_id, name):
+    """Each rank holds one whole prompt; the batch-wide statistics still cover both."""
     group = two_ranks(name)
-    shards, dropped = shard_rollouts(grouped, 2)
-    assert dropped == 0 and {r.prompt_index for r in shards[0]} == {r.prompt_index for r in shards[1]}
+    shards = shard_rollouts(grouped, 2)
+    assert [{r.prompt_index for r in s} for s in shards] == [{0}, {1}]
     group.train(shards)
     ref, _ = reference_update(policy_path, grouped, group.config, pad_id)
     diff = max_abs_diff(group.state_dict(), ref)
     print(f"2 ranks {name}: max |w - w_ref| = {diff:.2e}")
+    assert diff < TOL
+
+
+def test_two_ranks_with_unequal_shards_match_one_process(two_ranks, policy_path, pad_id):
+    """7 rollouts of 3 prompts (3 + 2 + 2 samples) on 2 ranks: 3 rows on rank 0, 4 on rank 1,
+    nothing left out. Minibatch 0 (rows 0-3) is 3 rows on rank 0 and 1 on rank 1; minibatch 1
+    (rows 4-6) is all rank 1's, so rank 0 runs it with empty micro-batches. The weights are
+    one process's update over all 7."""
+    rollouts = [dataclasses.replace(r, chunk_id=0, prompt_index=(0, 0, 0, 1, 1, 2, 2)[i], sample_index=i)
+                for i, r in enumerate(make_rollouts(policy_path, 7, seed=5))]
+    shards = shard_rollouts(rollouts, 2)
+    assert [len(s) for s in shards] == [3, 4] and sum(shards, []) == rollouts
+    group = two_ranks("grpo", "-unequal")
+    metrics = group.train(shards)
+    assert metrics["learner/optimizer_steps"] == 4  # 2 minibatches x 2 epochs
+    ref, _ = reference_update(policy_path, rollouts, group.config, pad_id)
+    diff = max_abs_diff(group.state_dict(), ref)
+    print(f"2 ranks, 3 + 4 rows: max |w - w_ref| = {diff:.2e}")
     assert diff < TOL
