@@ -74,6 +74,7 @@ class GenerationSummary:
     generated_tokens: int = 0
     seconds: float = 0.0
     version: int = 0                 # policy version that sampled them
+    incomplete_kept_sets: int = 0    # positions whose kept set may hold more than was read (actors/kept_set.py)
 
     @property
     def tokens_per_second(self) -> float:
@@ -87,6 +88,7 @@ class GenerationResult:
     generated_tokens: int = 0
     seconds: float = 0.0
     version: int = 0
+    incomplete_kept_sets: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -94,7 +96,7 @@ class GenerationResult:
 
     def summary(self) -> GenerationSummary:
         return GenerationSummary(len(self.rollouts), tuple(self.skipped_prompts), self.generated_tokens,
-                                 self.seconds, self.version)
+                                 self.seconds, self.version, self.incomplete_kept_sets)
 
 
 class Generator:
@@ -119,7 +121,7 @@ class Generator:
         self._request_ids = itertools.count()
         self._skipped_total = 0
         self._generated_total = 0
-        self._incomplete_kept_sets = 0  # positions whose kept set vLLM returned in part (top-k ties)
+        self._incomplete_kept_sets = 0  # positions whose kept set may go past the read (top-k ties)
         if weight_sync in GPU_TRANSFER and not _has_cuda():
             raise ValueError(f"{name}: weight_sync={weight_sync!r} needs CUDA ({GPU_TRANSFER[weight_sync]}); "
                              "this generator has no GPU: use 'cpu' or give it num_gpus")
@@ -167,10 +169,11 @@ class Generator:
 
         s = self.sampling
         kept_set.check_vocab(s.top_k, s.top_p, self._vocab_size, self.name)
+        logprobs = kept_set.logprob_request(s.top_k, s.top_p, self._vocab_size)
         return [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                max_tokens=s.max_new_tokens, n=s.n, ignore_eos=s.ignore_eos,
                                seed=request_seed(s.seed, self.weights.version(), idx),
-                               output_kind=RequestOutputKind.FINAL_ONLY, **kept_set.logprob_request(s.top_k, s.top_p))
+                               output_kind=RequestOutputKind.FINAL_ONLY, **logprobs)
                 for idx in prompt_indices]
 
     def generate(self, prompt_ids: list, prompt_indices: list[int] | None = None) -> GenerationResult:
@@ -210,12 +213,15 @@ class Generator:
                 outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in keep],
                                              self._params([idx for _, idx in keep]), use_tqdm=False)
         seconds = time.perf_counter() - t0
-        rollouts = [self._to_rollout(ids, idx, completion)
-                    for (ids, idx), out in zip(keep, outputs) for completion in out.outputs]
+        read = [self._to_rollout(ids, idx, completion)
+                for (ids, idx), out in zip(keep, outputs) for completion in out.outputs]
+        rollouts = [r for r, _ in read]
+        incomplete = sum(n for _, n in read)
         tokens = sum(len(r.response_ids) for r in rollouts)
         self._generated_total += tokens
-        return GenerationResult(rollouts=rollouts, skipped_prompts=skipped,
-                                generated_tokens=tokens, seconds=seconds, version=self.weights.version())
+        self._incomplete_kept_sets += incomplete
+        return GenerationResult(rollouts=rollouts, skipped_prompts=skipped, generated_tokens=tokens,
+                                seconds=seconds, version=self.weights.version(), incomplete_kept_sets=incomplete)
 
     def _step_engine(self, prompts: list[list[int]], prompt_indices: list[int]) -> list:
         """LLM.generate, stepping the engine here so that a weight push can take its turn
@@ -248,23 +254,25 @@ class Generator:
         result = self.generate(prompt_ids, prompt_indices)
         return result.rollouts, result.summary()
 
-    def _to_rollout(self, prompt: list[int], prompt_index: int, completion) -> Rollout:
+    def _to_rollout(self, prompt: list[int], prompt_index: int, completion) -> tuple[Rollout, int]:
+        """The rollout of one completion, and its positions whose kept set may be incomplete."""
         token_ids = list(completion.token_ids)
-        kept = None
-        if is_truncated(self.sampling.top_k, self.sampling.top_p):
-            logprobs, kept, incomplete = kept_set.read_completion(token_ids, completion.logprobs)
-            self._incomplete_kept_sets += incomplete
+        kept, incomplete, s = None, 0, self.sampling
+        if is_truncated(s.top_k, s.top_p):
+            logprobs, kept, incomplete = kept_set.read_completion(
+                token_ids, completion.logprobs, kept_set.logprobs_to_read(s.top_k, self._vocab_size))
         else:
             logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
         version = self.weights.version()
         versions = token_versions(completion.weight_versions, len(token_ids), version)
-        return Rollout(prompt_ids=np.asarray(prompt, dtype=np.int64),
-                       response_ids=np.asarray(token_ids, dtype=np.int64),
-                       behaviour_logprobs=np.asarray(logprobs, dtype=np.float32),
-                       finish_reason="stop" if completion.finish_reason == "stop" else "length",
-                       policy_version=int(versions[0]) if len(versions) else version,
-                       prompt_index=prompt_index, sample_index=completion.index, token_versions=versions,
-                       kept_ids=kept)
+        rollout = Rollout(prompt_ids=np.asarray(prompt, dtype=np.int64),
+                          response_ids=np.asarray(token_ids, dtype=np.int64),
+                          behaviour_logprobs=np.asarray(logprobs, dtype=np.float32),
+                          finish_reason="stop" if completion.finish_reason == "stop" else "length",
+                          policy_version=int(versions[0]) if len(versions) else version,
+                          prompt_index=prompt_index, sample_index=completion.index, token_versions=versions,
+                          kept_ids=kept)
+        return rollout, incomplete
 
     # ---- weight updates: core.weights.WeightReceiver, received by EngineWeights (actors/weight_receiver.py).
     # Ray calls them on this actor; load_weights, rewind and a GPU transfer round run in WEIGHT_UPDATE_GROUP.

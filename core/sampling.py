@@ -15,9 +15,10 @@ other quantity is taken over the same S, which the generator records per token
   mean under the sampler is pi_prox^T(S) <= 1.
 
 Which tokens a policy keeps follows vLLM's PyTorch sampler (``apply_top_k_top_p_pytorch``):
-top-k keeps every logit >= the k-th largest (ties included); top-p then sorts the
-survivors ascending, takes the softmax and its running sum, and drops the tokens whose
-running sum is <= 1 - p, always keeping the most likely one.
+top-k keeps every logit >= the k-th largest (ties included); top-p sorts the logits
+ascending, takes the softmax of the top-k survivors and its running sum, and drops the
+tokens whose running sum is <= 1 - p, always keeping the most likely one (of tokens tied
+at that edge, sorting decides which drop: the same sort of the same logits as vLLM's).
 """
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ def kept_tokens(scaled: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
         kth_largest = scaled.topk(top_k, dim=-1).values[..., -1:]
         keep = scaled >= kth_largest
     if top_p < 1:
-        masked = scaled.masked_fill(~keep, float("-inf"))
-        ascending, order = masked.sort(dim=-1)
+        # vLLM's order of operations: sort the logits before the top-k mask, not after, so
+        # that tokens tied at the nucleus' edge sort alike and the same ones of them drop.
+        ascending, order = scaled.sort(dim=-1)
+        if 0 < top_k < vocab:
+            kth = ascending[..., vocab - top_k:vocab - top_k + 1]
+            ascending = ascending.masked_fill(ascending < kth, float("-inf"))
         running = ascending.softmax(dim=-1).cumsum(dim=-1)
         drop = running <= 1 - top_p
         drop[..., -1] = False  # the most likely token always stays

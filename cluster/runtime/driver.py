@@ -36,7 +36,7 @@ from cluster.runtime.background import BackgroundProducer
 from cluster.runtime.checkpoint import RunState
 from cluster.runtime.metrics import RayMetrics, RunMetrics, progress_line
 from cluster.runtime.pools import Pools, alive
-from cluster.runtime.produced import Produced, transfer_metrics
+from cluster.runtime.produced import Produced, kept_set_warning, transfer_metrics
 from cluster.runtime.reward_check import check_invalid_scores
 from cluster.runtime.rollouts import RolloutProducer
 from cluster.runtime.threads import chunks_per_generator
@@ -162,6 +162,8 @@ class Driver:
                 shards, batch, regenerated = self._take(producer, self._min_version(producer))
             produced = (producer.take() if producer is not None else produced).merge(regenerated)
             check_invalid_scores(produced, self.cfg.reward, self.step_count + 1)  # async: what fed this step
+            if warning := kept_set_warning(produced):  # one line per step, and only when it happens
+                log.warning(warning)
             with timer("learn"), self._learner_lock:  # learner
                 learn = self.pools.learner.train(shards, ptx_rows=self.ptx_rows(), kl_coef=self._kl_loss_coef())
             with timer("sync"), self._learner_lock:  # weights -> generators
@@ -262,6 +264,7 @@ class Driver:
              "rollouts/skipped_prompts": produced.skipped_prompts,
              "rollouts/invalid_scores": produced.invalid_scores,
              "rollouts/empty_responses": produced.empty_responses,
+             "rollouts/incomplete_kept_sets": produced.incomplete_kept_sets,
              "rollouts/duplicate_chunks": produced.duplicate_chunks,
              "rollouts/redispatched_chunks": produced.redispatched_chunks,
              **self._filter_metrics(produced, batch),

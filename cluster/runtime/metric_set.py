@@ -88,6 +88,8 @@ MEANINGS: dict[str, str] = {
     "rollouts/skipped_prompts": "prompts skipped (too long, empty after templating)",
     "rollouts/invalid_scores": "rollouts dropped because the reward was invalid (NaN, error)",
     "rollouts/empty_responses": "rollouts with an empty response",
+    "rollouts/incomplete_kept_sets": "sampled positions whose top-k kept set may hold more tokens (ties at the "
+                                     "k-th logit) than the generator read",
     "rollouts/duplicate_chunks": "prompt chunks the buffer had stored already (a redispatch that raced its original)",
     "rollouts/redispatched_chunks": "prompt chunks sent again because the replica holding them died",
     "rollouts/filtered_frac": "dynamic sampling (ppo.filter_groups): share of the step's sampled prompts left out "

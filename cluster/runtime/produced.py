@@ -18,6 +18,7 @@ class Produced:
     redispatched_chunks: int = 0  # chunks sent again because the replica holding them died
     filtered_prompts: int = 0     # dynamic sampling: prompts left out, their samples all scored alike
     extra_rollouts: int = 0       # dynamic sampling: rollouts of the prompt batches drawn to refill the step
+    incomplete_kept_sets: int = 0  # sampled positions whose top-k kept set may hold more than was read
     generate_seconds: float = 0.0
     score_seconds: float = 0.0    # scoring time not hidden behind generation
     tokens: int = 0
@@ -33,10 +34,21 @@ class Produced:
         sums = {f: getattr(self, f) + getattr(other, f) for f in
                 ("stored", "prompts", "skipped_prompts", "invalid_scores", "empty_responses",
                  "duplicate_chunks", "redispatched_chunks", "filtered_prompts",
-                 "extra_rollouts", "generate_seconds", "score_seconds", "tokens",
+                 "extra_rollouts", "incomplete_kept_sets", "generate_seconds", "score_seconds", "tokens",
                  "to_scorers", "to_buffer")}
         return Produced(**sums, per_generator_tps={**self.per_generator_tps, **other.per_generator_tps},
                         score_latency=latency)
+
+
+def kept_set_warning(produced: Produced) -> str:
+    """The console's warning for a step whose kept sets came back incomplete ('' when none)."""
+    n = produced.incomplete_kept_sets
+    if not n:
+        return ""
+    return (f"warning: {n} sampled position{'s' if n != 1 else ''} this step kept more tokens tied at the "
+            "top_k-th logit than the generator read, so the KL and the PPO ratio there renormalise over too "
+            "few tokens (rollouts/incomplete_kept_sets); a float32 generator "
+            "(generator.engine.dtype=float32) ties far less")
 
 
 def transfer_metrics(produced: Produced, to_learner: Transfer) -> dict:

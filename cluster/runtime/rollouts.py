@@ -135,6 +135,7 @@ class RolloutProducer:
             self._recover(job, e, pending, out)
             return False
         out.skipped_prompts += len(summary.skipped_prompts)
+        out.incomplete_kept_sets += summary.incomplete_kept_sets
         out.tokens += summary.generated_tokens
         tps.setdefault(job.replica, []).append(summary.tokens_per_second)
         pending.update(self._score(job.chunk_id, summary, job.rollouts_ref, shaping))

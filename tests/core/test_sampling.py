@@ -28,6 +28,25 @@ def test_kept_set_is_vllms(top_k, top_p):
     assert 0 < int(ours.sum()) < ours.numel()  # the case truncates something
 
 
+@pytest.mark.parametrize("top_k, top_p", [(20, 1.0), (20, 0.95), (5, 0.8)])
+def test_ties_at_the_kth_logit_are_kept_as_vllm_keeps_them(top_k, top_p):
+    """bf16 logits tie: every token equal to the k-th largest stays, in vLLM's top-k-only
+    path and its sorting top-k/top-p path alike (both on the float32 cast, as its sampler)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only, apply_top_k_top_p_pytorch
+
+    torch.manual_seed(top_k)
+    logits = (torch.randn(64, 1024) * 3).bfloat16().float()
+    k = torch.full((64,), top_k)
+    p = torch.full((64,), top_p) if top_p < 1 else None
+    theirs = apply_top_k_only(logits.clone(), k.clone()) if p is None else \
+        apply_top_k_top_p_pytorch(logits.clone(), k, p)
+    ours = kept_tokens(logits, top_k, top_p)
+    assert torch.equal(ours, torch.isfinite(theirs))
+    assert torch.equal(kept_tokens(logits.view(8, 8, -1), top_k, top_p).view(64, -1), ours)  # [B, T, V] alike
+    if p is None:
+        assert int(ours.sum(-1).max()) > top_k  # some row tied at the k-th logit
+
+
 def test_hand_computed_nucleus():
     # probs 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the two largest (0.5 + 0.3 >= 0.7);
     # running sums ascending are 0.05, 0.2, 0.5, 1.0 and those <= 0.3 (= 1 - p) are dropped.
