@@ -68,6 +68,11 @@ def two_ranks(ray_cluster, policy_path):
 
     def get(name, tag=""):  # a new tag: a group at the initial weights
         if name + tag not in made:
+            # The module's Ray has 4 CPUs, room for two 2-rank groups: a test makes its own
+            # group and is done with the earlier ones, so they go first.
+            for g in made.values():
+                g.shutdown()
+            made.clear()
             made[name + tag] = LearnerGroup(model=policy_path, config=config(name), world_size=2,
                                             num_cpus_per_rank=1, name_prefix=f"learner-{name}{tag}")
         return made[name + tag]
