@@ -12,14 +12,14 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
-from actors.timed_call import CallTimedOut, TimedCall, TooManyAbandoned
+from actors.scoring import ColumnBinding, Columns, FunctionScorer, ScoreResult, TextScorer, as_number, finalise
+from actors.timed_call import CallTimedOut, TimedCall
 from core.architectures import load_pretrained
 from core.dtypes import torch_dtype
 from core.errors import type_and_first_line
@@ -51,17 +51,6 @@ def load_reward_stats(model_dir: str) -> tuple[float, float]:
     return mean, std
 
 
-@dataclass
-class ScoreResult:
-    scores: np.ndarray               # [N] float32; NaN where not valid
-    valid: np.ndarray                # [N] bool
-    errors: list[str] = field(default_factory=list)  # one line per problem, naming its source
-
-    @property
-    def n_invalid(self) -> int:
-        return int((~self.valid).sum())
-
-
 def load_function(spec: str, key: str = "reward.function"):
     """Import ``"package.module:function"``; any failure is a one-line ValueError naming the
     config ``key`` and the fix."""
@@ -85,23 +74,28 @@ def load_function(spec: str, key: str = "reward.function"):
     return fn
 
 
-# Abandoned calls (actors/timed_call.py) a replica keeps per function before it refuses calls.
-MAX_ABANDONED_CALLS = 4
-
-
 def probe_function(spec: str, prompts: list[str], responses: list[str], key: str = "reward.function",
-                   timeout_s: float = 60.0) -> None:
+                   timeout_s: float = 60.0, columns: Columns | None = None) -> None:
     """Call the function once on example pairs, as the actors will; a ValueError naming
-    ``key`` (reward.function, reward.gold) if it raises, does not return within ``timeout_s``
-    (reward.timeout_s), does not return one number per pair, or returns no finite one.
+    ``key`` (reward.function, reward.gold) if it takes a column that ``columns`` (the example
+    rows' other fields) lacks, raises, does not return within ``timeout_s`` (reward.timeout_s),
+    does not return one number per pair, or returns no finite one.
 
     At run time such a function only invalidates every batch (the actor must keep
     serving), so a run would train on nothing; the driver asks first.
     """
     fn = load_function(spec, key)
+    columns = columns or {}
+    binding = ColumnBinding.of(fn)
+    missing = binding.missing(columns)
+    if missing:
+        have = ", ".join(f"'{c}'" for c in sorted(columns)) or "none besides the prompt"
+        raise ValueError(f"{key} {spec!r} takes the column {', '.join(map(repr, missing))} but the prompt rows have "
+                         f"no such field (their columns: {have}); add it to the data, or give the parameter a default")
     n = len(prompts)
     try:
-        out = TimedCall(fn, timeout_s, name=f"probe {spec}")(list(prompts), list(responses))
+        out = TimedCall(lambda p, r, c: fn(p, r, **c), timeout_s, name=f"probe {spec}")(
+            list(prompts), list(responses), binding.select(columns))
     except CallTimedOut:
         raise ValueError(f"{key} {spec!r} did not return within reward.timeout_s={timeout_s:g} s on a probe with "
                          f"{n} example (prompt, response) pairs; make it return sooner, or raise "
@@ -109,18 +103,21 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
     except Exception as e:  # noqa: BLE001 - user code fails in every flavour
         raise ValueError(f"{key} {spec!r} raised on a probe with {n} example (prompt, response) "
                          f"pairs: {type_and_first_line(e)}; fix the function") from None
-    try:
-        scores = [float(x) for x in out]
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{key} {spec!r} returned {type(out).__name__} on a probe, not a list of "
-                         f"numbers ({type_and_first_line(e)}); return one float per (prompt, response) pair") from None
-    if len(scores) != n:
-        raise ValueError(f"{key} {spec!r} returned {len(scores)} scores for {n} (prompt, response) "
+    pairs = f"{n} example (prompt, response) pairs on a probe"
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+        raise ValueError(f"{key} {spec!r} returned {type(out).__name__} for {pairs}, not a list of numbers; "
+                         "return one float per pair")
+    items = list(out)
+    if len(items) != n:
+        raise ValueError(f"{key} {spec!r} returned {len(items)} scores for {n} (prompt, response) "
                          "pairs on a probe; return one float per pair, in order")
-    if scores and not any(np.isfinite(scores)):  # each would be an invalid rollout: nothing to train on
-        raise ValueError(f"{key} {spec!r} returned non-finite scores ({', '.join(sorted(set(map(str, scores))))}) "
-                         f"for all {n} example (prompt, response) pairs on a probe; return finite floats (NaN or inf "
-                         "marks a pair invalid, and a run whose every pair is invalid trains on nothing)")
+    scores = [as_number(x) for x in items]
+    if n and not any(np.isfinite(scores)):  # each would be an invalid rollout: nothing to train on
+        numbers = [x for x, v in zip(items, scores) if not np.isnan(v) or isinstance(x, (float, np.floating))]
+        what = (f"non-finite scores ({', '.join(sorted(set(map(str, scores))))})" if len(numbers) == n else
+                f"{', '.join(sorted({type(x).__name__ for x in items}))}, not a list of numbers,")
+        raise ValueError(f"{key} {spec!r} returned {what} for all {pairs}; return finite floats (NaN, inf, None "
+                         "or a string marks a pair invalid, and a run whose every pair is invalid trains on nothing)")
 
 
 def resolve_tokenizer_path(path: str) -> str:
@@ -136,15 +133,16 @@ def resolve_tokenizer_path(path: str) -> str:
 class Reward:
     """Scores token batches. Exactly one of ``model`` (a sequence classifier with
     num_labels=1) or ``function`` (``"module:function"`` called as
-    ``fn(prompts: list[str], responses: list[str]) -> list[float]``) is given.
+    ``fn(prompts: list[str], responses: list[str], **columns) -> list[float]``) is given.
 
-    The function path needs ``tokenizer`` (a path) to decode tokens to text; the model
-    path ignores it and feeds prompt+response token ids straight to the model, so the
-    reward model must share the policy's vocabulary. ``batch_size`` bounds a model forward; a
-    function is called once per ``score`` call. ``gold`` (a function spec, needs ``tokenizer``)
-    is the evaluation-only score of ``gold_scores``: what the proxy reward stands in for.
-    A function (or gold) call that does not return within ``timeout_s`` leaves its items invalid
-    and goes on in an abandoned thread (actors/timed_call.py); the replica serves the next call.
+    The function path needs ``tokenizer`` (a path) to decode tokens to text and hands the
+    pairs to a text scorer (actors/scoring.py); the model path ignores it and feeds
+    prompt+response token ids straight to the model, so the reward model must share the
+    policy's vocabulary. ``batch_size`` bounds a model forward; a function is called once per
+    ``score`` call. ``gold`` (a function spec, needs ``tokenizer``) is the evaluation-only
+    score of ``gold_scores``: what the proxy reward stands in for. A function (or gold) call
+    that does not return within ``timeout_s`` leaves its items invalid and goes on in an
+    abandoned thread (actors/timed_call.py); the replica serves the next call.
     """
 
     def __init__(self, *, model: str | None = None, function: str | None = None,
@@ -160,14 +158,14 @@ class Reward:
         self.batch_size = int(batch_size)
         self.function_name = function
         self.model_path = None
-        self.model = self.fn = self.text_tokenizer = None
+        self.model = self.text_tokenizer = None
         self.normalization: tuple[float, float] | None = None  # (mean, std) applied to model scores
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.gold_name = gold
         self.timeout_s = float(timeout_s)
-        self.gold_fn = self._timed(load_function(gold, "reward.gold"), gold) if gold is not None else None
-        if function is not None:
-            self.fn = self._timed(load_function(function), function)
+        self.scorer: TextScorer | None = None if function is None else make_text_scorer(
+            function=function, key="reward.function", timeout_s=timeout_s)
+        self.gold: TextScorer | None = None if gold is None else make_text_scorer(
+            function=gold, key="reward.gold", timeout_s=timeout_s)
         if function is not None or gold is not None:  # text functions see decoded tokens
             if tokenizer is None:
                 raise ValueError(f"Reward: function {function or gold!r} needs tokenizer= (a path) to decode tokens")
@@ -178,9 +176,6 @@ class Reward:
                 self.normalization = load_reward_stats(self.model_path)
         self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "seconds": 0.0}
         self.last_error: str | None = None
-
-    def _timed(self, fn, spec: str) -> TimedCall:
-        return TimedCall(fn, self.timeout_s, MAX_ABANDONED_CALLS, name=f"reward {spec}")
 
     def _load_model(self, model: str, dtype: torch.dtype) -> None:
         from transformers import AutoModelForSequenceClassification
@@ -209,19 +204,23 @@ class Reward:
             tokenizer = None
         self.pad_id = pad_token_id(tokenizer, m.config, "Reward")
 
-    def score(self, prompt_ids_batch: list[np.ndarray], response_ids_batch: list[np.ndarray]) -> ScoreResult:
+    def score(self, prompt_ids_batch: list[np.ndarray], response_ids_batch: list[np.ndarray],
+              columns: Columns | None = None) -> ScoreResult:
+        """One score per (prompt, response) token pair; ``columns``: the prompt rows' other
+        fields, each a list as long as the batch (a text reward gets them as keyword arguments)."""
         prompts, responses = as_token_arrays(prompt_ids_batch, response_ids_batch, "Reward.score")
         start = time.perf_counter()
         n = len(prompts)
         if n == 0:
             result = ScoreResult(np.zeros(0, np.float32), np.zeros(0, bool))
-        elif self.fn is not None:
-            result = self._score_function(prompts, responses)
+        elif self.scorer is not None:
+            result = self._score_text(self.scorer, prompts, responses, columns or {})
         else:
             result = self._score_model(prompts, responses)
         self._counts["calls"] += 1
         self._counts["items"] += n
         self._counts["invalid_items"] += result.n_invalid
+        self._counts["failed_calls"] += int(result.failed)
         self._counts["seconds"] += time.perf_counter() - start
         if result.errors:
             self.last_error = result.errors[-1]
@@ -241,55 +240,16 @@ class Reward:
 
     def gold_scores(self, rollouts: list) -> ScoreResult:
         """The ``gold`` function's scores of Rollouts (evaluation only; not counted in stats())."""
-        if self.gold_fn is None:
+        if self.gold is None:
             raise ValueError("Reward.gold_scores: this replica has no gold function; set reward.gold")
         prompts, responses = as_token_arrays([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
                                              "Reward.gold_scores")
-        return self._score_text(self.gold_fn, f"reward.gold {self.gold_name}", prompts, responses)
+        return self._score_text(self.gold, prompts, responses, {})
 
-    def _finalise(self, raw: np.ndarray, source: str) -> ScoreResult:
-        valid = np.isfinite(raw)
-        errors = []
-        if not valid.all():
-            bad = np.flatnonzero(~valid)
-            shown = ", ".join(map(str, bad[:8].tolist())) + (", ..." if bad.size > 8 else "")
-            errors.append(f"{source} returned non-finite scores for {bad.size} of {raw.size} items "
-                          f"(indices {shown}); those items are invalid")
-        scores = np.where(valid, raw, np.nan).astype(np.float32)
-        return ScoreResult(scores, valid, errors)
-
-    def _invalid_batch(self, n: int, message: str) -> ScoreResult:
-        self._counts["failed_calls"] += 1
-        return ScoreResult(np.full(n, np.nan, np.float32), np.zeros(n, bool), [message])
-
-    def _score_function(self, prompts, responses) -> ScoreResult:
-        return self._score_text(self.fn, f"reward function {self.function_name}", prompts, responses)
-
-    def _score_text(self, fn, name: str, prompts, responses) -> ScoreResult:
-        """A text function's scores of token arrays (decoded here); its failures are per-batch results."""
+    def _score_text(self, scorer: TextScorer, prompts, responses, columns: Columns) -> ScoreResult:
+        """A text scorer's scores of token arrays (decoded here); its failures are per-item results."""
         decode = lambda seqs: self.text_tokenizer.batch_decode([s.tolist() for s in seqs], skip_special_tokens=True)
-        n = len(prompts)
-        try:
-            out = fn(decode(prompts), decode(responses))
-        except CallTimedOut:
-            return self._invalid_batch(n, f"{name} did not return within reward.timeout_s={self.timeout_s:g} s; all "
-                                          f"{n} items invalid (the call goes on in the background: {fn.abandoned} "
-                                          f"such, at most {fn.max_abandoned})")
-        except TooManyAbandoned as e:
-            return self._invalid_batch(n, f"{name} not called: {e} (reward.timeout_s); all {n} items invalid "
-                                          "until one returns")
-        except Exception as e:  # noqa: BLE001 - user code must not crash the actor
-            return self._invalid_batch(n, f"{name} raised {type_and_first_line(e)}; all {n} items invalid")
-        try:
-            raw = np.array([float(x) for x in out], dtype=np.float64)
-        except Exception as e:  # noqa: BLE001
-            return self._invalid_batch(n, f"{name} returned something that is not a list of numbers "
-                                          f"({type_and_first_line(e)}); all {n} items invalid")
-        if raw.shape != (n,):
-            return self._invalid_batch(n, f"{name} returned {raw.size} scores for {n} items; all invalid")
-        # float64 first, so an out-of-range float32 cast turns into an (invalid) inf, not silently
-        with np.errstate(over="ignore"):
-            return self._finalise(raw.astype(np.float32), name)
+        return scorer.score_texts(decode(prompts), decode(responses), columns)
 
     def _score_model(self, prompts, responses) -> ScoreResult:
         seqs = [np.concatenate([p, r]) for p, r in zip(prompts, responses)]
@@ -302,7 +262,7 @@ class Reward:
         if self.normalization is not None:  # the training responses' scores become mean 0, std 1
             mean, std = self.normalization
             raw = (raw - mean) / std
-        return self._finalise(raw, f"reward model {self.model_path}")
+        return finalise(raw, f"reward model {self.model_path}")
 
     @torch.inference_mode()
     def _forward(self, seqs: list[np.ndarray]) -> np.ndarray:
@@ -313,12 +273,18 @@ class Reward:
         return self._head(pool_last_token(hidden, mask_t)).float().squeeze(-1).cpu().numpy()
 
     def stats(self) -> dict:
-        abandoned = sum(f.abandoned for f in (self.fn, self.gold_fn) if f is not None)
+        abandoned = sum(s.stats().get("abandoned_calls", 0) for s in (self.scorer, self.gold) if s is not None)
         return {**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()},
                 "abandoned_calls": abandoned, "last_error": self.last_error}
 
     def health(self) -> dict:
-        source = {"function": self.function_name} if self.fn is not None else {
+        source = {"function": self.function_name} if self.scorer is not None else {
             "model": self.model_path, "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
         return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device), **self.stats()}
 
+
+
+def make_text_scorer(*, function: str, key: str, timeout_s: float) -> TextScorer:
+    """The text scorer of a reward setting: ``function`` ("module:function") called in this process."""
+    name = f"reward function {function}" if key == "reward.function" else f"{key} {function}"
+    return FunctionScorer(load_function(function, key), name=name, timeout_s=timeout_s)

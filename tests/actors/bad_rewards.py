@@ -19,6 +19,10 @@ def not_numbers(prompts, responses):
     return ["high"] * len(responses)
 
 
+def some_not_numbers(prompts, responses):
+    return [1, None, 2.0, "3", None][:len(responses)]
+
+
 def length_of_response(prompts, responses):
     return [float(len(r)) for r in responses]
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.reward import Reward, ScoreResult
+from actors.reward import Reward
+from actors.scoring import ScoreResult
 from cluster.demo.sentiment import SENTIMENT_SCALE, sentiment
 
 sys.path.insert(0, str(Path(__file__).parent))  # makes tests/actors/bad_rewards.py importable
@@ -143,7 +144,6 @@ def test_nan_scores_mark_items_invalid(policy_path, tokenizer, caplog):
 @pytest.mark.parametrize("name, needle", [
     ("raising", "RuntimeError: reward service unavailable"),
     ("wrong_length", "returned 1 scores for 3 items"),
-    ("not_numbers", "not a list of numbers"),
 ])
 def test_broken_function_invalidates_batch_without_crashing(policy_path, name, needle):
     rw = Reward(function=f"bad_rewards:{name}", tokenizer=policy_path)
@@ -157,6 +157,18 @@ def test_broken_function_invalidates_batch_without_crashing(policy_path, name, n
     assert h["ok"] and h["failed_calls"] == 2 and h["invalid_items"] == 6
 
 
+@pytest.mark.integration
+def test_items_that_are_not_numbers_are_invalid_one_by_one(policy_path):
+    rw = Reward(function="bad_rewards:some_not_numbers", tokenizer=policy_path)
+    prompts, responses = _batch(seed=3, lens=((2, 2),) * 5)
+    res = rw.score(prompts, responses)
+    assert res.valid.tolist() == [True, False, True, False, False]
+    assert res.scores[0] == 1.0 and res.scores[2] == 2.0
+    assert len(res.errors) == 1 and "NoneType, str instead of a number for 3 of 5 items" in res.errors[0]
+    h = rw.health()
+    assert h["failed_calls"] == 0 and h["invalid_items"] == 3
+
+
 def _wait_until(predicate, deadline_s=60.0):
     end = time.monotonic() + deadline_s
     while not predicate():
@@ -166,7 +178,7 @@ def _wait_until(predicate, deadline_s=60.0):
 
 @pytest.mark.integration
 def test_a_call_past_the_timeout_invalidates_its_items_and_the_replica_serves_on(policy_path, tokenizer):
-    from actors.reward import MAX_ABANDONED_CALLS
+    from actors.scoring import MAX_ABANDONED_CALLS
 
     bad_rewards.RELEASE.clear()
     rw = Reward(function="bad_rewards:hangs_when_asked", tokenizer=policy_path, timeout_s=2)
