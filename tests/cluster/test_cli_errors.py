@@ -206,7 +206,8 @@ CASES = [
                  id="reward-module-unknown"),
     pytest.param(["reward.function=probe_rewards:one_score"], "returned 1 scores for 2 (prompt, response) pairs",
                  id="reward-wrong-count"),
-    pytest.param(["reward.function=probe_rewards:words"], "returned str, not a list of numbers, for all 2 example", id="reward-not-numbers"),
+    pytest.param(["reward.function=probe_rewards:words"], "returned str, not a list of numbers, for all 2 example",
+                 id="reward-not-numbers"),
     pytest.param(["reward.function=probe_rewards:broken"], "raised on a probe", id="reward-raises"),
     pytest.param(["reward.function=probe_rewards:non_finite"], "reward.function 'probe_rewards:non_finite' returned "
                  "non-finite scores (inf, nan) for all 2 example (prompt, response) pairs", id="reward-non-finite"),
