@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.data.prompts import Skips, chat_prompts, read_records
+from cluster.data.chat import chat_prompts
+from cluster.data.prompts import Skips, read_records
 from cluster.demo.sentiment import builtin_rows
 
 
