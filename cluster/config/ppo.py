@@ -332,9 +332,10 @@ def _check_data(data: DataConfig) -> None:
     if data.max_prompt_tokens is not None and data.max_prompt_tokens < 1:
         raise ConfigError(f"config: data.max_prompt_tokens={data.max_prompt_tokens} must be >= 1, "
                           "or null to keep prompts of any length")
-    if not data.split.strip() or data.config_name == "":
-        raise ConfigError(f"config: data.split={data.split!r} / data.config_name={data.config_name!r} must not be "
-                          "blank; set data.split (default train) and data.config_name (or null)")
+    if not data.split.strip():
+        raise ConfigError(f"config: data.split={data.split!r} must name a split (default train)")
+    if data.config_name is not None and not data.config_name.strip():
+        raise ConfigError(f"config: data.config_name={data.config_name!r} must name a config, or be null")
     if data.path is None and (data.split != "train" or data.config_name is not None):
         raise ConfigError("config: data.split / data.config_name choose part of data.path, which is null (the "
                           "built-in prompts); set data.path to a Hub dataset id, or remove them")

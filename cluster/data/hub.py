@@ -69,7 +69,8 @@ def _choice_problem(message: str, path: str, split: str, config_name: str | None
         now = (f"{section}.config_name={config_name!r} is not a config of {path!r}" if config_name else
                f"{section}.config_name is not set and {path!r} has several configs")
         cached = " cached locally" if "cache" in message else ""
-        return f"{now}; available{cached}: {', '.join(sorted(names)) or 'none'}; set {section}.config_name to one of them"
+        return (f"{now}; available{cached}: {', '.join(sorted(names)) or 'none'}; "
+                f"set {section}.config_name to one of them")
     return None
 
 

@@ -9,10 +9,10 @@ with gamma = ``ppo.ptx_coef``. Here every optimizer step of the PPO update adds
 ``ptx_coef`` x the token-mean next-token loss of its own slice of PTX rows.
 
 The text comes from ``ptx.path`` (.jsonl / .parquet / a saved HF dataset / a Hub dataset id with
-``ptx.split`` and ``ptx.config_name``, column ``ptx.field``); the built-in corpus stands in only for the built-in policy, whose
-language it is. Documents are tokenized, each followed by EOS, concatenated and cut
-into rows of ``seq_len`` tokens (the tail shorter than a row is dropped), so no
-position is padding. Which rows a step trains on depends only on (seed, step), so a
+``ptx.split`` and ``ptx.config_name``, column ``ptx.field``); the built-in corpus stands in
+only for the built-in policy, whose language it is. Documents are tokenized, each followed
+by EOS, concatenated and cut into rows of ``seq_len`` tokens (the tail shorter than a row is
+dropped), so no position is padding. Which rows a step trains on depends only on (seed, step), so a
 resumed run mixes in what the uninterrupted one would have.
 """
 from __future__ import annotations

@@ -133,3 +133,30 @@ def test_ptx_reads_a_hub_dataset(gsm8k, tok_path):
     with pytest.raises(ValueError) as e:  # gsm8k has two configs cached: which one is the user's to say
         PTXData.load(path="openai/gsm8k", field="question", tokenizer_path=tok_path, seq_len=2, builtin_policy=True)
     assert _one_line(e).startswith("ptx.config_name is not set and 'openai/gsm8k' has several configs")
+
+
+def test_hub_chats_come_through_the_cache(offline_cache, tmp_path, tok_path):
+    """A chat column (parquet list<struct>, as Hub chat datasets store it) reaches the template."""
+    from transformers import AutoTokenizer
+
+    chats = [[{"role": "user", "content": "The cat was"}], [{"role": "user", "content": "A dog felt"}]]
+    cache_hub_dataset(offline_cache, "org/chats", "default", {"train": {"messages": chats}})
+    tok = AutoTokenizer.from_pretrained(tok_path)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %} =>"
+    tok.save_pretrained(tmp_path / "chat-tok")
+    ds = PromptDataset.load(path="org/chats", field="messages", tokenizer_path=str(tmp_path / "chat-tok"))
+    assert ds.texts == ["[user] The cat was =>", "[user] A dog felt =>"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.split=test"], "data.split / data.config_name choose part of data.path, which is null"),
+    (["data.config_name=main"], "data.split / data.config_name choose part of data.path, which is null"),
+    (["data.path=openai/gsm8k", "data.split=''"], "data.split='' must name a split (default train)"),
+    (["data.path=openai/gsm8k", "data.config_name=' '"], "data.config_name=' ' must name a config, or be null"),
+])
+def test_split_and_config_keys_are_checked(overrides, message):
+    from cluster.config.ppo import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in _one_line(e)
