@@ -138,9 +138,15 @@ class PPOSection(PPOConfig):
 @config_class
 class DataConfig:
     """The prompts: where they come from and how many a step samples."""
-    path: Optional[str] = setting(None, ".jsonl / .parquet / saved HF dataset; null = built-in prompts")
-    field: str = setting("prompt", "the prompt column")
-    chat_template: bool = setting(False, "wrap prompts in the tokenizer's chat template")
+    path: Optional[str] = setting(None, ".jsonl / .parquet / saved HF dataset folder, or a Hugging Face Hub dataset "
+                                        "id owner/name (read through the datasets cache; a local path of that "
+                                        "name wins); null = built-in prompts")
+    split: str = setting("train", "the split of a Hub dataset or saved DatasetDict (datasets' syntax: "
+                                  "train, test, train[:1000])")
+    config_name: Optional[str] = setting(None, "the config of a Hub dataset that has several (openai/gsm8k: main)")
+    field: str = setting("prompt", "the prompt column: strings, or chats (lists of role/content messages, "
+                                   "always rendered by the tokenizer's chat template)")
+    chat_template: bool = setting(False, "wrap string prompts in the tokenizer's chat template, as the user turn")
     max_prompt_tokens: Optional[int] = setting(None, "longer prompts are skipped and counted")
     prompts_per_step: int = setting(16, "prompts sampled per PPO step (x generator.sampling.n rollouts)")
     eval_prompts: int = setting(16, "held out for periodic evaluation")
@@ -150,8 +156,10 @@ class DataConfig:
 @config_class
 class PTXConfig:
     """Pretraining text for the PTX loss, used when ppo.ptx_coef > 0 (cluster/data/ptx.py)."""
-    path: Optional[str] = setting(None, ".jsonl / .parquet / saved HF dataset of text; null = built-in corpus "
-                                        "(built-in policy only)")
+    path: Optional[str] = setting(None, ".jsonl / .parquet / saved HF dataset of text, or a Hub dataset id "
+                                        "owner/name; null = built-in corpus (built-in policy only)")
+    split: str = setting("train", "the split of a Hub dataset or saved DatasetDict")
+    config_name: Optional[str] = setting(None, "the config of a Hub dataset that has several")
     field: str = setting("text", "the text column")
     seq_len: Optional[int] = setting(None, "tokens per packed row; null = generator.engine.max_model_len")
     batch_size: int = setting(8, "PTX rows per optimizer step, over all learner ranks")
@@ -324,6 +332,13 @@ def _check_data(data: DataConfig) -> None:
     if data.max_prompt_tokens is not None and data.max_prompt_tokens < 1:
         raise ConfigError(f"config: data.max_prompt_tokens={data.max_prompt_tokens} must be >= 1, "
                           "or null to keep prompts of any length")
+    if not data.split.strip():
+        raise ConfigError(f"config: data.split={data.split!r} must name a split (default train)")
+    if data.config_name is not None and not data.config_name.strip():
+        raise ConfigError(f"config: data.config_name={data.config_name!r} must name a config, or be null")
+    if data.path is None and (data.split != "train" or data.config_name is not None):
+        raise ConfigError("config: data.split / data.config_name choose part of data.path, which is null (the "
+                          "built-in prompts); set data.path to a Hub dataset id, or remove them")
 
 
 def _check_kl(kl: KLConfig) -> None:

@@ -28,7 +28,10 @@ class StageModelConfig:
 @config_class
 class StageDataConfig:
     """The training rows: where they come from and how they are tokenized and split."""
-    path: Optional[str] = setting(None, ".jsonl / .parquet / saved HF dataset; null = built-in tiny examples")
+    path: Optional[str] = setting(None, ".jsonl / .parquet / saved HF dataset, or a Hub dataset id owner/name; "
+                                        "null = built-in tiny examples")
+    split: str = setting("train", "the split of a Hub dataset or saved DatasetDict")
+    config_name: Optional[str] = setting(None, "the config of a Hub dataset that has several")
     prompt_field: str = setting("prompt", "the prompt column")
     chat_template: bool = setting(False, "wrap prompts in the tokenizer's chat template (refused if it has none)")
     append_eos: bool = setting(True, "end every response with EOS, as the generator's responses end")

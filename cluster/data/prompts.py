@@ -6,10 +6,13 @@
         ...
 
 Sources: a `.jsonl` file (one JSON object per line), a `.parquet` file (needs pyarrow), a
-directory written by Hugging Face `datasets` `save_to_disk` (needs datasets), or
-`path=None` for the built-in prompt set (`builtin_prompts()`, sentence starts for the
-sentiment demo). Bad rows never stop a run: they are skipped and counted in
-`dataset.skipped` (reasons) and `dataset.skip_counts` (per kind).
+directory written by Hugging Face `datasets` `save_to_disk` (needs datasets), a Hugging Face
+Hub dataset id such as `openai/gsm8k` (its `split` and `config_name`, through `datasets`' cache:
+cluster/data/hub.py), or `path=None` for the built-in prompt set (`builtin_prompts()`, sentence
+starts for the sentiment demo). A prompt is a string or a chat (a list of role/content
+messages, rendered by the tokenizer's chat template: cluster/data/chat.py). Bad rows never stop
+a run: they are skipped and counted in `dataset.skipped` (reasons) and `dataset.skip_counts`
+(per kind).
 """
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from cluster.data.chat import is_chat, message_problem, render_prompts
 from cluster.demo.sentiment import builtin_prompts
 
-SUPPORTED = ".jsonl, .parquet, or a directory saved with datasets.Dataset.save_to_disk"
+SUPPORTED = ".jsonl, .parquet, a directory saved with datasets.Dataset.save_to_disk, or a Hub dataset id owner/name"
 MAX_REASONS = 1000  # skipped rows whose reason is kept verbatim; skip_counts stays exact
 
 
@@ -31,13 +35,14 @@ MAX_REASONS = 1000  # skipped rows whose reason is kept verbatim; skip_counts st
 class PromptDataset:
     """Prompts, tokenized once.
 
-    texts       the prompt strings as the policy sees them (chat template applied if asked)
+    texts       the prompt strings as the policy sees them (chat template applied to chats, and to
+                strings if asked)
     prompt_ids  one np.int64 array per prompt
     ids         np.int64 [N]: each prompt's position in the loaded dataset (after skipping);
                 stable across `split_eval`, so it is what `batches` yields as indices
     skipped     reasons for skipped rows ("line 7: malformed JSON (...)"), first MAX_REASONS
     skip_counts exact count of skipped rows per kind ("malformed_json", "missing_field",
-                "not_a_string", "empty", "not_an_object", "too_long")
+                "not_a_string", "empty", "not_an_object", "bad_messages", "too_long")
     """
     texts: list[str]
     prompt_ids: list[np.ndarray]
@@ -57,15 +62,17 @@ class PromptDataset:
     @classmethod
     def load(cls, *, path: str | None, field: str = "prompt", tokenizer_path: str,
              chat_template: bool = False, max_prompt_tokens: int | None = None,
-             seed: int = 0) -> "PromptDataset":
+             seed: int = 0, split: str = "train", config_name: str | None = None) -> "PromptDataset":
         """Read, validate and tokenize a prompt set (`path=None`: `builtin_prompts()`).
 
-        Rows without `field`, or whose value is not a string or is blank, are skipped and
-        counted, as are malformed JSON lines (reason names the line number) and, when
-        `max_prompt_tokens` is set, prompts longer than that many tokens (dropped, not cut:
-        a truncated prompt is a different question). Blank lines in .jsonl are ignored.
-        Prompts are tokenized without added special tokens when a chat template is applied
-        (the template carries them), with the tokenizer's defaults otherwise.
+        Rows without `field`, or whose value is neither a string nor a list of messages, or is
+        blank, or a malformed chat ("bad_messages"), are skipped and counted, as are malformed
+        JSON lines (reason names the line number) and, when `max_prompt_tokens` is set, prompts
+        longer than that many tokens (dropped, not cut: a truncated prompt is a different
+        question). Blank lines in .jsonl are ignored. `split` and `config_name` choose the
+        part of a Hub dataset (`path` an id). Prompts are tokenized without added special
+        tokens when a chat template is applied (the template carries them), with the
+        tokenizer's defaults otherwise.
         """
         from transformers import AutoTokenizer
 
@@ -75,15 +82,14 @@ class PromptDataset:
             skips, source = Skips(), "builtin"
             texts = [(f"prompt {i}", p) for i, p in enumerate(builtin_prompts())]
         else:
-            texts, skips = read_texts(path, field, "data")
+            texts, skips = read_texts(path, field, "data", chats=True, split=split, config_name=config_name)
             source = str(path)
 
         tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
-        if chat_template:
-            texts = list(zip([w for w, _ in texts], chat_prompts(tok, [p for _, p in texts], tokenizer_path)))
-        encoded = tok([p for _, p in texts], add_special_tokens=not chat_template)["input_ids"]
+        rendered, encoded = render_prompts(tok, [p for _, p in texts], chat_template=chat_template,
+                                           tokenizer_path=tokenizer_path, column=field)
         kept_texts, kept_ids = [], []
-        for (where, text), ids in zip(texts, encoded):
+        for where, text, ids in zip([w for w, _ in texts], rendered, encoded):
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                 skips.add("too_long", f"{where}: {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
             elif not ids:
@@ -143,31 +149,28 @@ class PromptDataset:
                              source=self.source, skipped=self.skipped, skip_counts=self.skip_counts)
 
 
-def chat_prompts(tok, prompts: list[str], tokenizer_path) -> list[str]:
-    """Each prompt as the user turn of the tokenizer's chat template, ready for the reply."""
-    if not getattr(tok, "chat_template", None):
-        raise ValueError(f"data.chat_template is true but the tokenizer at {tokenizer_path} has no "
-                         f"chat_template; set data.chat_template: false or use a chat model's tokenizer")
-    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in prompts]
-
-
-def read_texts(path: str | Path, field: str, section: str) -> tuple[list[tuple[str, str]], "Skips"]:
-    """`([(where, text)], skips)`: the non-blank strings in column `field` of a .jsonl, .parquet
-    or saved-dataset `path`. Unusable rows are skipped and counted; none usable is a
-    ValueError naming `section` (the config section: "data", "ptx")."""
-    rows, skips = read_records(path, {f"{section}.field": field}, section)
+def read_texts(path: str | Path, field: str, section: str, *, chats: bool = False, split: str = "train",
+               config_name: str | None = None) -> tuple[list[tuple[str, object]], "Skips"]:
+    """`([(where, text)], skips)`: the non-blank strings in column `field` of a .jsonl, .parquet,
+    saved-dataset or Hub `path` (and, with `chats`, its usable chats: lists of messages).
+    Unusable rows are skipped and counted; none usable is a ValueError naming `section`
+    (the config section: "data", "ptx")."""
+    rows, skips = read_records(path, {f"{section}.field": field}, section, chat_column=field if chats else None,
+                               split=split, config_name=config_name)
     return [(where, row[field]) for where, row in rows], skips
 
 
-def read_records(path: str | Path, fields: dict[str, str], section: str) -> tuple[list[tuple[str, dict]], "Skips"]:
+def read_records(path: str | Path, fields: dict[str, str], section: str, *, chat_column: str | None = None,
+                 split: str = "train", config_name: str | None = None) -> tuple[list[tuple[str, dict]], "Skips"]:
     """`([(where, {column: text})], skips)`: rows of `path` whose every column in `fields`
     (config key -> column name, e.g. {"data.prompt_field": "prompt"}) holds a non-blank
-    string. Other rows are skipped and counted; none usable is a ValueError naming the key."""
+    string, or for `chat_column` a usable chat (cluster/data/chat.py). Other rows are
+    skipped and counted; none usable is a ValueError naming the key. `split` and
+    `config_name`: the part of a Hub dataset to read (`path` an id, cluster/data/hub.py)."""
     skips = Skips()
     out = []
     columns = list(fields.values())
-    for where, row in _read_rows(Path(path), columns, skips, section):
+    for where, row in _read_rows(path, columns, skips, section, split, config_name):
         if not isinstance(row, dict):
             skips.add("not_an_object", f"{where}: not a JSON object ({type(row).__name__})")
             continue
@@ -177,6 +180,9 @@ def read_records(path: str | Path, fields: dict[str, str], section: str) -> tupl
                 problem = ("missing_field", f"{where}: missing field '{column}'")
                 skips.fields_seen.update(map(str, row))
                 skips.missing[key] += 1
+            elif column == chat_column and is_chat(row[column]):
+                if (bad := message_problem(row[column])) is not None:
+                    problem = ("bad_messages", f"{where}: field '{column}' {bad}")
             elif not isinstance(row[column], str):
                 problem = ("not_a_string", f"{where}: field '{column}' is {type(row[column]).__name__}, not a string")
             elif not row[column].strip():
@@ -226,13 +232,26 @@ def _empty_message(source: str, fields: str | dict[str, str], skips: Skips, sect
             f"({kinds}; first: {skips.reasons[0]}); check {now}")
 
 
-def _read_rows(path: Path, fields: list[str], skips: Skips, section: str) -> list[tuple[str, object]]:
+def _read_rows(path: str | Path, fields: list[str], skips: Skips, section: str, split: str,
+               config_name: str | None) -> list[tuple[str, object]]:
     """`(where, row)` pairs; malformed JSON lines are recorded in `skips` and left out."""
+    from cluster.data.hub import is_hub_id, read_hub_rows
+
+    if is_hub_id(path):
+        return read_hub_rows(str(path), split=split, config_name=config_name, section=section)
+    path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{section}.path: {path} does not exist; point it at a file ({SUPPORTED})"
                                 + (", or set data.path=null for the built-in prompts" if section == "data" else ""))
+    if config_name is not None:
+        raise ValueError(f"{section}.config_name={config_name!r} names a config of a Hub dataset, but {section}.path "
+                         f"{path} is local; set {section}.config_name: null")
     if path.is_dir():
-        return _read_saved_dataset(path, fields, skips, section)
+        return _read_saved_dataset(path, fields, skips, section, split)
+    if split != "train":  # a file is one split: a silently ignored choice would train on the wrong one
+        raise ValueError(f"{section}.split={split!r} chooses a split of a Hub dataset or a saved DatasetDict folder, "
+                         f"but {path} is one file; point {section}.path at that split's file and leave "
+                         f"{section}.split: train")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _read_jsonl(path, skips, section)
@@ -285,7 +304,8 @@ def _columns_to_rows(n: int, columns: dict[str, list]) -> list[tuple[str, dict]]
     return [(f"row {i}", {f: values[i] for f, values in columns.items()}) for i in range(n)]
 
 
-def _read_saved_dataset(path: Path, fields: list[str], skips: Skips, section: str) -> list[tuple[str, object]]:
+def _read_saved_dataset(path: Path, fields: list[str], skips: Skips, section: str,
+                        split: str) -> list[tuple[str, object]]:
     try:
         import datasets
     except ImportError:
@@ -297,10 +317,13 @@ def _read_saved_dataset(path: Path, fields: list[str], skips: Skips, section: st
         raise ValueError(f"{section}.path: directory {path} is not a datasets.save_to_disk folder; "
                          f"supported: {SUPPORTED}") from None
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise ValueError(f"{section}.path: {path} holds splits {sorted(ds)} but no 'train' split; "
-                             f"point {section}.path at one split's folder")
-        ds = ds["train"]
+        if split not in ds:
+            raise ValueError(f"{section}.split={split!r} is not a split of {path}; available: "
+                             f"{', '.join(sorted(ds))}; set {section}.split to one of them")
+        ds = ds[split]
+    elif split != "train":
+        raise ValueError(f"{section}.split={split!r} chooses a split, but {path} holds one dataset, not a "
+                         f"DatasetDict; leave {section}.split: train")
     present = [f for f in fields if f in ds.column_names]  # absent ones: the row check counts them
     if len(present) < len(fields):
         skips.fields_seen.update(ds.column_names)

@@ -8,11 +8,11 @@ modelling from regressing: the objective maximised is
 with gamma = ``ppo.ptx_coef``. Here every optimizer step of the PPO update adds
 ``ptx_coef`` x the token-mean next-token loss of its own slice of PTX rows.
 
-The text comes from ``ptx.path`` (.jsonl / .parquet / a saved HF dataset, column
-``ptx.field``); the built-in corpus stands in only for the built-in policy, whose
-language it is. Documents are tokenized, each followed by EOS, concatenated and cut
-into rows of ``seq_len`` tokens (the tail shorter than a row is dropped), so no
-position is padding. Which rows a step trains on depends only on (seed, step), so a
+The text comes from ``ptx.path`` (.jsonl / .parquet / a saved HF dataset / a Hub dataset id with
+``ptx.split`` and ``ptx.config_name``, column ``ptx.field``); the built-in corpus stands in
+only for the built-in policy, whose language it is. Documents are tokenized, each followed
+by EOS, concatenated and cut into rows of ``seq_len`` tokens (the tail shorter than a row is
+dropped), so no position is padding. Which rows a step trains on depends only on (seed, step), so a
 resumed run mixes in what the uninterrupted one would have.
 """
 from __future__ import annotations
@@ -35,7 +35,8 @@ class PTXData:
 
     @classmethod
     def load(cls, *, path: str | None, field: str, tokenizer_path: str, seq_len: int,
-             builtin_policy: bool, seed: int = 0) -> "PTXData":
+             builtin_policy: bool, seed: int = 0, split: str = "train",
+             config_name: str | None = None) -> "PTXData":
         """Read, tokenize and pack. ``path=None`` means the built-in corpus, which is only
         the built-in policy's pretraining text: any other policy must name its own."""
         if seq_len < 2:
@@ -49,7 +50,7 @@ class PTXData:
             texts, source = corpus(BUILTIN_DOCUMENTS), "builtin corpus"
         else:
             from cluster.data.prompts import read_texts
-            found, skips = read_texts(path, field, "ptx")
+            found, skips = read_texts(path, field, "ptx", split=split, config_name=config_name)
             if skips.counts:
                 log.warning("ptx: skipped %d rows %s, e.g. %s", sum(skips.counts.values()), dict(skips.counts),
                             skips.reasons[0])

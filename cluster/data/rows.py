@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.data.prompts import Skips, chat_prompts, read_records
+from cluster.data.chat import chat_prompts
+from cluster.data.prompts import Skips, read_records
 from cluster.demo.sentiment import builtin_rows
 
 
@@ -39,15 +40,17 @@ class StageRows:
 
 
 def load_rows(*, path, fields: dict[str, str], tokenizer, tokenizer_path, chat_template: bool,
-              append_eos: bool, max_seq_len: int, builtin: str) -> StageRows:
+              append_eos: bool, max_seq_len: int, builtin: str, split: str = "train",
+              config_name: str | None = None) -> StageRows:
     """``fields``: config key -> column, the prompt's first (e.g. {"data.prompt_field": "prompt",
-    "data.response_field": "response"}). ``path=None``: ``builtin_rows(builtin)``."""
+    "data.response_field": "response"}). ``path=None``: ``builtin_rows(builtin)``; a Hub id:
+    its ``split`` of config ``config_name``."""
     columns = list(fields.values())
     if path is None:
         rows, skips, source = [(f"row {i}", r) for i, r in enumerate(builtin_rows(builtin))], Skips(), "builtin"
         rows = [(w, {c: r[k] for c, k in zip(columns, r)}) for w, r in rows]  # builtin names -> configured columns
     else:
-        rows, skips = read_records(path, fields, "data")
+        rows, skips = read_records(path, fields, "data", split=split, config_name=config_name)
         source = str(path)
     prompts = [r[columns[0]] for _, r in rows]
     if chat_template:

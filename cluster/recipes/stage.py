@@ -83,7 +83,7 @@ def prepare_rows(cfg, *, fields: dict, builtin: str, noun: str) -> dict:
     d = cfg.data
     data = load_rows(path=d.path, fields=fields, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
                      chat_template=d.chat_template, append_eos=d.append_eos, max_seq_len=d.max_seq_len,
-                     builtin=builtin)
+                     builtin=builtin, split=d.split, config_name=d.config_name)
     if data.skip_counts:
         log.warning("data: skipped %d rows %s, e.g. %s", sum(data.skip_counts.values()), data.skip_counts,
                     data.skipped[0])

@@ -113,7 +113,7 @@ def prepare(cfg):
     d = cfg.data
     dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
                                  chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
-                                 seed=d.seed)
+                                 seed=d.seed, split=d.split, config_name=d.config_name)
     if dataset.num_skipped:
         log.warning("data: skipped %d rows %s, e.g. %s", dataset.num_skipped, dataset.skip_counts,
                     dataset.skipped[0])
@@ -139,7 +139,8 @@ def prepare_ptx(cfg, tokenizer_path: str):
     from cluster.data.ptx import PTXData
     ptx = PTXData.load(path=p.path, field=p.field, tokenizer_path=tokenizer_path,
                        seq_len=p.tokens_per_row(cfg.generator.engine.max_model_len),
-                       builtin_policy=cfg.model.policy.startswith("builtin:"), seed=cfg.run.seed)
+                       builtin_policy=cfg.model.policy.startswith("builtin:"), seed=cfg.run.seed,
+                       split=p.split, config_name=p.config_name)
     log.info("ptx: %d rows of %d tokens from %s, %d per optimizer step, coefficient %g", len(ptx),
              ptx.rows.shape[1], ptx.source, p.batch_size, cfg.ppo.ptx_coef)
     return ptx
