@@ -140,6 +140,9 @@ class DataConfig:
     """The prompts: where they come from and how many a step samples."""
     path: Optional[str] = setting(None, ".jsonl / .parquet / saved HF dataset; null = built-in prompts")
     field: str = setting("prompt", "the prompt column")
+    columns: Optional[tuple[str, ...]] = setting(None, "the row's other fields passed to the reward as keyword "
+                                                       "arguments (null = all)")
+    source_field: str = setting("source", "the field that names a row's source: reward/<source>/mean per step")
     chat_template: bool = setting(False, "wrap prompts in the tokenizer's chat template")
     max_prompt_tokens: Optional[int] = setting(None, "longer prompts are skipped and counted")
     prompts_per_step: int = setting(16, "prompts sampled per PPO step (x generator.sampling.n rollouts)")

@@ -9,7 +9,8 @@ Sources: a `.jsonl` file (one JSON object per line), a `.parquet` file (needs py
 directory written by Hugging Face `datasets` `save_to_disk` (needs datasets), or
 `path=None` for the built-in prompt set (`builtin_prompts()`, sentence starts for the
 sentiment demo). Bad rows never stop a run: they are skipped and counted in
-`dataset.skipped` (reasons) and `dataset.skip_counts` (per kind).
+`dataset.skipped` (reasons) and `dataset.skip_counts` (per kind). A row's other fields (an
+answer, a source) are kept in `dataset.columns` (core/columns.py), for the reward.
 """
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from cluster.data.columns import drop_missing, select_columns
 from cluster.demo.sentiment import builtin_prompts
+from core.columns import PromptColumns
 
 SUPPORTED = ".jsonl, .parquet, or a directory saved with datasets.Dataset.save_to_disk"
 MAX_REASONS = 1000  # skipped rows whose reason is kept verbatim; skip_counts stays exact
@@ -37,7 +40,9 @@ class PromptDataset:
                 stable across `split_eval`, so it is what `batches` yields as indices
     skipped     reasons for skipped rows ("line 7: malformed JSON (...)"), first MAX_REASONS
     skip_counts exact count of skipped rows per kind ("malformed_json", "missing_field",
-                "not_a_string", "empty", "not_an_object", "too_long")
+                "not_a_string", "empty", "not_an_object", "too_long", "missing_column")
+    columns     the rows' other fields by id (core/columns.py), for the reward: the table of
+                the whole loaded set, shared by both parts of `split_eval` (ids are stable)
     """
     texts: list[str]
     prompt_ids: list[np.ndarray]
@@ -46,6 +51,7 @@ class PromptDataset:
     source: str = "builtin"
     skipped: list[str] = field(default_factory=list)
     skip_counts: dict[str, int] = field(default_factory=dict)
+    columns: PromptColumns = field(default_factory=PromptColumns)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -57,7 +63,8 @@ class PromptDataset:
     @classmethod
     def load(cls, *, path: str | None, field: str = "prompt", tokenizer_path: str,
              chat_template: bool = False, max_prompt_tokens: int | None = None,
-             seed: int = 0) -> "PromptDataset":
+             seed: int = 0, columns: Sequence[str] | None = None,
+             required_columns: Iterable[str] = ()) -> "PromptDataset":
         """Read, validate and tokenize a prompt set (`path=None`: `builtin_prompts()`).
 
         Rows without `field`, or whose value is not a string or is blank, are skipped and
@@ -66,6 +73,11 @@ class PromptDataset:
         a truncated prompt is a different question). Blank lines in .jsonl are ignored.
         Prompts are tokenized without added special tokens when a chat template is applied
         (the template carries them), with the tokenizer's defaults otherwise.
+
+        `columns`: the other fields to keep (data.columns; None: all of them); naming one that
+        no row has is a ValueError. A row that lacks (or has null for) one of
+        `required_columns` (what the reward requires) is skipped ("missing_column"), unless no
+        row has it: that is the reward's mistake, and the start-up probe names it.
         """
         from transformers import AutoTokenizer
 
@@ -73,17 +85,19 @@ class PromptDataset:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {max_prompt_tokens}")
         if path is None:
             skips, source = Skips(), "builtin"
-            texts = [(f"prompt {i}", p) for i, p in enumerate(builtin_prompts())]
+            rows = [(f"prompt {i}", {field: p}) for i, p in enumerate(builtin_prompts())]
         else:
-            texts, skips = read_texts(path, field, "data")
+            rows, skips = read_records(path, {"data.field": field}, "data", keep=None)
             source = str(path)
-
+            rows = select_columns(rows, field, columns, source)
+            rows = drop_missing(rows, set(required_columns), skips)
+        texts = [(where, row[field]) for where, row in rows]
         tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
         if chat_template:
             texts = list(zip([w for w, _ in texts], chat_prompts(tok, [p for _, p in texts], tokenizer_path)))
         encoded = tok([p for _, p in texts], add_special_tokens=not chat_template)["input_ids"]
-        kept_texts, kept_ids = [], []
-        for (where, text), ids in zip(texts, encoded):
+        kept_texts, kept_ids, kept_rows = [], [], []
+        for (where, text), ids, (_, row) in zip(texts, encoded, rows):
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                 skips.add("too_long", f"{where}: {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
             elif not ids:
@@ -91,10 +105,12 @@ class PromptDataset:
             else:
                 kept_texts.append(text)
                 kept_ids.append(np.asarray(ids, dtype=np.int64))
+                kept_rows.append({k: v for k, v in row.items() if k != field})
         if not kept_texts:
             raise ValueError(_empty_message(source, field, skips))
-        return cls(texts=kept_texts, prompt_ids=kept_ids, ids=np.arange(len(kept_texts), dtype=np.int64),
-                   seed=seed, source=source, skipped=skips.reasons, skip_counts=dict(skips.counts))
+        ids = np.arange(len(kept_texts), dtype=np.int64)
+        return cls(texts=kept_texts, prompt_ids=kept_ids, ids=ids, seed=seed, source=source, skipped=skips.reasons,
+                   skip_counts=dict(skips.counts), columns=PromptColumns(ids.tolist(), kept_rows))
 
     def batches(self, batch_size: int, epochs: int | None = 1, *, drop_last: bool = True,
                 start_epoch: int = 0) -> Iterator[tuple[np.ndarray, list[np.ndarray], list[str]]]:
@@ -140,7 +156,8 @@ class PromptDataset:
         rows = list(rows)
         return PromptDataset(texts=[self.texts[i] for i in rows], prompt_ids=[self.prompt_ids[i] for i in rows],
                              ids=self.ids[rows] if rows else np.zeros(0, np.int64), seed=self.seed,
-                             source=self.source, skipped=self.skipped, skip_counts=self.skip_counts)
+                             source=self.source, skipped=self.skipped, skip_counts=self.skip_counts,
+                             columns=self.columns)
 
 
 def chat_prompts(tok, prompts: list[str], tokenizer_path) -> list[str]:
@@ -160,14 +177,17 @@ def read_texts(path: str | Path, field: str, section: str) -> tuple[list[tuple[s
     return [(where, row[field]) for where, row in rows], skips
 
 
-def read_records(path: str | Path, fields: dict[str, str], section: str) -> tuple[list[tuple[str, dict]], "Skips"]:
+def read_records(path: str | Path, fields: dict[str, str], section: str,
+                 keep: Sequence[str] | None = ()) -> tuple[list[tuple[str, dict]], "Skips"]:
     """`([(where, {column: text})], skips)`: rows of `path` whose every column in `fields`
     (config key -> column name, e.g. {"data.prompt_field": "prompt"}) holds a non-blank
-    string. Other rows are skipped and counted; none usable is a ValueError naming the key."""
+    string. Other rows are skipped and counted; none usable is a ValueError naming the key.
+    `keep`: other columns each row keeps as they are (any JSON value); None: all of them."""
     skips = Skips()
     out = []
     columns = list(fields.values())
-    for where, row in _read_rows(Path(path), columns, skips, section):
+    read = None if keep is None else columns + [c for c in keep if c not in columns]
+    for where, row in _read_rows(Path(path), read, skips, section):
         if not isinstance(row, dict):
             skips.add("not_an_object", f"{where}: not a JSON object ({type(row).__name__})")
             continue
@@ -186,7 +206,7 @@ def read_records(path: str | Path, fields: dict[str, str], section: str) -> tupl
         if problem:
             skips.add(*problem)
         else:
-            out.append((where, {c: row[c] for c in columns}))
+            out.append((where, {c: v for c, v in row.items() if keep is None or c in read}))
     if not out:
         raise ValueError(_empty_message(str(path), fields, skips, section))
     return out, skips
@@ -226,7 +246,7 @@ def _empty_message(source: str, fields: str | dict[str, str], skips: Skips, sect
             f"({kinds}; first: {skips.reasons[0]}); check {now}")
 
 
-def _read_rows(path: Path, fields: list[str], skips: Skips, section: str) -> list[tuple[str, object]]:
+def _read_rows(path: Path, fields: list[str] | None, skips: Skips, section: str) -> list[tuple[str, object]]:
     """`(where, row)` pairs; malformed JSON lines are recorded in `skips` and left out."""
     if not path.exists():
         raise FileNotFoundError(f"{section}.path: {path} does not exist; point it at a file ({SUPPORTED})"
@@ -274,6 +294,7 @@ def _read_parquet(path: Path, fields: list[str], skips: Skips, section: str) -> 
         raise ImportError(f"{section}.path: reading {path} needs pyarrow; "
                           "pip install pyarrow (or use .jsonl)") from None
     pf = pq.ParquetFile(path)
+    fields = pf.schema_arrow.names if fields is None else fields  # None: every column
     present = [f for f in fields if f in pf.schema_arrow.names]  # absent ones: the row check counts them
     if len(present) < len(fields):
         skips.fields_seen.update(pf.schema_arrow.names)
@@ -301,6 +322,7 @@ def _read_saved_dataset(path: Path, fields: list[str], skips: Skips, section: st
             raise ValueError(f"{section}.path: {path} holds splits {sorted(ds)} but no 'train' split; "
                              f"point {section}.path at one split's folder")
         ds = ds["train"]
+    fields = ds.column_names if fields is None else fields  # None: every column
     present = [f for f in fields if f in ds.column_names]  # absent ones: the row check counts them
     if len(present) < len(fields):
         skips.fields_seen.update(ds.column_names)
