@@ -1,4 +1,4 @@
-"""A reward function that takes prompt-row columns, for tests/e2e/test_columns.py: it records
+"""A reward function that takes prompt-row columns, for tests/e2e/test_columns_run.py: it records
 what reached it (prompt, answer, source, process) in $TETHER_COLUMN_LOG and scores sentiment."""
 import json
 import os
