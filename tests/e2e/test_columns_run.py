@@ -109,8 +109,9 @@ def test_columns_reach_the_reward_per_prompt_and_a_resumed_run_continues_exactly
     part_dir, _ = _run(tmp_path, "part", data, "run.steps=2")
     _, resumed = _run(tmp_path, "part", data, "run.steps=3", f"run.resume={part_dir}")
     assert [m["step"] for m in resumed] == [0, 1, 2, 3]
-    for key in ("reward/mean", "reward/even/mean", "reward/odd/mean", "kl/mean", "ppo/policy_loss",
-                "data/batches_issued", "eval/gold_score"):
+    for key in ("reward/mean", "reward/even/mean", "reward/odd/mean", "kl/mean", "data/batches_issued",
+                "eval/gold_score", "ppo/policy_loss"):
         got = [m.get(key) for m in resumed if m["step"] > 0]
         want = [m.get(key) for m in steps]
-        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), key
+        # The loss (~1e-3 here) differs by ~3e-9 between two fresh runs already at step 1, before any resume.
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-8 if key == "ppo/policy_loss" else 1e-9), key
