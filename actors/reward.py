@@ -21,6 +21,7 @@ from actors.reference import as_token_arrays, length_sorted_chunks, load_tokeniz
 from actors.scoring import ColumnBinding, Columns, FunctionScorer, ScoreResult, TextScorer, as_number, finalise
 from actors.timed_call import CallTimedOut, TimedCall
 from core.architectures import load_pretrained
+from core.columns import PromptColumns
 from core.dtypes import torch_dtype
 from core.errors import type_and_first_line
 from core.layout import pad_right, pool_last_token
@@ -91,7 +92,8 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
     if missing:
         have = ", ".join(f"'{c}'" for c in sorted(columns)) or "none besides the prompt"
         raise ValueError(f"{key} {spec!r} takes the column {', '.join(map(repr, missing))} but the prompt rows have "
-                         f"no such field (their columns: {have}); add it to the data, or give the parameter a default")
+                         f"no such field (their columns: {have}); add it to the data (and to data.columns if set), "
+                         "or give the parameter a default")
     n = len(prompts)
     try:
         out = TimedCall(lambda p, r, c: fn(p, r, **c), timeout_s, name=f"probe {spec}")(
@@ -142,13 +144,17 @@ class Reward:
     ``score`` call. ``gold`` (a function spec, needs ``tokenizer``) is the evaluation-only
     score of ``gold_scores``: what the proxy reward stands in for. A function (or gold) call
     that does not return within ``timeout_s`` leaves its items invalid and goes on in an
-    abandoned thread (actors/timed_call.py); the replica serves the next call.
+    abandoned thread (actors/timed_call.py); the replica serves the next call. ``columns``: the
+    prompt rows' other fields by dataset id (core/columns.py; the driver puts the table in the
+    object store once and every replica gets that reference): ``score_rollouts`` and
+    ``gold_scores`` look each rollout's up by its ``prompt_index`` and pass them to the text
+    scorer; a reward model ignores them.
     """
 
     def __init__(self, *, model: str | None = None, function: str | None = None,
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
                  device: str | None = None, normalize: bool = False, gold: str | None = None,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, columns: PromptColumns | None = None):
         fit_threads()
         if (model is None) == (function is None):
             raise ValueError("Reward: give exactly one of model= or function= "
@@ -162,6 +168,7 @@ class Reward:
         self.normalization: tuple[float, float] | None = None  # (mean, std) applied to model scores
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.timeout_s = float(timeout_s)
+        self.columns = columns if columns is not None else PromptColumns()
         self.scorer: TextScorer | None = None if function is None else make_text_scorer(
             function=function, key="reward.function", timeout_s=timeout_s)
         self.gold: TextScorer | None = None if gold is None else make_text_scorer(
@@ -229,8 +236,17 @@ class Reward:
         return result
 
     def score_rollouts(self, rollouts: list) -> ScoreResult:
-        """score() of Rollouts, for a caller that passes the generator's output by reference."""
-        return self.score([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts])
+        """score() of Rollouts, for a caller that passes the generator's output by reference;
+        their columns are looked up by prompt_index (none when one is not a dataset id)."""
+        return self.score([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
+                          self.rollout_columns(rollouts))
+
+    def rollout_columns(self, rollouts: list) -> Columns:
+        """The rollouts' prompt rows' other fields, one value per rollout ({} without a table,
+        or when a prompt_index is not in it)."""
+        if self.scorer is None and self.gold is None:  # a reward model reads tokens only
+            return {}
+        return self.columns.take([r.prompt_index for r in rollouts])
 
     def score_rollouts_pulled(self, rollouts: Pull) -> tuple[ScoreResult, Transfer]:
         """score_rollouts() of Rollouts this call pulls itself (call it with num_returns=2): the
@@ -244,7 +260,7 @@ class Reward:
             raise ValueError("Reward.gold_scores: this replica has no gold function; set reward.gold")
         prompts, responses = as_token_arrays([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
                                              "Reward.gold_scores")
-        return self._score_text(self.gold, prompts, responses, {})
+        return self._score_text(self.gold, prompts, responses, self.rollout_columns(rollouts))
 
     def _score_text(self, scorer: TextScorer, prompts, responses, columns: Columns) -> ScoreResult:
         """A text scorer's scores of token arrays (decoded here); its failures are per-item results."""
@@ -280,7 +296,8 @@ class Reward:
     def health(self) -> dict:
         source = {"function": self.function_name} if self.scorer is not None else {
             "model": self.model_path, "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
-        return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device), **self.stats()}
+        return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device),
+                "columns": list(self.columns.names), **self.stats()}
 
 
 

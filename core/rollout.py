@@ -158,6 +158,7 @@ class BatchSummary:
     buffer_depth: int = 0       # rollouts left in the buffer after this take
     dropped_stale: int = 0      # rollouts the buffer has dropped as stale so far
     samples: tuple = field(default_factory=tuple)  # a few rows (dicts of plain values) for samples.jsonl
+    prompt_indices: np.ndarray = None  # [N] int64: each rollout's prompt (dataset id), for per-source metrics
 
     @classmethod
     def of(cls, rollouts: list, *, current_version: int, n_samples: int = 4,
@@ -165,7 +166,8 @@ class BatchSummary:
         firsts = [r for r in rollouts if r.sample_index == 0][:n_samples]  # distinct prompts
         samples = tuple({"prompt_ids": r.prompt_ids.tolist(), "response_ids": r.response_ids.tolist(),
                          "score": float(r.score), "kl_sum": float(np.sum(r.kl)),
-                         "finish_reason": r.finish_reason, "policy_version": r.policy_version}
+                         "finish_reason": r.finish_reason, "policy_version": r.policy_version,
+                         "prompt_index": r.prompt_index}
                         for r in firsts)
         return cls(scores=np.array([r.score for r in rollouts], dtype=np.float64),
                    kl_sums=np.array([float(np.sum(r.kl)) for r in rollouts], dtype=np.float64),
@@ -175,5 +177,6 @@ class BatchSummary:
                    token_staleness=np.array([float(np.mean(np.maximum(0, current_version - r.token_versions)))
                                              if r.token_versions.size else 0.0 for r in rollouts]),
                    partial=np.array([r.partial for r in rollouts], dtype=bool),
+                   prompt_indices=np.array([r.prompt_index for r in rollouts], dtype=np.int64),
                    surplus=surplus, samples=samples, consumed=tuple(consumed),
                    buffer_depth=buffer_depth, dropped_stale=dropped_stale)

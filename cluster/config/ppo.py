@@ -146,6 +146,9 @@ class DataConfig:
     config_name: Optional[str] = setting(None, "the config of a Hub dataset that has several (openai/gsm8k: main)")
     field: str = setting("prompt", "the prompt column: strings, or chats (lists of role/content messages, "
                                    "always rendered by the tokenizer's chat template)")
+    columns: Optional[tuple[str, ...]] = setting(None, "the row's other fields passed to the reward as keyword "
+                                                       "arguments (null = all)")
+    source_field: str = setting("source", "the field that names a row's source: reward/<source>/mean per step")
     chat_template: bool = setting(False, "wrap string prompts in the tokenizer's chat template, as the user turn")
     max_prompt_tokens: Optional[int] = setting(None, "longer prompts are skipped and counted")
     prompts_per_step: int = setting(16, "prompts sampled per PPO step (x generator.sampling.n rollouts)")

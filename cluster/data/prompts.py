@@ -12,7 +12,8 @@ cluster/data/hub.py), or `path=None` for the built-in prompt set (`builtin_promp
 starts for the sentiment demo). A prompt is a string or a chat (a list of role/content
 messages, rendered by the tokenizer's chat template: cluster/data/chat.py). Bad rows never stop
 a run: they are skipped and counted in `dataset.skipped` (reasons) and `dataset.skip_counts`
-(per kind).
+(per kind). A row's other fields (an answer, a source) are kept in `dataset.columns`
+(core/columns.py), for the reward.
 """
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from cluster.data.chat import is_chat, message_problem, render_prompts
+from cluster.data.columns import drop_missing, select_columns
 from cluster.demo.sentiment import builtin_prompts
+from core.columns import PromptColumns
 
 SUPPORTED = ".jsonl, .parquet, a directory saved with datasets.Dataset.save_to_disk, or a Hub dataset id owner/name"
 MAX_REASONS = 1000  # skipped rows whose reason is kept verbatim; skip_counts stays exact
@@ -42,7 +45,9 @@ class PromptDataset:
                 stable across `split_eval`, so it is what `batches` yields as indices
     skipped     reasons for skipped rows ("line 7: malformed JSON (...)"), first MAX_REASONS
     skip_counts exact count of skipped rows per kind ("malformed_json", "missing_field",
-                "not_a_string", "empty", "not_an_object", "bad_messages", "too_long")
+                "not_a_string", "empty", "not_an_object", "bad_messages", "too_long", "missing_column")
+    columns     the rows' other fields by id (core/columns.py), for the reward: the table of
+                the whole loaded set, shared by both parts of `split_eval` (ids are stable)
     """
     texts: list[str]
     prompt_ids: list[np.ndarray]
@@ -51,6 +56,7 @@ class PromptDataset:
     source: str = "builtin"
     skipped: list[str] = field(default_factory=list)
     skip_counts: dict[str, int] = field(default_factory=dict)
+    columns: PromptColumns = field(default_factory=PromptColumns)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -62,7 +68,8 @@ class PromptDataset:
     @classmethod
     def load(cls, *, path: str | None, field: str = "prompt", tokenizer_path: str,
              chat_template: bool = False, max_prompt_tokens: int | None = None,
-             seed: int = 0, split: str = "train", config_name: str | None = None) -> "PromptDataset":
+             seed: int = 0, split: str = "train", config_name: str | None = None,
+             columns: Sequence[str] | None = None, required_columns: Iterable[str] = ()) -> "PromptDataset":
         """Read, validate and tokenize a prompt set (`path=None`: `builtin_prompts()`).
 
         Rows without `field`, or whose value is neither a string nor a list of messages, or is
@@ -73,23 +80,23 @@ class PromptDataset:
         part of a Hub dataset (`path` an id). Prompts are tokenized without added special
         tokens when a chat template is applied (the template carries them), with the
         tokenizer's defaults otherwise.
+
+        `columns`: the other fields to keep (data.columns; None: all of them); naming one that
+        no row has is a ValueError. A row that lacks (or has null for) one of
+        `required_columns` (what the reward requires) is skipped ("missing_column"), unless no
+        row has it: that is the reward's mistake, and the start-up probe names it.
         """
         from transformers import AutoTokenizer
 
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {max_prompt_tokens}")
-        if path is None:
-            skips, source = Skips(), "builtin"
-            texts = [(f"prompt {i}", p) for i, p in enumerate(builtin_prompts())]
-        else:
-            texts, skips = read_texts(path, field, "data", chats=True, split=split, config_name=config_name)
-            source = str(path)
-
+        rows, skips, source = _prompt_rows(path, field, split, config_name, columns, required_columns)
+        texts = [(where, row[field]) for where, row in rows]
         tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
         rendered, encoded = render_prompts(tok, [p for _, p in texts], chat_template=chat_template,
                                            tokenizer_path=tokenizer_path, column=field)
-        kept_texts, kept_ids = [], []
-        for where, text, ids in zip([w for w, _ in texts], rendered, encoded):
+        kept_texts, kept_ids, kept_rows = [], [], []
+        for (where, _), text, ids, (_, row) in zip(texts, rendered, encoded, rows):
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                 skips.add("too_long", f"{where}: {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
             elif not ids:
@@ -97,10 +104,12 @@ class PromptDataset:
             else:
                 kept_texts.append(text)
                 kept_ids.append(np.asarray(ids, dtype=np.int64))
+                kept_rows.append({k: v for k, v in row.items() if k != field})
         if not kept_texts:
             raise ValueError(_empty_message(source, field, skips))
-        return cls(texts=kept_texts, prompt_ids=kept_ids, ids=np.arange(len(kept_texts), dtype=np.int64),
-                   seed=seed, source=source, skipped=skips.reasons, skip_counts=dict(skips.counts))
+        ids = np.arange(len(kept_texts), dtype=np.int64)
+        return cls(texts=kept_texts, prompt_ids=kept_ids, ids=ids, seed=seed, source=source, skipped=skips.reasons,
+                   skip_counts=dict(skips.counts), columns=PromptColumns(ids.tolist(), kept_rows))
 
     def batches(self, batch_size: int, epochs: int | None = 1, *, drop_last: bool = True,
                 start_epoch: int = 0) -> Iterator[tuple[np.ndarray, list[np.ndarray], list[str]]]:
@@ -146,7 +155,19 @@ class PromptDataset:
         rows = list(rows)
         return PromptDataset(texts=[self.texts[i] for i in rows], prompt_ids=[self.prompt_ids[i] for i in rows],
                              ids=self.ids[rows] if rows else np.zeros(0, np.int64), seed=self.seed,
-                             source=self.source, skipped=self.skipped, skip_counts=self.skip_counts)
+                             source=self.source, skipped=self.skipped, skip_counts=self.skip_counts,
+                             columns=self.columns)
+
+
+def _prompt_rows(path, field: str, split: str, config_name: str | None, columns: Sequence[str] | None,
+                 required_columns: Iterable[str]) -> tuple[list[tuple[str, dict]], "Skips", str]:
+    """`(rows, skips, source)` of a prompt set, each row its prompt and kept columns."""
+    if path is None:
+        return [(f"prompt {i}", {field: p}) for i, p in enumerate(builtin_prompts())], Skips(), "builtin"
+    rows, skips = read_records(path, {"data.field": field}, "data", keep=None, chat_column=field,
+                               split=split, config_name=config_name)
+    rows = select_columns(rows, field, columns, str(path))
+    return drop_missing(rows, set(required_columns), skips), skips, str(path)
 
 
 def read_texts(path: str | Path, field: str, section: str, *, chats: bool = False, split: str = "train",
@@ -161,16 +182,19 @@ def read_texts(path: str | Path, field: str, section: str, *, chats: bool = Fals
 
 
 def read_records(path: str | Path, fields: dict[str, str], section: str, *, chat_column: str | None = None,
-                 split: str = "train", config_name: str | None = None) -> tuple[list[tuple[str, dict]], "Skips"]:
+                 split: str = "train", config_name: str | None = None,
+                 keep: Sequence[str] | None = ()) -> tuple[list[tuple[str, dict]], "Skips"]:
     """`([(where, {column: text})], skips)`: rows of `path` whose every column in `fields`
     (config key -> column name, e.g. {"data.prompt_field": "prompt"}) holds a non-blank
     string, or for `chat_column` a usable chat (cluster/data/chat.py). Other rows are
     skipped and counted; none usable is a ValueError naming the key. `split` and
-    `config_name`: the part of a Hub dataset to read (`path` an id, cluster/data/hub.py)."""
+    `config_name`: the part of a Hub dataset to read (`path` an id, cluster/data/hub.py).
+    `keep`: other columns each row keeps as they are (any JSON value); None: all of them."""
     skips = Skips()
     out = []
     columns = list(fields.values())
-    for where, row in _read_rows(path, columns, skips, section, split, config_name):
+    read = None if keep is None else columns + [c for c in keep if c not in columns]
+    for where, row in _read_rows(path, read, skips, section, split, config_name):
         if not isinstance(row, dict):
             skips.add("not_an_object", f"{where}: not a JSON object ({type(row).__name__})")
             continue
@@ -192,7 +216,7 @@ def read_records(path: str | Path, fields: dict[str, str], section: str, *, chat
         if problem:
             skips.add(*problem)
         else:
-            out.append((where, {c: row[c] for c in columns}))
+            out.append((where, {c: v for c, v in row.items() if keep is None or c in read}))
     if not out:
         raise ValueError(_empty_message(str(path), fields, skips, section))
     return out, skips
@@ -232,7 +256,7 @@ def _empty_message(source: str, fields: str | dict[str, str], skips: Skips, sect
             f"({kinds}; first: {skips.reasons[0]}); check {now}")
 
 
-def _read_rows(path: str | Path, fields: list[str], skips: Skips, section: str, split: str,
+def _read_rows(path: str | Path, fields: list[str] | None, skips: Skips, section: str, split: str,
                config_name: str | None) -> list[tuple[str, object]]:
     """`(where, row)` pairs; malformed JSON lines are recorded in `skips` and left out."""
     from cluster.data.hub import is_hub_id, read_hub_rows
@@ -293,6 +317,7 @@ def _read_parquet(path: Path, fields: list[str], skips: Skips, section: str) -> 
         raise ImportError(f"{section}.path: reading {path} needs pyarrow; "
                           "pip install pyarrow (or use .jsonl)") from None
     pf = pq.ParquetFile(path)
+    fields = pf.schema_arrow.names if fields is None else fields  # None: every column
     present = [f for f in fields if f in pf.schema_arrow.names]  # absent ones: the row check counts them
     if len(present) < len(fields):
         skips.fields_seen.update(pf.schema_arrow.names)
@@ -324,6 +349,7 @@ def _read_saved_dataset(path: Path, fields: list[str], skips: Skips, section: st
     elif split != "train":
         raise ValueError(f"{section}.split={split!r} chooses a split, but {path} holds one dataset, not a "
                          f"DatasetDict; leave {section}.split: train")
+    fields = ds.column_names if fields is None else fields  # None: every column
     present = [f for f in fields if f in ds.column_names]  # absent ones: the row check counts them
     if len(present) < len(fields):
         skips.fields_seen.update(ds.column_names)

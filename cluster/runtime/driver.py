@@ -282,13 +282,14 @@ class Driver:
              "perf/admission_wait_seconds": self.admission.pop_waited_seconds(),
              "perf/sync_seconds": sync.get("seconds", seconds["sync"]), "perf/sync_bytes": sync.get("bytes", 0),
              "perf/sync_wait_seconds": sync.get("wait_seconds", 0.0),
-             "perf/tokens_per_s": produced.tokens / max(produced.generate_seconds, 1e-9), **moved, **learn}
+             "perf/tokens_per_s": produced.tokens / max(produced.generate_seconds, 1e-9), **moved, **learn,
+             **evaluation.source_metrics(batch, self.dataset.columns, self.cfg.data.source_field)}
         for g, tps in produced.per_generator_tps.items():
             self.ray_metrics.record({"generator/tokens_per_s": tps}, {"pool": "generator", "replica": g})
         for pool, lat in produced.score_latency.items():
             self.ray_metrics.record({"score/seconds": float(np.mean(lat))}, {"pool": pool})
         if self.cfg.run.samples_every and self.version % self.cfg.run.samples_every == 0:
-            self.metrics.samples(self.version, [evaluation.decode_sample(self.tokenizer, row)
+            self.metrics.samples(self.version, [evaluation.decode_sample(self.tokenizer, row, self.dataset.columns)
                                                 for row in batch.samples])
         return m
 

@@ -1,10 +1,12 @@
 """What the run shows of its policy besides the training metrics: the held-out evaluation
-(mean score, gold score and response length on the eval prompts, with the current weights)
-and the sample rollouts written to samples.jsonl, decoded."""
+(mean score, gold score and response length on the eval prompts, with the current weights),
+the sample rollouts written to samples.jsonl, decoded (with their prompt rows' other fields),
+and the step's reward per data source."""
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import ray
 from ray.exceptions import ObjectLostError, RayActorError
 
@@ -42,9 +44,28 @@ def _valid_mean(result) -> float:
     return float(valid.mean()) if len(valid) else float("nan")
 
 
-def decode_sample(tokenizer, row: dict) -> dict:
-    """One of a batch's sample rows as samples.jsonl holds it: prompt and response as text."""
+def decode_sample(tokenizer, row: dict, columns=None) -> dict:
+    """One of a batch's sample rows as samples.jsonl holds it: prompt and response as text, and
+    under "columns" its prompt row's other fields (``columns``: core.columns.PromptColumns)."""
     dec = tokenizer.decode
-    return {"prompt": dec(row["prompt_ids"], skip_special_tokens=True),
-            "response": dec(row["response_ids"], skip_special_tokens=True),
-            **{k: row[k] for k in ("score", "kl_sum", "finish_reason", "policy_version")}}
+    out = {"prompt": dec(row["prompt_ids"], skip_special_tokens=True),
+           "response": dec(row["response_ids"], skip_special_tokens=True),
+           **{k: row[k] for k in ("score", "kl_sum", "finish_reason", "policy_version")}}
+    if columns is not None and columns.names and "prompt_index" in row:
+        out["columns"] = columns.row(row["prompt_index"])
+    return out
+
+
+def source_metrics(batch, columns, source_field: str) -> dict:
+    """reward/<source>/mean and reward/<source>/count of a BatchSummary: its rollouts grouped by
+    the ``source_field`` of their prompt rows (data.source_field); {} when the data has none.
+    Rows without a source are left out of every group."""
+    if columns is None or source_field not in columns.names or batch.prompt_indices is None:
+        return {}
+    sources = [columns.row(i).get(source_field) for i in batch.prompt_indices.tolist()]
+    out = {}
+    for name in sorted({str(s) for s in sources if s is not None}):
+        mine = np.array([s is not None and str(s) == name for s in sources])
+        out[f"reward/{name}/mean"] = float(batch.scores[mine].mean())
+        out[f"reward/{name}/count"] = int(mine.sum())
+    return out

@@ -49,7 +49,7 @@ class _Background:
 
 
 def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
-                threads: dict[str, int]) -> tuple[Pool, Pool, Pool]:
+                threads: dict[str, int], columns_ref=None) -> tuple[Pool, Pool, Pool]:
     g, r, w, t = cfg.generator, cfg.reference, cfg.reward, cfg.resources.placement_timeout_s
     env = lambda pool: {"env_vars": pool_env(cfg, pool, threads[pool])}  # noqa: E731
     dtype = {role: d for role, (d, _) in cfg.precision().items()}
@@ -72,7 +72,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
                                           runtime_env=env("reward"), **options).remote(
             model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
             normalize=w.normalize, gold=w.gold, dtype=dtype["reward"],
-            timeout_s=w.timeout_s)
+            timeout_s=w.timeout_s, columns=columns_ref)  # every replica, replacements too: the one reference
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t,
                       node_labels=p.node_labels, strategy=p.strategy)
@@ -102,13 +102,17 @@ def actor_dtypes(pools) -> dict[str, str]:
     return out
 
 
-def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str) -> Pools:
-    """Reserve every pool first (so a shortage fails before any model loads), then start actors."""
+def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, columns=None) -> Pools:
+    """Reserve every pool first (so a shortage fails before any model loads), then start actors.
+    ``columns``: the prompt rows' other fields (core.columns.PromptColumns), put in the object
+    store here, once, for every reward replica (Ray hands each the table at construction)."""
     lp = cfg.learner
     threads = plan_threads(cfg, node_cores())
     log.info("threads per actor: %s", " ".join(f"{k}={v}" for k, v in threads.items()))
     log.info("precision: %s", describe_precision(cfg))
-    pools = _role_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path, threads=threads)
+    columns_ref = ray.put(columns) if columns is not None and columns.names else None
+    pools = _role_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path, threads=threads,
+                        columns_ref=columns_ref)
     reserved, launched, learner_pg, started, buffer = [], [], None, [], None
     try:
         for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.replicas, cfg.reward.replicas)):

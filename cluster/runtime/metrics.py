@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cluster.runtime.alarms import alarm_words
-from cluster.runtime.metric_set import METRICS, TAG_KEYS, metric_name
+from cluster.runtime.metric_set import METRICS, PER_SOURCE, PER_SOURCE_MEANING, TAG_KEYS, metric_name
 from core.files import write_atomic
 
 log = logging.getLogger(__name__)
@@ -105,10 +105,12 @@ class RayMetrics:
             gauge = cls._gauges.get(name)
             if gauge is None:
                 from ray.util.metrics import Gauge
-                if name not in METRICS:
+                per_source = name not in METRICS and PER_SOURCE.fullmatch(name)
+                if name not in METRICS and not per_source:
                     cls._warn_once(name, f"metric {name} is not listed in cluster.runtime.metrics.METRICS")
                 tag_keys = TAG_KEYS.get(name, unlisted_tags)
-                gauge = cls._gauges[name] = Gauge(name, METRICS.get(name, "unlisted"), tag_keys=tag_keys)
+                meaning = METRICS.get(name, PER_SOURCE_MEANING if per_source else "unlisted")
+                gauge = cls._gauges[name] = Gauge(name, meaning, tag_keys=tag_keys)
             return gauge
 
     @classmethod

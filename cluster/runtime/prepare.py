@@ -95,9 +95,10 @@ def prepare(cfg):
     policy = resolve_model(cfg.model.policy)
     # Reward problems surface here, in the driver, not as a dead actor a minute later.
     from actors.reward import load_function, probe_function
-    for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
-        if spec:
-            load_function(spec, key)
+    from actors.scoring import ColumnBinding
+    functions = {key: load_function(spec, key) for key, spec in
+                 (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)) if spec}
+    required = {c for fn in functions.values() for c in ColumnBinding.of(fn).required}
     tokenizer_path = cfg.model.tokenizer or policy
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     check_same_vocabulary(tokenizer, tokenizer_path, policy)
@@ -113,7 +114,8 @@ def prepare(cfg):
     d = cfg.data
     dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
                                  chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
-                                 seed=d.seed, split=d.split, config_name=d.config_name)
+                                 seed=d.seed, split=d.split, config_name=d.config_name, columns=d.columns,
+                                 required_columns=required)
     if dataset.num_skipped:
         log.warning("data: skipped %d rows %s, e.g. %s", dataset.num_skipped, dataset.skip_counts,
                     dataset.skipped[0])
@@ -123,9 +125,11 @@ def prepare(cfg):
                         f"data.eval_prompts={d.eval_prompts}) are fewer than data.prompts_per_step="
                         f"{d.prompts_per_step}; lower prompts_per_step or eval_prompts, or add prompts")
     prompts = train_set.texts[:len(PROBE_RESPONSES)]
+    columns = train_set.columns.take(train_set.ids[:len(prompts)])  # the first rows' own fields
     for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
         if spec:  # with real prompts: a function that cannot score them would void every batch (or eval)
-            probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key, cfg.reward.timeout_s)
+            probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key, cfg.reward.timeout_s,
+                           columns=columns)
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 

@@ -45,7 +45,8 @@ def _run(cfg, overrides: Sequence[str], library_log) -> dict:
             log.info(library_log.where(ray_logs))
         startup.lap("ray")
         try:
-            pools = create_pools(cfg, policy_path=inputs["policy"], tokenizer_path=inputs["tokenizer_path"])
+            pools = create_pools(cfg, policy_path=inputs["policy"], tokenizer_path=inputs["tokenizer_path"],
+                                 columns=inputs["dataset"].columns)  # the whole set's: eval prompts' too
         except PlacementError as e:
             raise UserError(str(e)) from None
         except Exception as e:  # an actor that refused its model in its constructor: the user's to fix

@@ -38,6 +38,9 @@ def broken(prompts, responses):
 
 def non_finite(prompts, responses):
     return [float("nan") if i % 2 else float("inf") for i in range(len(responses))]
+
+def needs_answer(prompts, responses, *, answer):
+    return [1.0] * len(responses)
 '''
 
 
@@ -219,6 +222,12 @@ CASES = [
     pytest.param(["reward.gold=probe_rewards:sleeps", "reward.timeout_s=0.5"],
                  "reward.gold 'probe_rewards:sleeps' did not return within reward.timeout_s=0.5 s", id="gold-sleeps"),
     pytest.param(["reward.timeout_s=0"], "reward.timeout_s=0.0 must be > 0", id="reward-timeout-zero"),
+    pytest.param(["reward.function=probe_rewards:needs_answer"], "reward.function 'probe_rewards:needs_answer' takes "
+                 "the column 'answer' but the prompt rows have no such field", id="reward-column-not-in-data"),
+    pytest.param(["reward.gold=probe_rewards:needs_answer"], "reward.gold 'probe_rewards:needs_answer' takes the "
+                 "column 'answer'", id="gold-column-not-in-data"),
+    pytest.param(["data.path={inputs}/no_field.jsonl", "data.field=text", "data.columns=[solution]"],
+                 "data.columns names 'solution', which no row of", id="data-columns-not-in-data"),
     pytest.param(["reward.function=null", "reward.model=/nonexistent/rm"],
                  "reward.model='/nonexistent/rm' does not exist",
                  id="reward-model-missing"),
