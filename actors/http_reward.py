@@ -193,4 +193,5 @@ def _summarise(errors: list[str], keep: int = 3) -> list[str]:
     failing alike logs one line, not one per batch."""
     shown = list(dict.fromkeys(errors))[:keep]
     extra = len(errors) - sum(errors.count(e) for e in shown)
-    return shown + ([f"... and {extra} more failed batches"] if extra > 0 else [])
+    return [e + (f" [{errors.count(e)} batches alike]" if errors.count(e) > 1 else "") for e in shown] + \
+        ([f"... and {extra} more failed batches"] if extra > 0 else [])
