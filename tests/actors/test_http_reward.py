@@ -129,3 +129,16 @@ def test_the_probe_names_the_url_and_the_fix():
     with RewardServer() as server:
         probe_server(server.url, PROMPTS, RESPONSES, {"answer": ["2", "4", "6"]})
     assert server.bodies[0]["labels"] == ["2", "4", "6"]
+
+
+def test_a_reward_replica_with_a_url_sends_the_decoded_pairs_and_their_columns(policy_path, tokenizer):
+    from actors.reward import Reward
+
+    encode = lambda texts: [np.array(tokenizer(t)["input_ids"]) for t in texts]
+    with RewardServer() as server:
+        rw = Reward(url=server.url, tokenizer=policy_path, http={"batch_size": 8, "label_field": "gold"})
+        res = rw.score(encode(["Once", "Then"]), encode(["the cat was good", "it rained"]), {"gold": ["x", "y"]})
+    (body,) = server.bodies
+    assert body["query"] == ["Oncethe cat was good", "Thenit rained"] and body["labels"] == ["x", "y"]
+    np.testing.assert_array_equal(res.scores, [16.0, 9.0])
+    assert rw.stats()["http_requests"] == 1 and rw.health()["url"] == server.url
