@@ -117,8 +117,8 @@ def test_a_server_that_is_down_leaves_items_invalid_and_never_raises():
 
 
 def test_the_probe_names_the_url_and_the_fix():
-    with ClosedPort() as port, pytest.raises(ValueError, match=r"^reward.url='http://127.0.0.1:\d+/get_reward': "
-                                                                r"the reward server did not answer .* start the server"):
+    refused = r"^reward.url='http://127.0.0.1:\d+/get_reward': the reward server did not answer .* start the server"
+    with ClosedPort() as port, pytest.raises(ValueError, match=refused):
         probe_server(port.url, PROMPTS, RESPONSES)
     with RewardServer(lambda i, body: (200, '{"score": 1}')) as server:
         with pytest.raises(ValueError, match=r'without a "rewards" list .* with \{"rewards": \[one float per pair\]\}'):
