@@ -70,6 +70,7 @@ class ChunkReport:
     filtered_prompts: int = 0     # prompts left out because their samples all scored the same
     filtered_rollouts: int = 0    # the rollouts of those prompts
     transfer: Transfer = Transfer()  # what pulling the chunk's objects moved between nodes
+    reward_counts: tuple = ()     # (name, number): the reward call's counters (ScoreResult.counts)
 
 
 def _prompt_group(x: ScoredRollout):
@@ -241,7 +242,8 @@ class RolloutBuffer:
                 self._chunks_pending.discard(chunk_id)
         return ChunkReport(chunk_id, stored=len(scored), invalid_scores=invalid, empty_responses=empty,
                            errors=tuple(scores.errors), held=held, transfer=moved,
-                           filtered_prompts=len(flat), filtered_rollouts=filtered)
+                           filtered_prompts=len(flat), filtered_rollouts=filtered,
+                           reward_counts=tuple(scores.counts.items()))
 
     def take(self, n: int, *, world_size: int, min_version: int = 0, current_version: int = 0,
              timeout: Optional[float] = None, drop_surplus: bool = False) -> tuple:

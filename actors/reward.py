@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from actors.http_reward import HTTPScorer
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
 from actors.scoring import ColumnBinding, Columns, FunctionScorer, ScoreResult, TextScorer, as_number, finalise
 from actors.timed_call import CallTimedOut, TimedCall
@@ -154,30 +155,32 @@ class Reward:
     def __init__(self, *, model: str | None = None, function: str | None = None,
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
                  device: str | None = None, normalize: bool = False, gold: str | None = None,
-                 timeout_s: float = 60.0, columns: PromptColumns | None = None):
+                 timeout_s: float = 60.0, columns: PromptColumns | None = None, url: str | None = None,
+                 http: dict | None = None):
         fit_threads()
-        if (model is None) == (function is None):
-            raise ValueError("Reward: give exactly one of model= or function= "
-                             f"(got model={model!r}, function={function!r})")
+        if sum(x is not None for x in (model, function, url)) != 1:
+            raise ValueError("Reward: give exactly one of model=, function= or url= "
+                             f"(got model={model!r}, function={function!r}, url={url!r})")
         if batch_size < 1:
             raise ValueError(f"Reward: batch_size must be >= 1, got {batch_size}")
         self.batch_size = int(batch_size)
-        self.function_name = function
+        self.function_name = function or url
+        self.text_source = {"url": url} if url else {"function": function}  # health()'s
         self.model_path = None
         self.model = self.text_tokenizer = None
         self.normalization: tuple[float, float] | None = None  # (mean, std) applied to model scores
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.timeout_s = float(timeout_s)
         self.columns = columns if columns is not None else PromptColumns()
-        self.scorer: TextScorer | None = None if function is None else make_text_scorer(
-            function=function, key="reward.function", timeout_s=timeout_s)
+        self.scorer: TextScorer | None = None if model is not None else make_text_scorer(
+            function=function, key="reward.function", timeout_s=timeout_s, url=url, http=http)
         self.gold: TextScorer | None = None if gold is None else make_text_scorer(
             function=gold, key="reward.gold", timeout_s=timeout_s)
-        if function is not None or gold is not None:  # text functions see decoded tokens
+        if self.scorer is not None or gold is not None:  # text rewards see decoded tokens
             if tokenizer is None:
-                raise ValueError(f"Reward: function {function or gold!r} needs tokenizer= (a path) to decode tokens")
+                raise ValueError(f"Reward: {function or url or gold!r} needs tokenizer= (a path) to decode tokens")
             self.text_tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
-        if function is None:
+        if model is not None:
             self._load_model(model, torch_dtype(dtype, "Reward"))
             if normalize:
                 self.normalization = load_reward_stats(self.model_path)
@@ -229,6 +232,8 @@ class Reward:
         self._counts["invalid_items"] += result.n_invalid
         self._counts["failed_calls"] += int(result.failed)
         self._counts["seconds"] += time.perf_counter() - start
+        for k, v in result.counts.items():
+            self._counts[k] = self._counts.get(k, 0) + v
         if result.errors:
             self.last_error = result.errors[-1]
             for msg in result.errors:
@@ -294,14 +299,18 @@ class Reward:
                 "abandoned_calls": abandoned, "last_error": self.last_error}
 
     def health(self) -> dict:
-        source = {"function": self.function_name} if self.scorer is not None else {
+        source = self.text_source if self.scorer is not None else {
             "model": self.model_path, "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
         return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device),
                 "columns": list(self.columns.names), **self.stats()}
 
 
 
-def make_text_scorer(*, function: str, key: str, timeout_s: float) -> TextScorer:
-    """The text scorer of a reward setting: ``function`` ("module:function") called in this process."""
+def make_text_scorer(*, function: str | None, key: str, timeout_s: float, url: str | None = None,
+                     http: dict | None = None) -> TextScorer:
+    """The text scorer of a reward setting: the server at ``url`` (``http``: reward.http's settings,
+    actors/http_reward.py), or ``function`` ("module:function") called in this process."""
+    if url is not None:
+        return HTTPScorer(url, **(http or {}))
     name = f"reward function {function}" if key == "reward.function" else f"{key} {function}"
     return FunctionScorer(load_function(function, key), name=name, timeout_s=timeout_s)

@@ -30,6 +30,7 @@ class ScoreResult:
     valid: np.ndarray                # [N] bool
     errors: list[str] = field(default_factory=list)  # one line per problem, naming its source
     failed: bool = False             # the whole call failed (raised, timed out, returned no list)
+    counts: dict = field(default_factory=dict)  # the call's counters (e.g. http_retries): step metrics reward/*
 
     @property
     def n_invalid(self) -> int:

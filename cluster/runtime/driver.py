@@ -283,7 +283,8 @@ class Driver:
              "perf/sync_seconds": sync.get("seconds", seconds["sync"]), "perf/sync_bytes": sync.get("bytes", 0),
              "perf/sync_wait_seconds": sync.get("wait_seconds", 0.0),
              "perf/tokens_per_s": produced.tokens / max(produced.generate_seconds, 1e-9), **moved, **learn,
-             **evaluation.source_metrics(batch, self.dataset.columns, self.cfg.data.source_field)}
+             **evaluation.source_metrics(batch, self.dataset.columns, self.cfg.data.source_field),
+             **{f"reward/{k}": v for k, v in produced.reward_counts.items()}}
         for g, tps in produced.per_generator_tps.items():
             self.ray_metrics.record({"generator/tokens_per_s": tps}, {"pool": "generator", "replica": g})
         for pool, lat in produced.score_latency.items():

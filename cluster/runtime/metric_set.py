@@ -73,6 +73,10 @@ MEANINGS: dict[str, str] = {
     "transfer/to_learner_bytes": "cross-node bytes of the learner shards pulled by the learner ranks",
     "generator/tokens_per_s": "generated tokens per second of one generator replica",
     "score/seconds": "latency of one scoring call, per pool (reference | reward) and replica",
+    "reward/http_seconds": "reward.url: seconds the reward replicas' scoring calls to the server took in the step, "
+                           "summed over calls (retries and waits included)",
+    "reward/http_requests": "reward.url: requests sent to the reward server in the step, retries included",
+    "reward/http_retries": "reward.url: requests sent again after a connection error, a timeout or a 5xx/429 reply",
     "buffer/depth": "scored rollouts waiting in the RolloutBuffer",
     "buffer/dropped_stale": "rollouts dropped so far for exceeding max_staleness",
     "buffer/staleness_mean": "mean policy-version lag of rollouts handed to the learner",

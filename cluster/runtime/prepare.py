@@ -3,6 +3,7 @@ the models and their vocabularies, the reward, the prompts and the PTX corpus.""
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 from cluster.job.errors import UserError
@@ -130,6 +131,10 @@ def prepare(cfg):
         if spec:  # with real prompts: a function that cannot score them would void every batch (or eval)
             probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key, cfg.reward.timeout_s,
                            columns=columns)
+    if cfg.reward.url:  # a server that is down or speaks another schema would void every batch
+        from actors.http_reward import probe_server
+        probe_server(cfg.reward.url, prompts, list(PROBE_RESPONSES[:len(prompts)]), columns=columns,
+                     **asdict(cfg.reward.http))
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 

@@ -24,6 +24,7 @@ class Produced:
     tokens: int = 0
     per_generator_tps: dict = field(default_factory=dict)  # replica id -> tokens/s
     score_latency: dict = field(default_factory=dict)      # pool -> seconds of each scoring call
+    reward_counts: dict = field(default_factory=dict)      # the reward calls' counters, summed: reward/<name>
     to_scorers: Transfer = Transfer()  # rollouts pulled by the reference and reward replicas
     to_buffer: Transfer = Transfer()   # rollouts, reference log-probs and scores pulled by the buffer
 
@@ -36,8 +37,10 @@ class Produced:
                  "duplicate_chunks", "redispatched_chunks", "filtered_prompts",
                  "extra_rollouts", "incomplete_kept_sets", "generate_seconds", "score_seconds", "tokens",
                  "to_scorers", "to_buffer")}
+        counts = {k: self.reward_counts.get(k, 0) + other.reward_counts.get(k, 0)
+                  for k in self.reward_counts.keys() | other.reward_counts.keys()}
         return Produced(**sums, per_generator_tps={**self.per_generator_tps, **other.per_generator_tps},
-                        score_latency=latency)
+                        score_latency=latency, reward_counts=counts)
 
 
 def kept_set_warning(produced: Produced) -> str:

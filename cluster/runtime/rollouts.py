@@ -329,6 +329,8 @@ class RolloutProducer:
         out.filtered_prompts += report.filtered_prompts
         out.invalid_scores += report.invalid_scores
         out.empty_responses += report.empty_responses
+        for k, v in report.reward_counts:
+            out.reward_counts[k] = out.reward_counts.get(k, 0) + v
         return True
 
 
