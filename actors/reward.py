@@ -7,7 +7,6 @@ them fails loudly (``annotate`` rejects non-finite scores) instead of training o
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -18,7 +17,16 @@ import numpy as np
 import torch
 
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
-from actors.scoring import ColumnBinding, Columns, FunctionScorer, ScoreResult, TextScorer, as_number, finalise
+from actors.scoring import (
+    ColumnBinding,
+    Columns,
+    FunctionScorer,
+    ScoreResult,
+    TextScorer,
+    as_number,
+    finalise,
+    load_function,
+)
 from actors.timed_call import CallTimedOut, TimedCall
 from core.architectures import load_pretrained
 from core.dtypes import torch_dtype
@@ -49,29 +57,6 @@ def load_reward_stats(model_dir: str) -> tuple[float, float]:
     if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
         raise ValueError(f"reward.normalize: {path} has mean={mean}, std={std}; std must be a finite number > 0")
     return mean, std
-
-
-def load_function(spec: str, key: str = "reward.function"):
-    """Import ``"package.module:function"``; any failure is a one-line ValueError naming the
-    config ``key`` and the fix."""
-    module_name, sep, attr = str(spec).partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{key} {spec!r} must look like 'module:function' "
-                         "(e.g. cluster.demo.sentiment:sentiment)")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - import errors of user code come in every flavour
-        not_found = isinstance(e, ModuleNotFoundError) and e.name is not None and \
-            (module_name == e.name or module_name.startswith(e.name + "."))
-        fix = ("run from the directory that holds it or add that directory to PYTHONPATH" if not_found
-               else "fix the error in that module")
-        raise ValueError(f"{key} {spec!r}: cannot import module {module_name!r} ({type_and_first_line(e)}); "
-                         f"{fix}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{key} {spec!r}: module {module_name!r} has no callable {attr!r}; "
-                         "name a function defined there")
-    return fn
 
 
 def probe_function(spec: str, prompts: list[str], responses: list[str], key: str = "reward.function",
