@@ -63,6 +63,8 @@ class ChunkReport:
     chunk_id: int
     stored: int = 0               # scored rollouts now in the buffer
     invalid_scores: int = 0       # reward was NaN/inf or raised: left out
+    reward_timeouts: int = 0      # of those, pairs whose reward call passed its time limit
+    reward_crashes: int = 0       # of those, pairs whose sandbox worker died scoring them
     empty_responses: int = 0      # nothing to put a reward on: left out
     errors: tuple = ()            # one line per reward problem
     held: tuple = ()              # (prompt_index, rollouts stored) for each prompt now in the buffer
@@ -241,6 +243,7 @@ class RolloutBuffer:
                 self._chunks_pending.discard(chunk_id)
         return ChunkReport(chunk_id, stored=len(scored), invalid_scores=invalid, empty_responses=empty,
                            errors=tuple(scores.errors), held=held, transfer=moved,
+                           reward_timeouts=scores.timeouts, reward_crashes=scores.crashes,
                            filtered_prompts=len(flat), filtered_rollouts=filtered)
 
     def take(self, n: int, *, world_size: int, min_version: int = 0, current_version: int = 0,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
+from actors.sandbox import SandboxScorer
 from actors.scoring import (
     ColumnBinding,
     Columns,
@@ -60,14 +61,16 @@ def load_reward_stats(model_dir: str) -> tuple[float, float]:
 
 
 def probe_function(spec: str, prompts: list[str], responses: list[str], key: str = "reward.function",
-                   timeout_s: float = 60.0, columns: Columns | None = None) -> None:
+                   timeout_s: float = 60.0, columns: Columns | None = None, sandbox: dict | None = None) -> None:
     """Call the function once on example pairs, as the actors will; a ValueError naming
     ``key`` (reward.function, reward.gold) if it takes a column that ``columns`` (the example
     rows' other fields) lacks, raises, does not return within ``timeout_s`` (reward.timeout_s),
     does not return one number per pair, or returns no finite one.
 
     At run time such a function only invalidates every batch (the actor must keep
-    serving), so a run would train on nothing; the driver asks first.
+    serving), so a run would train on nothing; the driver asks first. With ``sandbox`` on
+    (make_text_scorer) the probe scores in the sandbox's workers, as the replicas will: a
+    function that works only in this process (not importable in a fresh one) is refused here.
     """
     fn = load_function(spec, key)
     columns = columns or {}
@@ -78,6 +81,8 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
         raise ValueError(f"{key} {spec!r} takes the column {', '.join(map(repr, missing))} but the prompt rows have "
                          f"no such field (their columns: {have}); add it to the data, or give the parameter a default")
     n = len(prompts)
+    if sandbox and sandbox.get("workers", 0) > 0:
+        return _probe_in_sandbox(spec, prompts, responses, key, columns, sandbox)
     try:
         out = TimedCall(lambda p, r, c: fn(p, r, **c), timeout_s, name=f"probe {spec}")(
             list(prompts), list(responses), binding.select(columns))
@@ -105,6 +110,20 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
                          "or a string marks a pair invalid, and a run whose every pair is invalid trains on nothing)")
 
 
+def _probe_in_sandbox(spec: str, prompts: list[str], responses: list[str], key: str, columns: Columns,
+                      sandbox: dict) -> None:
+    """probe_function's call through reward.sandbox: a ValueError if no example pair scores."""
+    scorer = make_text_scorer(function=spec, key=key, timeout_s=float(sandbox["timeout_s"]), sandbox=sandbox)
+    try:
+        result = scorer.score_texts(list(prompts), list(responses), columns)
+    finally:
+        scorer.close()
+    if prompts and not result.valid.any():
+        raise ValueError(f"{key} {spec!r} scored none of {len(prompts)} example (prompt, response) pairs on a probe "
+                         f"in reward.sandbox: {result.errors[0] if result.errors else 'no valid score'}; fix the "
+                         "function")
+
+
 def resolve_tokenizer_path(path: str) -> str:
     """A tokenizer directory has no config.json necessarily; only insist that it exists."""
     p = Path(str(path)).expanduser()
@@ -127,13 +146,16 @@ class Reward:
     ``score`` call. ``gold`` (a function spec, needs ``tokenizer``) is the evaluation-only
     score of ``gold_scores``: what the proxy reward stands in for. A function (or gold) call
     that does not return within ``timeout_s`` leaves its items invalid and goes on in an
-    abandoned thread (actors/timed_call.py); the replica serves the next call.
+    abandoned thread (actors/timed_call.py); the replica serves the next call. ``sandbox``
+    ({workers, timeout_s, memory_mb}; workers > 0) scores the function and gold one pair at a
+    time in worker processes instead (actors/sandbox.py): a pair that hangs, crashes or runs out
+    of memory is invalid, and its worker replaced.
     """
 
     def __init__(self, *, model: str | None = None, function: str | None = None,
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
                  device: str | None = None, normalize: bool = False, gold: str | None = None,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, sandbox: dict | None = None):
         fit_threads()
         if (model is None) == (function is None):
             raise ValueError("Reward: give exactly one of model= or function= "
@@ -148,9 +170,9 @@ class Reward:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.timeout_s = float(timeout_s)
         self.scorer: TextScorer | None = None if function is None else make_text_scorer(
-            function=function, key="reward.function", timeout_s=timeout_s)
+            function=function, key="reward.function", timeout_s=timeout_s, sandbox=sandbox)
         self.gold: TextScorer | None = None if gold is None else make_text_scorer(
-            function=gold, key="reward.gold", timeout_s=timeout_s)
+            function=gold, key="reward.gold", timeout_s=timeout_s, sandbox=sandbox)
         if function is not None or gold is not None:  # text functions see decoded tokens
             if tokenizer is None:
                 raise ValueError(f"Reward: function {function or gold!r} needs tokenizer= (a path) to decode tokens")
@@ -159,7 +181,8 @@ class Reward:
             self._load_model(model, torch_dtype(dtype, "Reward"))
             if normalize:
                 self.normalization = load_reward_stats(self.model_path)
-        self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "seconds": 0.0}
+        self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "timeouts": 0, "crashes": 0,
+                        "seconds": 0.0}
         self.last_error: str | None = None
 
     def _load_model(self, model: str, dtype: torch.dtype) -> None:
@@ -206,6 +229,8 @@ class Reward:
         self._counts["items"] += n
         self._counts["invalid_items"] += result.n_invalid
         self._counts["failed_calls"] += int(result.failed)
+        self._counts["timeouts"] += result.timeouts
+        self._counts["crashes"] += result.crashes
         self._counts["seconds"] += time.perf_counter() - start
         if result.errors:
             self.last_error = result.errors[-1]
@@ -262,6 +287,12 @@ class Reward:
         return {**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()},
                 "abandoned_calls": abandoned, "last_error": self.last_error}
 
+    def close(self) -> None:
+        """Stop the text scorers' workers (a sandbox's processes); the replica scores no more."""
+        for scorer in (self.scorer, self.gold):
+            if scorer is not None:
+                scorer.close()
+
     def health(self) -> dict:
         source = {"function": self.function_name} if self.scorer is not None else {
             "model": self.model_path, "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
@@ -269,7 +300,12 @@ class Reward:
 
 
 
-def make_text_scorer(*, function: str, key: str, timeout_s: float) -> TextScorer:
-    """The text scorer of a reward setting: ``function`` ("module:function") called in this process."""
+def make_text_scorer(*, function: str, key: str, timeout_s: float, sandbox: dict | None = None) -> TextScorer:
+    """The text scorer of a reward setting: ``function`` ("module:function") called in this process, or,
+    with ``sandbox`` ({workers, timeout_s, memory_mb}, workers > 0), one pair at a time in worker
+    processes (actors/sandbox.py)."""
     name = f"reward function {function}" if key == "reward.function" else f"{key} {function}"
+    if sandbox and sandbox.get("workers", 0) > 0:
+        return SandboxScorer(function, name=name, key=key, workers=int(sandbox["workers"]),
+                             timeout_s=float(sandbox["timeout_s"]), memory_mb=int(sandbox.get("memory_mb", 0)))
     return FunctionScorer(load_function(function, key), name=name, timeout_s=timeout_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Callable
 
 import ray
@@ -72,7 +72,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
                                           runtime_env=env("reward"), **options).remote(
             model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
             normalize=w.normalize, gold=w.gold, dtype=dtype["reward"],
-            timeout_s=w.timeout_s)
+            timeout_s=w.timeout_s, sandbox=asdict(w.sandbox))
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t,
                       node_labels=p.node_labels, strategy=p.strategy)

@@ -3,6 +3,7 @@ the models and their vocabularies, the reward, the prompts and the PTX corpus.""
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 from cluster.job.errors import UserError
@@ -125,7 +126,8 @@ def prepare(cfg):
     prompts = train_set.texts[:len(PROBE_RESPONSES)]
     for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
         if spec:  # with real prompts: a function that cannot score them would void every batch (or eval)
-            probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key, cfg.reward.timeout_s)
+            probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key, cfg.reward.timeout_s,
+                           sandbox=asdict(cfg.reward.sandbox))
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 

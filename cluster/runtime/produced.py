@@ -13,6 +13,8 @@ class Produced:
     prompts: int = 0
     skipped_prompts: int = 0      # too long for the model
     invalid_scores: int = 0       # reward returned NaN/inf or raised
+    reward_timeouts: int = 0      # of those, pairs whose reward call passed its time limit
+    reward_crashes: int = 0       # of those, pairs whose sandbox worker died scoring them
     empty_responses: int = 0
     duplicate_chunks: int = 0     # chunks the buffer had already stored (exactly-once at work)
     redispatched_chunks: int = 0  # chunks sent again because the replica holding them died
@@ -32,8 +34,8 @@ class Produced:
         latency = {k: self.score_latency.get(k, []) + other.score_latency.get(k, [])
                    for k in set(self.score_latency) | set(other.score_latency)}
         sums = {f: getattr(self, f) + getattr(other, f) for f in
-                ("stored", "prompts", "skipped_prompts", "invalid_scores", "empty_responses",
-                 "duplicate_chunks", "redispatched_chunks", "filtered_prompts",
+                ("stored", "prompts", "skipped_prompts", "invalid_scores", "reward_timeouts", "reward_crashes",
+                 "empty_responses", "duplicate_chunks", "redispatched_chunks", "filtered_prompts",
                  "extra_rollouts", "incomplete_kept_sets", "generate_seconds", "score_seconds", "tokens",
                  "to_scorers", "to_buffer")}
         return Produced(**sums, per_generator_tps={**self.per_generator_tps, **other.per_generator_tps},

@@ -328,6 +328,8 @@ class RolloutProducer:
         out.stored += report.stored
         out.filtered_prompts += report.filtered_prompts
         out.invalid_scores += report.invalid_scores
+        out.reward_timeouts += report.reward_timeouts
+        out.reward_crashes += report.reward_crashes
         out.empty_responses += report.empty_responses
         return True
 
