@@ -76,9 +76,14 @@ def worker_main(conn, spec: str, key: str, name: str, memory_mb: int, parent: in
     try:
         fn = load_function(spec, key)
     except (ValueError, MemoryError) as e:
-        conn.send(("error", str(e) if isinstance(e, ValueError) else f"{key} {spec!r}: MemoryError while "
-                   f"importing within reward.sandbox.memory_mb={memory_mb}; raise it"))
-        return
+        text = str(e) if isinstance(e, ValueError) else f"{key} {spec!r}: MemoryError while importing it"
+        if memory_mb and "MemoryError" in text:
+            text += f" (within reward.sandbox.memory_mb={memory_mb}, which counts the interpreter too: raise it)"
+        try:
+            conn.send(("error", text))
+        except MemoryError:  # the parent reports the exit, naming memory_mb
+            pass
+        os._exit(1)
     binding = ColumnBinding.of(fn)
     conn.send(("ready", None))
     while True:
@@ -88,7 +93,7 @@ def worker_main(conn, spec: str, key: str, name: str, memory_mb: int, parent: in
             return
         if job is None:
             return
-        prompt, response, columns = job
+        prompt, response, columns = job  # columns: name -> [the pair's value]
         try:
             result = _one_score(fn([prompt], [response], **binding.select(columns)), name)
         except MemoryError:
@@ -226,7 +231,7 @@ class SandboxScorer:
                 if w.ready and w.job is None and pending:
                     i = pending.pop()
                     try:
-                        w.conn.send((prompts[i], responses[i], {k: v[i] for k, v in columns.items()}))
+                        w.conn.send((prompts[i], responses[i], {k: [v[i]] for k, v in columns.items()}))
                         w.job = (i, time.monotonic() + self.timeout_s)
                     except (BrokenPipeError, OSError):
                         call.crashes += 1

@@ -12,8 +12,9 @@ class SandboxConfig:
                               "(the function runs in the replica, limited by reward.timeout_s per call)")
     timeout_s: float = setting(10.0, "a pair not scored after this many seconds is invalid; its worker is killed "
                                      "and replaced")
-    memory_mb: int = setting(0, "cap on each worker's data segment (heap and anonymous memory, RLIMIT_DATA), in "
-                                "MiB: past it an allocation fails and that pair is invalid; 0 = no cap")
+    memory_mb: int = setting(0, "cap on each worker's data segment (heap and anonymous memory, RLIMIT_DATA; the "
+                                "interpreter and the function's imports count too), in MiB: past it an allocation "
+                                "fails and that pair is invalid; 0 = no cap")
 
 
 def check_sandbox(sandbox: SandboxConfig) -> None:
@@ -22,6 +23,3 @@ def check_sandbox(sandbox: SandboxConfig) -> None:
         raise ConfigError(f"config: reward.sandbox.workers={sandbox.workers} must be >= 0 (0 = off), "
                           f"reward.sandbox.timeout_s={sandbox.timeout_s} > 0 and reward.sandbox.memory_mb="
                           f"{sandbox.memory_mb} >= 0 (0 = no cap)")
-    if 0 < sandbox.memory_mb < 64:  # below what an interpreter with numpy needs to start
-        raise ConfigError(f"config: reward.sandbox.memory_mb={sandbox.memory_mb} is too small for a Python worker "
-                          "to start; give 64 or more (e.g. 1024), or 0 for no cap")
