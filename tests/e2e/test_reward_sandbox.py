@@ -3,9 +3,9 @@ finishes, and the step metrics count them (reward/timeouts, rollouts/invalid_sco
 import json
 
 import pytest
+from slow_reward import HANGS_PER_NODE
 
 from cluster import train
-from slow_reward import HANGS_PER_NODE
 
 pytestmark = pytest.mark.e2e
 
