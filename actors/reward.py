@@ -7,7 +7,6 @@ them fails loudly (``annotate`` rejects non-finite scores) instead of training o
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -19,7 +18,17 @@ import torch
 
 from actors.http_reward import HTTPScorer
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
-from actors.scoring import ColumnBinding, Columns, FunctionScorer, ScoreResult, TextScorer, as_number, finalise
+from actors.sandbox import SandboxScorer
+from actors.scoring import (
+    ColumnBinding,
+    Columns,
+    FunctionScorer,
+    ScoreResult,
+    TextScorer,
+    as_number,
+    finalise,
+    load_function,
+)
 from actors.timed_call import CallTimedOut, TimedCall
 from core.architectures import load_pretrained
 from core.columns import PromptColumns
@@ -53,38 +62,17 @@ def load_reward_stats(model_dir: str) -> tuple[float, float]:
     return mean, std
 
 
-def load_function(spec: str, key: str = "reward.function"):
-    """Import ``"package.module:function"``; any failure is a one-line ValueError naming the
-    config ``key`` and the fix."""
-    module_name, sep, attr = str(spec).partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{key} {spec!r} must look like 'module:function' "
-                         "(e.g. cluster.demo.sentiment:sentiment)")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - import errors of user code come in every flavour
-        not_found = isinstance(e, ModuleNotFoundError) and e.name is not None and \
-            (module_name == e.name or module_name.startswith(e.name + "."))
-        fix = ("run from the directory that holds it or add that directory to PYTHONPATH" if not_found
-               else "fix the error in that module")
-        raise ValueError(f"{key} {spec!r}: cannot import module {module_name!r} ({type_and_first_line(e)}); "
-                         f"{fix}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{key} {spec!r}: module {module_name!r} has no callable {attr!r}; "
-                         "name a function defined there")
-    return fn
-
-
 def probe_function(spec: str, prompts: list[str], responses: list[str], key: str = "reward.function",
-                   timeout_s: float = 60.0, columns: Columns | None = None) -> None:
+                   timeout_s: float = 60.0, columns: Columns | None = None, sandbox: dict | None = None) -> None:
     """Call the function once on example pairs, as the actors will; a ValueError naming
     ``key`` (reward.function, reward.gold) if it takes a column that ``columns`` (the example
     rows' other fields) lacks, raises, does not return within ``timeout_s`` (reward.timeout_s),
     does not return one number per pair, or returns no finite one.
 
     At run time such a function only invalidates every batch (the actor must keep
-    serving), so a run would train on nothing; the driver asks first.
+    serving), so a run would train on nothing; the driver asks first. With ``sandbox`` on
+    (make_text_scorer) the probe scores in the sandbox's workers, as the replicas will: a
+    function that works only in this process (not importable in a fresh one) is refused here.
     """
     fn = load_function(spec, key)
     columns = columns or {}
@@ -96,6 +84,8 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
                          f"no such field (their columns: {have}); add it to the data (and to data.columns if set), "
                          "or give the parameter a default")
     n = len(prompts)
+    if sandbox and sandbox.get("workers", 0) > 0:
+        return _probe_in_sandbox(spec, prompts, responses, key, columns, sandbox)
     try:
         out = TimedCall(lambda p, r, c: fn(p, r, **c), timeout_s, name=f"probe {spec}")(
             list(prompts), list(responses), binding.select(columns))
@@ -121,6 +111,20 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
                 f"{', '.join(sorted({type(x).__name__ for x in items}))}, not a list of numbers,")
         raise ValueError(f"{key} {spec!r} returned {what} for all {pairs}; return finite floats (NaN, inf, None "
                          "or a string marks a pair invalid, and a run whose every pair is invalid trains on nothing)")
+
+
+def _probe_in_sandbox(spec: str, prompts: list[str], responses: list[str], key: str, columns: Columns,
+                      sandbox: dict) -> None:
+    """probe_function's call through reward.sandbox: a ValueError if no example pair scores."""
+    scorer = make_text_scorer(function=spec, key=key, timeout_s=float(sandbox["timeout_s"]), sandbox=sandbox)
+    try:
+        result = scorer.score_texts(list(prompts), list(responses), columns)
+    finally:
+        scorer.close()
+    if prompts and not result.valid.any():
+        raise ValueError(f"{key} {spec!r} scored none of {len(prompts)} example (prompt, response) pairs on a probe "
+                         f"in reward.sandbox: {result.errors[0] if result.errors else 'no valid score'}; fix the "
+                         "function")
 
 
 def resolve_tokenizer_path(path: str) -> str:
@@ -149,14 +153,17 @@ class Reward:
     prompt rows' other fields by dataset id (core/columns.py; the driver puts the table in the
     object store once and every replica gets that reference): ``score_rollouts`` and
     ``gold_scores`` look each rollout's up by its ``prompt_index`` and pass them to the text
-    scorer; a reward model ignores them.
+    scorer; a reward model ignores them. ``sandbox`` ({workers, timeout_s, memory_mb};
+    workers > 0) scores the function and gold one pair at a time in worker processes instead
+    (actors/sandbox.py): a pair that hangs, crashes or runs out of memory is invalid, and its
+    worker replaced.
     """
 
     def __init__(self, *, model: str | None = None, function: str | None = None,
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
                  device: str | None = None, normalize: bool = False, gold: str | None = None,
                  timeout_s: float = 60.0, columns: PromptColumns | None = None, url: str | None = None,
-                 http: dict | None = None):
+                 http: dict | None = None, sandbox: dict | None = None):
         fit_threads()
         if sum(x is not None for x in (model, function, url)) != 1:
             raise ValueError("Reward: give exactly one of model=, function= or url= "
@@ -173,9 +180,9 @@ class Reward:
         self.timeout_s = float(timeout_s)
         self.columns = columns if columns is not None else PromptColumns()
         self.scorer: TextScorer | None = None if model is not None else make_text_scorer(
-            function=function, key="reward.function", timeout_s=timeout_s, url=url, http=http)
+            function=function, key="reward.function", timeout_s=timeout_s, url=url, http=http, sandbox=sandbox)
         self.gold: TextScorer | None = None if gold is None else make_text_scorer(
-            function=gold, key="reward.gold", timeout_s=timeout_s)
+            function=gold, key="reward.gold", timeout_s=timeout_s, sandbox=sandbox)
         if self.scorer is not None or gold is not None:  # text rewards see decoded tokens
             if tokenizer is None:
                 raise ValueError(f"Reward: {function or url or gold!r} needs tokenizer= (a path) to decode tokens")
@@ -184,7 +191,8 @@ class Reward:
             self._load_model(model, torch_dtype(dtype, "Reward"))
             if normalize:
                 self.normalization = load_reward_stats(self.model_path)
-        self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "seconds": 0.0}
+        self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "timeouts": 0, "crashes": 0,
+                        "seconds": 0.0}
         self.last_error: str | None = None
 
     def _load_model(self, model: str, dtype: torch.dtype) -> None:
@@ -298,6 +306,12 @@ class Reward:
         return {**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()},
                 "abandoned_calls": abandoned, "last_error": self.last_error}
 
+    def close(self) -> None:
+        """Stop the text scorers' workers (a sandbox's processes); the replica scores no more."""
+        for scorer in (self.scorer, self.gold):
+            if scorer is not None:
+                scorer.close()
+
     def health(self) -> dict:
         source = self.text_source if self.scorer is not None else {
             "model": self.model_path, "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
@@ -307,10 +321,15 @@ class Reward:
 
 
 def make_text_scorer(*, function: str | None, key: str, timeout_s: float, url: str | None = None,
-                     http: dict | None = None) -> TextScorer:
+                     http: dict | None = None, sandbox: dict | None = None) -> TextScorer:
     """The text scorer of a reward setting: the server at ``url`` (``http``: reward.http's settings,
-    actors/http_reward.py), or ``function`` ("module:function") called in this process."""
+    actors/http_reward.py); or ``function`` ("module:function") called in this process, or, with
+    ``sandbox`` ({workers, timeout_s, memory_mb}, workers > 0), one pair at a time in worker
+    processes (actors/sandbox.py)."""
     if url is not None:
         return HTTPScorer(url, **(http or {}))
     name = f"reward function {function}" if key == "reward.function" else f"{key} {function}"
+    if sandbox and sandbox.get("workers", 0) > 0:
+        return SandboxScorer(function, name=name, key=key, workers=int(sandbox["workers"]),
+                             timeout_s=float(sandbox["timeout_s"]), memory_mb=int(sandbox.get("memory_mb", 0)))
     return FunctionScorer(load_function(function, key), name=name, timeout_s=timeout_s)

@@ -10,6 +10,7 @@ naming the source; a scorer never raises for what the user's code did.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import numbers
 from dataclasses import dataclass, field
@@ -30,7 +31,9 @@ class ScoreResult:
     valid: np.ndarray                # [N] bool
     errors: list[str] = field(default_factory=list)  # one line per problem, naming its source
     failed: bool = False             # the whole call failed (raised, timed out, returned no list)
-    counts: dict = field(default_factory=dict)  # the call's counters (e.g. http_retries): step metrics reward/*
+    # the call's counters, summed into the step metrics reward/<name>: timeouts (items invalid because
+    # their call passed its time limit), crashes (items whose sandbox worker died), http_retries, ...
+    counts: dict = field(default_factory=dict)
 
     @property
     def n_invalid(self) -> int:
@@ -111,6 +114,29 @@ def _is_nan(x) -> bool:
         return False
 
 
+def load_function(spec: str, key: str = "reward.function"):
+    """Import ``"package.module:function"``; any failure is a one-line ValueError naming the
+    config ``key`` and the fix."""
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{key} {spec!r} must look like 'module:function' "
+                         "(e.g. cluster.demo.sentiment:sentiment)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - import errors of user code come in every flavour
+        not_found = isinstance(e, ModuleNotFoundError) and e.name is not None and \
+            (module_name == e.name or module_name.startswith(e.name + "."))
+        fix = ("run from the directory that holds it or add that directory to PYTHONPATH" if not_found
+               else "fix the error in that module")
+        raise ValueError(f"{key} {spec!r}: cannot import module {module_name!r} ({type_and_first_line(e)}); "
+                         f"{fix}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{key} {spec!r}: module {module_name!r} has no callable {attr!r}; "
+                         "name a function defined there")
+    return fn
+
+
 @dataclass(frozen=True)
 class ColumnBinding:
     """Which of a prompt row's columns a reward function takes, read from its signature.
@@ -165,9 +191,11 @@ class FunctionScorer:
         try:
             out = self.call(list(prompts), list(responses), self.binding.select(columns))
         except CallTimedOut:
-            return invalid_result(n, f"{self.name} did not return within {self.timeout_key}={self.timeout_s:g} s; "
-                                     f"all {n} items invalid (the call goes on in the background: "
-                                     f"{self.call.abandoned} such, at most {self.call.max_abandoned})")
+            result = invalid_result(n, f"{self.name} did not return within {self.timeout_key}={self.timeout_s:g} s; "
+                                       f"all {n} items invalid (the call goes on in the background: "
+                                       f"{self.call.abandoned} such, at most {self.call.max_abandoned})")
+            result.counts["timeouts"] = n
+            return result
         except TooManyAbandoned as e:
             return invalid_result(n, f"{self.name} not called: {e} ({self.timeout_key}); all {n} items invalid "
                                      "until one returns")

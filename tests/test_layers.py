@@ -4,6 +4,7 @@ module imports another's private (_underscore) names.
     core              the shared vocabulary (rollout data units, PPO math); imports nothing of ours
     actors, learner   the rollout side, the training side (neither imports the other)
     cluster.config    the typed configs          cluster.demo   the built-in demo (tiny models, task)
+    cluster.rewards   built-in rewards named by spec (cluster.rewards:math)
     cluster.data      prompts, PTX text, stage rows
     cluster.job       the job lifecycle every entrypoint shares
     cluster.runtime   the PPO service: pools, driver, rollouts, ledger, checkpoints, metrics
@@ -22,7 +23,8 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER = {"core": 0, "actors": 1, "learner": 1, "cluster.config": 2, "cluster.demo": 2, "cluster.data": 3,
+LAYER = {"core": 0, "actors": 1, "learner": 1, "cluster.config": 2, "cluster.demo": 2, "cluster.rewards": 2,
+         "cluster.data": 3,
          "cluster.nodes": 3,
          "cluster.job": 4, "cluster.runtime": 5, "cluster.recipes": 6, "cluster": 7, "bench": 8}
 PACKAGES = ("core", "actors", "learner", "cluster", "bench")

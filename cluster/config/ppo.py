@@ -21,6 +21,7 @@ from cluster.config import loader
 from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.reward_http import RewardHTTPConfig, check_reward_http
+from cluster.config.reward_sandbox import SandboxConfig, check_sandbox
 from cluster.config.step import check_step
 from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
 from core.dtypes import resolve_precision
@@ -97,6 +98,7 @@ class RewardPoolConfig(PoolConfig):
                                      "many seconds counts its pairs as invalid scores (the call is abandoned; "
                                      "the start-up probe refuses such a function)")
     http: RewardHTTPConfig
+    sandbox: SandboxConfig
 
 
 @config_class
@@ -317,6 +319,7 @@ def _check_reward(reward: RewardPoolConfig) -> None:
     if not 0 <= reward.max_invalid_fraction <= 1:
         raise ConfigError(f"config: reward.max_invalid_fraction={reward.max_invalid_fraction} must be in [0, 1] "
                           "(the share of a step's scores that may be invalid)")
+    check_sandbox(reward.sandbox)
     if not reward.timeout_s > 0:
         raise ConfigError(f"config: reward.timeout_s={reward.timeout_s} must be > 0 (seconds a reward function "
                           "call may take)")

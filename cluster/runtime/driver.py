@@ -263,6 +263,8 @@ class Driver:
              "rollouts/used": len(batch.scores), "rollouts/prompts": produced.prompts,
              "rollouts/skipped_prompts": produced.skipped_prompts,
              "rollouts/invalid_scores": produced.invalid_scores,
+             "reward/timeouts": produced.reward_counts.get("timeouts", 0),
+             "reward/crashes": produced.reward_counts.get("crashes", 0),
              "rollouts/empty_responses": produced.empty_responses,
              "rollouts/incomplete_kept_sets": produced.incomplete_kept_sets,
              "rollouts/duplicate_chunks": produced.duplicate_chunks,

@@ -72,7 +72,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
                                           runtime_env=env("reward"), **options).remote(
             model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
             normalize=w.normalize, gold=w.gold, dtype=dtype["reward"],
-            timeout_s=w.timeout_s, url=w.url, http=asdict(w.http),
+            timeout_s=w.timeout_s, url=w.url, http=asdict(w.http), sandbox=asdict(w.sandbox),
             columns=columns_ref)  # every replica, replacements too: the one reference
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t,

@@ -91,6 +91,10 @@ MEANINGS: dict[str, str] = {
     "rollouts/prompts": "prompts sent to the generators for the step",
     "rollouts/skipped_prompts": "prompts skipped (too long, empty after templating)",
     "rollouts/invalid_scores": "rollouts dropped because the reward was invalid (NaN, error)",
+    "reward/timeouts": "of the invalid scores, pairs whose reward call passed its time limit (reward.timeout_s, or "
+                       "reward.sandbox.timeout_s per pair)",
+    "reward/crashes": "of the invalid scores, pairs whose reward.sandbox worker died scoring them (exit, signal, "
+                      "OOM kill)",
     "rollouts/empty_responses": "rollouts with an empty response",
     "rollouts/incomplete_kept_sets": "sampled positions whose top-k kept set may hold more tokens (ties at the "
                                      "k-th logit) than the generator read",

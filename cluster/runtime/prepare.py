@@ -130,7 +130,7 @@ def prepare(cfg):
     for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
         if spec:  # with real prompts: a function that cannot score them would void every batch (or eval)
             probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key, cfg.reward.timeout_s,
-                           columns=columns)
+                           columns=columns, sandbox=asdict(cfg.reward.sandbox))
     if cfg.reward.url:  # a server that is down or speaks another schema would void every batch
         from actors.http_reward import probe_server
         probe_server(cfg.reward.url, prompts, list(PROBE_RESPONSES[:len(prompts)]), columns=columns,

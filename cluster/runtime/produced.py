@@ -33,8 +33,8 @@ class Produced:
         latency = {k: self.score_latency.get(k, []) + other.score_latency.get(k, [])
                    for k in set(self.score_latency) | set(other.score_latency)}
         sums = {f: getattr(self, f) + getattr(other, f) for f in
-                ("stored", "prompts", "skipped_prompts", "invalid_scores", "empty_responses",
-                 "duplicate_chunks", "redispatched_chunks", "filtered_prompts",
+                ("stored", "prompts", "skipped_prompts", "invalid_scores",
+                 "empty_responses", "duplicate_chunks", "redispatched_chunks", "filtered_prompts",
                  "extra_rollouts", "incomplete_kept_sets", "generate_seconds", "score_seconds", "tokens",
                  "to_scorers", "to_buffer")}
         counts = {k: self.reward_counts.get(k, 0) + other.reward_counts.get(k, 0)

@@ -188,7 +188,7 @@ def test_a_call_past_the_timeout_invalidates_its_items_and_the_replica_serves_on
         assert rw.score(prompts, fine).valid.all()
         for i in range(MAX_ABANDONED_CALLS):
             res = rw.score(prompts, hangs)
-            assert not res.valid.any() and np.isnan(res.scores).all()
+            assert not res.valid.any() and np.isnan(res.scores).all() and res.counts["timeouts"] == 2
             assert res.errors == ["reward function bad_rewards:hangs_when_asked did not return within "
                                   f"reward.timeout_s=2 s; all 2 items invalid (the call goes on in the background: "
                                   f"{i + 1} such, at most {MAX_ABANDONED_CALLS})"]

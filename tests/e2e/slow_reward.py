@@ -39,3 +39,21 @@ def dies_once(prompts, responses):
             return sentiment(prompts, responses)
         os.kill(os.getpid(), signal.SIGKILL)
     return sentiment(prompts, responses)
+
+
+HANGS_PER_NODE = 3
+
+
+def hangs_on_a_few_pairs(prompts, responses):
+    """Scores as sentiment does, in a reward.sandbox worker (one pair per call); the first
+    HANGS_PER_NODE pairs after the probe on a Ray node never return."""
+    if list(responses) != list(PROBE_RESPONSES[:len(responses)]):
+        raylet = psutil.Process(psutil.Process(os.getppid()).ppid())  # worker -> reward replica -> raylet
+        for k in range(HANGS_PER_NODE):
+            marker = Path(tempfile.gettempdir()) / f"tether-test-hang-{raylet.pid}-{raylet.create_time():.0f}-{k}"
+            try:
+                marker.touch(exist_ok=False)
+            except FileExistsError:
+                continue
+            time.sleep(3600)
+    return sentiment(prompts, responses)
