@@ -132,8 +132,9 @@ def resolve_tokenizer_path(path: str) -> str:
 
 class Reward:
     """Scores token batches. Exactly one of ``model`` (a sequence classifier with
-    num_labels=1) or ``function`` (``"module:function"`` called as
-    ``fn(prompts: list[str], responses: list[str], **columns) -> list[float]``) is given.
+    num_labels=1), ``function`` (``"module:function"`` called as
+    ``fn(prompts: list[str], responses: list[str], **columns) -> list[float]``) or ``judge``
+    (JudgeScorer's keyword arguments, actors/judge.py: a judge model's vLLM engine) is given.
 
     The function path needs ``tokenizer`` (a path) to decode tokens to text and hands the
     pairs to a text scorer (actors/scoring.py); the model path ignores it and feeds
@@ -148,11 +149,11 @@ class Reward:
     def __init__(self, *, model: str | None = None, function: str | None = None,
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
                  device: str | None = None, normalize: bool = False, gold: str | None = None,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, judge: dict | None = None):
         fit_threads()
-        if (model is None) == (function is None):
-            raise ValueError("Reward: give exactly one of model= or function= "
-                             f"(got model={model!r}, function={function!r})")
+        if sum(x is not None for x in (model, function, judge)) != 1:
+            raise ValueError("Reward: give exactly one of model=, function= or judge= "
+                             f"(got model={model!r}, function={function!r}, judge={judge!r})")
         if batch_size < 1:
             raise ValueError(f"Reward: batch_size must be >= 1, got {batch_size}")
         self.batch_size = int(batch_size)
@@ -162,15 +163,16 @@ class Reward:
         self.normalization: tuple[float, float] | None = None  # (mean, std) applied to model scores
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.timeout_s = float(timeout_s)
-        self.scorer: TextScorer | None = None if function is None else make_text_scorer(
-            function=function, key="reward.function", timeout_s=timeout_s)
+        self.scorer: TextScorer | None = None if model is not None else make_text_scorer(
+            function=function, judge=judge, key="reward.function", timeout_s=timeout_s)
         self.gold: TextScorer | None = None if gold is None else make_text_scorer(
             function=gold, key="reward.gold", timeout_s=timeout_s)
-        if function is not None or gold is not None:  # text functions see decoded tokens
+        if self.scorer is not None or gold is not None:  # text rewards see decoded tokens
             if tokenizer is None:
-                raise ValueError(f"Reward: function {function or gold!r} needs tokenizer= (a path) to decode tokens")
+                raise ValueError(f"Reward: {self.scorer.name if self.scorer else gold!r} needs tokenizer= (a path) "
+                                 "to decode tokens")
             self.text_tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
-        if function is None:
+        if model is not None:
             self._load_model(model, torch_dtype(dtype, "Reward"))
             if normalize:
                 self.normalization = load_reward_stats(self.model_path)
@@ -278,13 +280,21 @@ class Reward:
                 "abandoned_calls": abandoned, "last_error": self.last_error}
 
     def health(self) -> dict:
-        source = {"function": self.function_name} if self.scorer is not None else {
-            "model": self.model_path, "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
+        if self.model is not None:
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            source = {"model": self.model_path, "dtype": dtype}
+        else:  # the scorer's own counters (a judge's include its engine's dtype)
+            source = {"function": self.function_name, "scorer": self.scorer.name, **self.scorer.stats()}
         return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device), **self.stats()}
 
 
 
-def make_text_scorer(*, function: str, key: str, timeout_s: float) -> TextScorer:
-    """The text scorer of a reward setting: ``function`` ("module:function") called in this process."""
+def make_text_scorer(*, function: str | None = None, judge: dict | None = None, key: str,
+                     timeout_s: float) -> TextScorer:
+    """The text scorer of a reward setting: ``function`` ("module:function") called in this process,
+    or ``judge`` (JudgeScorer's keyword arguments: a judge model's engine in this process)."""
+    if judge is not None:
+        from actors.judge import JudgeScorer
+        return JudgeScorer(**judge)
     name = f"reward function {function}" if key == "reward.function" else f"{key} {function}"
     return FunctionScorer(load_function(function, key), name=name, timeout_s=timeout_s)

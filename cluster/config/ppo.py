@@ -20,6 +20,7 @@ from actors.config import EngineConfig, SamplingConfig
 from cluster.config import loader
 from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
+from cluster.config.reward_judge import JudgeConfig
 from cluster.config.step import check_step
 from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
 from core.dtypes import resolve_precision
@@ -78,7 +79,7 @@ class ReferencePoolConfig(PoolConfig):
 
 @config_class
 class RewardPoolConfig(PoolConfig):
-    """The reward: a reward model or a Python function scoring each response."""
+    """The reward: a reward model, a Python function or a judge model scoring each response."""
     model: Optional[str] = setting(None, "sequence-classification reward model directory, or ...")
     function: Optional[str] = setting(BUILTIN_REWARD, "... a `module:function(prompts, responses) -> floats`")
     batch_size: int = setting(16, "sequences per forward pass of the reward model")
@@ -93,6 +94,7 @@ class RewardPoolConfig(PoolConfig):
     timeout_s: float = setting(60.0, "a reward.function or reward.gold call that has not returned after this "
                                      "many seconds counts its pairs as invalid scores (the call is abandoned; "
                                      "the start-up probe refuses such a function)")
+    judge: JudgeConfig
 
 
 @config_class
@@ -292,9 +294,9 @@ def _check_pools(cfg: TetherConfig) -> None:
 
 
 def _check_reward(reward: RewardPoolConfig) -> None:
-    if (reward.model is None) == (reward.function is None):
-        raise ConfigError("config: set exactly one of reward.model and reward.function "
-                          "(the other to null)")
+    if sum(x is not None for x in (reward.model, reward.function, reward.judge.model)) != 1:
+        raise ConfigError("config: set exactly one of reward.model, reward.function and reward.judge.model "
+                          "(the others to null)")
     if reward.normalize and reward.model is None:
         raise ConfigError("config: reward.normalize standardises reward-model scores; set reward.model "
                           "(a reward-model checkpoint with reward_stats.json) or reward.normalize=false")
