@@ -1,10 +1,13 @@
-"""Whether this vLLM serves a policy checkpoint as a text generator, asked before the engine starts.
+"""vLLM for every role that hosts an engine (a generator, a judge): whether it serves a checkpoint
+as a text generator, asked before the engine starts, and the engine's start.
 
 vLLM decides which of its model classes (or its Transformers backend) serves a checkpoint when
 it builds its ``ModelConfig``; building that alone costs a few milliseconds once vLLM is
 imported, and its verdict becomes a one-line ``UnsupportedModel`` instead of a failed engine.
 """
 from __future__ import annotations
+
+import os
 
 from core.architectures import UnsupportedModel
 
@@ -35,7 +38,6 @@ def start_engine(model: str, engine, *, tensor_parallel: int, seed: int, on_gpu:
 
     On a GPU vLLM takes ``gpu_memory_utilization`` of the device; on CPU the KV cache is given
     in bytes (the fraction-of-memory knob breaks a second engine on one machine)."""
-    import os
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     from vllm import LLM
 

@@ -50,6 +50,13 @@ def test_unreadable_verdicts_are_invalid_with_one_line():
     assert len(res.errors) == 1 and "2 of 4 verdicts had no number (first at index 1: ' none')" in res.errors[0]
 
 
+@pytest.mark.unit
+def test_the_default_template_is_the_one_the_tiny_judge_learnt():
+    from cluster.config.reward_judge import DEFAULT_TEMPLATE
+    from cluster.demo.judge import JUDGE_TEMPLATE
+    assert DEFAULT_TEMPLATE == JUDGE_TEMPLATE
+
+
 # Pairs on which the tiny judge (cluster/demo/judge.py) was checked to agree with is_positive.
 PROMPTS = ["The cat was", "My friend felt"] * 3
 RESPONSES = [" happy in the park.", " sad at night.", " glad.", " awful by the sea.", " lovely at home.",
