@@ -29,7 +29,7 @@ from actors import kept_set
 from actors.config import EngineConfig, SamplingConfig
 from actors.engine_turns import EngineTurns
 from actors.reference import resolve_model_path
-from actors.vllm_support import check_served
+from actors.vllm_support import check_served, start_engine
 from actors.weight_receiver import GPU_TRANSFER, EngineWeights
 from core.rollout import Rollout
 from core.sampling import is_truncated
@@ -136,19 +136,10 @@ class Generator:
         log.info("%s: vLLM engine up in %.1fs", name, self.start_seconds)
 
     def _start_engine(self, model: str):
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-        from vllm import LLM
-
-        e = self.engine
-        on_gpu = _has_cuda()
-        kwargs = dict(model=model, dtype=e.dtype or "float32", max_model_len=e.max_model_len,
-                      max_num_seqs=e.max_num_seqs, tensor_parallel_size=self.tensor_parallel,
-                      enforce_eager=e.enforce_eager, seed=self.sampling.seed,
-                      logprobs_mode="processed_logprobs",  # logprobs after temperature/top-k/top-p
+        kwargs = dict(logprobs_mode="processed_logprobs",  # logprobs after temperature/top-k/top-p
                       max_logprobs=-1,  # top_p alone reads the whole vocabulary's (actors/kept_set.py)
                       worker_extension_cls="actors.vllm_extension.WeightReloadExtension")
-        if on_gpu:
-            kwargs["gpu_memory_utilization"] = e.gpu_memory_utilization
+        if _has_cuda():
             if self.weight_sync in GPU_TRANSFER:  # the worker builds vLLM's transfer engine after loading
                 from vllm.config import WeightTransferConfig
                 kwargs["weight_transfer_config"] = WeightTransferConfig(backend=self.weight_sync)
@@ -156,9 +147,8 @@ class Generator:
                 # An IPC handle holds torch types, which vLLM's msgpack carries to its engine
                 # process only as a pickle; both ends of that socket are this generator's own.
                 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        else:
-            kwargs["kv_cache_memory_bytes"] = e.kv_cache_bytes
-        return LLM(**kwargs)
+        return start_engine(model, self.engine, tensor_parallel=self.tensor_parallel, seed=self.sampling.seed,
+                            on_gpu=_has_cuda(), **kwargs)
 
     def _params(self, prompt_indices: list[int]) -> list:
         """One SamplingParams per prompt, seeded by (seed, version, prompt index): a prompt's

@@ -139,8 +139,9 @@ def resolve_tokenizer_path(path: str) -> str:
 
 class Reward:
     """Scores token batches. Exactly one of ``model`` (a sequence classifier with
-    num_labels=1) or ``function`` (``"module:function"`` called as
-    ``fn(prompts: list[str], responses: list[str], **columns) -> list[float]``) is given.
+    num_labels=1), ``function`` (``"module:function"`` called as
+    ``fn(prompts: list[str], responses: list[str], **columns) -> list[float]``) or ``judge``
+    (JudgeScorer's keyword arguments, actors/judge.py: a judge model's vLLM engine) is given.
 
     The function path needs ``tokenizer`` (a path) to decode tokens to text and hands the
     pairs to a text scorer (actors/scoring.py); the model path ignores it and feeds
@@ -163,11 +164,11 @@ class Reward:
                  tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
                  device: str | None = None, normalize: bool = False, gold: str | None = None,
                  timeout_s: float = 60.0, columns: PromptColumns | None = None, url: str | None = None,
-                 http: dict | None = None, sandbox: dict | None = None):
+                 http: dict | None = None, sandbox: dict | None = None, judge: dict | None = None):
         fit_threads()
-        if sum(x is not None for x in (model, function, url)) != 1:
-            raise ValueError("Reward: give exactly one of model=, function= or url= "
-                             f"(got model={model!r}, function={function!r}, url={url!r})")
+        if sum(x is not None for x in (model, function, url, judge)) != 1:
+            raise ValueError("Reward: give exactly one of model=, function=, url= or judge= "
+                             f"(got model={model!r}, function={function!r}, url={url!r}, judge={judge!r})")
         if batch_size < 1:
             raise ValueError(f"Reward: batch_size must be >= 1, got {batch_size}")
         self.batch_size = int(batch_size)
@@ -180,12 +181,14 @@ class Reward:
         self.timeout_s = float(timeout_s)
         self.columns = columns if columns is not None else PromptColumns()
         self.scorer: TextScorer | None = None if model is not None else make_text_scorer(
-            function=function, key="reward.function", timeout_s=timeout_s, url=url, http=http, sandbox=sandbox)
+            function=function, key="reward.function", timeout_s=timeout_s, url=url, http=http, sandbox=sandbox,
+            judge=judge)
         self.gold: TextScorer | None = None if gold is None else make_text_scorer(
             function=gold, key="reward.gold", timeout_s=timeout_s, sandbox=sandbox)
         if self.scorer is not None or gold is not None:  # text rewards see decoded tokens
             if tokenizer is None:
-                raise ValueError(f"Reward: {function or url or gold!r} needs tokenizer= (a path) to decode tokens")
+                raise ValueError(f"Reward: {self.scorer.name if self.scorer else gold!r} needs tokenizer= (a path) "
+                                 "to decode tokens")
             self.text_tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
         if model is not None:
             self._load_model(model, torch_dtype(dtype, "Reward"))
@@ -313,21 +316,28 @@ class Reward:
                 scorer.close()
 
     def health(self) -> dict:
-        source = self.text_source if self.scorer is not None else {
-            "model": self.model_path, "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
+        if self.model is not None:
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            source = {"model": self.model_path, "dtype": dtype}
+        else:  # the scorer's own counters (a judge's include its engine's dtype)
+            source = {**self.text_source, "scorer": self.scorer.name, **self.scorer.stats()}
         return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device),
                 "columns": list(self.columns.names), **self.stats()}
 
 
 
 def make_text_scorer(*, function: str | None, key: str, timeout_s: float, url: str | None = None,
-                     http: dict | None = None, sandbox: dict | None = None) -> TextScorer:
+                     http: dict | None = None, sandbox: dict | None = None, judge: dict | None = None) -> TextScorer:
     """The text scorer of a reward setting: the server at ``url`` (``http``: reward.http's settings,
-    actors/http_reward.py); or ``function`` ("module:function") called in this process, or, with
-    ``sandbox`` ({workers, timeout_s, memory_mb}, workers > 0), one pair at a time in worker
-    processes (actors/sandbox.py)."""
+    actors/http_reward.py); ``judge`` (JudgeScorer's keyword arguments: a judge model's engine in
+    this process, actors/judge.py); or ``function`` ("module:function") called in this process,
+    or, with ``sandbox`` ({workers, timeout_s, memory_mb}, workers > 0), one pair at a time in
+    worker processes (actors/sandbox.py)."""
     if url is not None:
         return HTTPScorer(url, **(http or {}))
+    if judge is not None:
+        from actors.judge import JudgeScorer
+        return JudgeScorer(**judge)
     name = f"reward function {function}" if key == "reward.function" else f"{key} {function}"
     if sandbox and sandbox.get("workers", 0) > 0:
         return SandboxScorer(function, name=name, key=key, workers=int(sandbox["workers"]),

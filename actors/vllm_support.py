@@ -1,10 +1,13 @@
-"""Whether this vLLM serves a policy checkpoint as a text generator, asked before the engine starts.
+"""vLLM for every role that hosts an engine (a generator, a judge): whether it serves a checkpoint
+as a text generator, asked before the engine starts, and the engine's start.
 
 vLLM decides which of its model classes (or its Transformers backend) serves a checkpoint when
 it builds its ``ModelConfig``; building that alone costs a few milliseconds once vLLM is
 imported, and its verdict becomes a one-line ``UnsupportedModel`` instead of a failed engine.
 """
 from __future__ import annotations
+
+import os
 
 from core.architectures import UnsupportedModel
 
@@ -27,3 +30,22 @@ def check_served(model: str, key: str = "model.policy") -> None:
     if config.is_multimodal_model:
         raise UnsupportedModel(f"{key}: vLLM serves {config.architecture} as a multimodal model; tether trains "
                                "text-only causal LMs: use the text-only checkpoint of this family")
+
+
+def start_engine(model: str, engine, *, tensor_parallel: int, seed: int, on_gpu: bool, **extra):
+    """vLLM's ``LLM`` over ``model``, sized by ``engine`` (actors.config.EngineConfig): the
+    engine every vLLM role (a generator, a judge) starts, ``extra`` its own LLM arguments.
+
+    On a GPU vLLM takes ``gpu_memory_utilization`` of the device; on CPU the KV cache is given
+    in bytes (the fraction-of-memory knob breaks a second engine on one machine)."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    from vllm import LLM
+
+    kwargs = dict(model=model, dtype=engine.dtype or "float32", max_model_len=engine.max_model_len,
+                  max_num_seqs=engine.max_num_seqs, tensor_parallel_size=tensor_parallel,
+                  enforce_eager=engine.enforce_eager, seed=seed, **extra)
+    if on_gpu:
+        kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    else:
+        kwargs["kv_cache_memory_bytes"] = engine.kv_cache_bytes
+    return LLM(**kwargs)

@@ -48,7 +48,8 @@ def _type(tp) -> str:
 
 
 def _default(value) -> str:
-    return f"`{value if isinstance(value, str) else json.dumps(value)}`"
+    text = value if isinstance(value, str) else json.dumps(value)
+    return f"`{text}`".replace("\n", "`<br>`")  # a table row is one line: a multi-line text shows its breaks
 
 
 def _table(root, stop: tuple) -> list[str]:

@@ -69,6 +69,10 @@ def _coerce(value, tp, key: str):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config: {key} must be a list, got {value!r}")
         return tuple(value)
+    if origin is dict:  # a mapping of label -> value (reward.judge.choices)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config: {key} must be a mapping like {{A: 1.0, B: 0.0}}, got {value!r}")
+        return {_coerce(k, args[0], f"{key} label"): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):

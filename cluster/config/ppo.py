@@ -21,6 +21,7 @@ from cluster.config import loader
 from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.reward_http import RewardHTTPConfig, check_reward_http
+from cluster.config.reward_judge import JudgeConfig
 from cluster.config.reward_sandbox import SandboxConfig, check_sandbox
 from cluster.config.step import check_step
 from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
@@ -80,7 +81,7 @@ class ReferencePoolConfig(PoolConfig):
 
 @config_class
 class RewardPoolConfig(PoolConfig):
-    """The reward: a reward model, a Python function or a server over HTTP scoring each response."""
+    """The reward: a reward model, a Python function, a server over HTTP or a judge model scoring each response."""
     model: Optional[str] = setting(None, "sequence-classification reward model directory, or ...")
     function: Optional[str] = setting(BUILTIN_REWARD, "... a `module:function(prompts, responses) -> floats`, or ...")
     url: Optional[str] = setting(None, "... a reward server's http(s) URL, POSTed OpenRLHF's remote reward "
@@ -99,6 +100,7 @@ class RewardPoolConfig(PoolConfig):
                                      "the start-up probe refuses such a function)")
     http: RewardHTTPConfig
     sandbox: SandboxConfig
+    judge: JudgeConfig
 
 
 @config_class
@@ -309,9 +311,9 @@ def _check_pools(cfg: TetherConfig) -> None:
 
 
 def _check_reward(reward: RewardPoolConfig) -> None:
-    if sum(x is not None for x in (reward.model, reward.function, reward.url)) != 1:
-        raise ConfigError("config: set exactly one of reward.model, reward.function and reward.url "
-                          "(the others to null)")
+    if sum(x is not None for x in (reward.model, reward.function, reward.url, reward.judge.model)) != 1:
+        raise ConfigError("config: set exactly one of reward.model, reward.function, reward.url and "
+                          "reward.judge.model (the others to null)")
     check_reward_http(reward.url, reward.http)
     if reward.normalize and reward.model is None:
         raise ConfigError("config: reward.normalize standardises reward-model scores; set reward.model "

@@ -16,6 +16,7 @@ from actors.reward import Reward
 from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
 from cluster.runtime.pools import BufferSlot, Pool, Pools, actor_env, free_placement, kill_replica, pool_env, reserve
+from cluster.runtime.prepare import judge_path
 from cluster.runtime.threads import node_cores, plan_threads, thread_env
 from learner.group import LearnerGroup
 
@@ -67,12 +68,14 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
             model=r.model or policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
             top_p=g.sampling.top_p, batch_size=r.batch_size, dtype=dtype["reference"])
 
+    judge = w.judge.scorer_kwargs(judge_path(w.judge.model), dtype["reward"], cfg.run.seed) if w.judge.model else None
+
     def reward(rid, index, options):
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
                                           runtime_env=env("reward"), **options).remote(
             model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
             normalize=w.normalize, gold=w.gold, dtype=dtype["reward"],
-            timeout_s=w.timeout_s, url=w.url, http=asdict(w.http), sandbox=asdict(w.sandbox),
+            timeout_s=w.timeout_s, url=w.url, http=asdict(w.http), sandbox=asdict(w.sandbox), judge=judge,
             columns=columns_ref)  # every replica, replacements too: the one reference
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t,
@@ -84,7 +87,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
 def describe_precision(cfg: TetherConfig) -> str:
     """One line: each role's dtype and why (``model.dtype=auto`` says what it found)."""
     prec = cfg.precision()
-    if not cfg.reward.model:
+    if not (cfg.reward.model or cfg.reward.judge.model):
         prec = {role: p for role, p in prec.items() if role != "reward"}  # a function reward has no weights
     roles = " ".join(f"{role}={d}" for role, (d, _) in prec.items())
     reasons = sorted({why for _, why in prec.values()} - {"set"})

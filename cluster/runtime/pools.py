@@ -63,10 +63,12 @@ def actor_env(cfg: TetherConfig) -> dict:
 
 def pool_env(cfg: TetherConfig, pool: str, threads: int) -> dict:
     """Environment variables of one actor of a rollout-side pool: every actor's, its planned
-    threads (cluster/runtime/threads.py) and, for a generator, where vLLM runs its engine."""
-    env = {**actor_env(cfg), **thread_env(threads, vllm=pool == "generator")}
-    if pool == "generator":
-        env.update(engine_process_env(num_gpus=cfg.generator.num_gpus, tensor_parallel=cfg.generator.tensor_parallel))
+    threads (cluster/runtime/threads.py) and, for a generator or a judge, where vLLM runs its engine."""
+    engine = pool == "generator" or (pool == "reward" and cfg.reward.judge.model is not None)  # a judge's too
+    env = {**actor_env(cfg), **thread_env(threads, vllm=engine)}
+    if engine:
+        tp = cfg.generator.tensor_parallel if pool == "generator" else 1
+        env.update(engine_process_env(num_gpus=getattr(cfg, pool).num_gpus, tensor_parallel=tp))
     return env
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cluster.job.errors import UserError
 from core.architectures import check_policy_config, check_reward_config
+from core.errors import type_and_first_line
 
 log = logging.getLogger("tether")
 
@@ -77,6 +78,43 @@ def check_reward_model(path: str, tokenizer, tokenizer_path: str) -> None:
                         "score (num_labels=1): use a reward checkpoint, or a reward.function")
 
 
+BUILTIN_JUDGE = "builtin:judge"
+
+
+def judge_path(name: str) -> str:
+    """reward.judge.model as the engine loads it: builtin:judge built (cached), else as given."""
+    if name == BUILTIN_JUDGE:
+        from cluster.demo.judge import build_judge
+        return str(build_judge())
+    return name
+
+
+def check_judge(judge, columns) -> None:
+    """The judge is a causal LM that exists, and its template names only fields the data has
+    (prompt, response and the rows' ``columns``)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from actors.judge import check_template
+    from actors.reference import resolve_model_path
+    try:
+        check_template(judge.template, columns)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if judge.model.startswith("builtin:") and judge.model != BUILTIN_JUDGE:
+        raise UserError(f"reward.judge.model={judge.model!r} is not a built-in model; use {BUILTIN_JUDGE} "
+                        "or a causal LM directory or Hub name")
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(judge_path(judge.model), "reward.judge.model"))
+    except Exception as e:  # noqa: BLE001 - a missing path, no config.json, a Hub name not in reach
+        raise UserError(f"reward.judge.model={judge.model!r} cannot be read ({type_and_first_line(e)}); point it "
+                        "at a causal LM directory or Hub name") from None
+    arch = (getattr(config, "architectures", None) or ["no architecture"])[0]
+    if arch != MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", "")):
+        raise UserError(f"reward.judge.model={judge.model!r} is a {arch}, not a causal LM; a judge writes its "
+                        "verdict: use a causal LM (e.g. an instruct model), or a classifier as reward.model")
+
+
 # Example pairs for the reward probe: short, plain, what any reward should score.
 PROBE_RESPONSES = (" It was a good day.", " No.")
 
@@ -125,6 +163,8 @@ def prepare(cfg):
         raise UserError(f"data: {len(train_set)} training prompts in {dataset.source} (after holding out "
                         f"data.eval_prompts={d.eval_prompts}) are fewer than data.prompts_per_step="
                         f"{d.prompts_per_step}; lower prompts_per_step or eval_prompts, or add prompts")
+    if cfg.reward.judge.model:  # the rows' other fields (none until the data carries columns)
+        check_judge(cfg.reward.judge, getattr(train_set, "columns", None) or {})
     prompts = train_set.texts[:len(PROBE_RESPONSES)]
     columns = train_set.columns.take(train_set.ids[:len(prompts)])  # the first rows' own fields
     for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):

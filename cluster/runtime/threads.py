@@ -53,9 +53,10 @@ def plan_threads(cfg, cores: int) -> dict[str, int]:
     plan = {name: max(1, int(p.num_cpus)) for name, p in pools.items()}  # Ray's rule
     if not phases_take_turns(cfg):
         return plan
-    scorers = cfg.reference.replicas + (cfg.reward.replicas if cfg.reward.model else 0)
+    computes = cfg.reward.model or cfg.reward.judge.model  # a reward function barely computes
+    scorers = cfg.reference.replicas + (cfg.reward.replicas if computes else 0)
     share = {"generator": cfg.generator.replicas, "reference": scorers, "learner": cfg.learner.replicas,
-             "reward": scorers if cfg.reward.model else 0}  # a reward function barely computes
+             "reward": scorers if computes else 0}
     for name, n in share.items():
         if n and not pools[name].num_gpus:
             plan[name] = max(plan[name], cores // n)

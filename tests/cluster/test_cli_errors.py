@@ -233,6 +233,24 @@ CASES = [
                  id="reward-model-missing"),
     pytest.param(["reward.function=null", "reward.model={inputs}/rm_two_labels"], "has num_labels=2",
                  id="reward-model-two-labels"),
+    # -- reward.judge (config, then prepare) --
+    pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.template=Rate {{prompt}} "
+                  "by {{answer}}"], "reward.judge.template names the field 'answer', which the data does not have "
+                 "(available: prompt, response)", id="judge-template-unknown-field"),
+    pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.template=Rate {{prompt"],
+                 "reward.judge.template is not a valid format string (expected '}}' before end of string)",
+                 id="judge-template-bad-syntax"),
+    pytest.param(["reward.judge.model=builtin:judge"], "set exactly one of reward.model, reward.function, "
+                 "reward.url and reward.judge.model", id="judge-and-function"),
+    pytest.param(["reward.function=null", "reward.judge.model=/nonexistent/judge"],
+                 "reward.judge.model='/nonexistent/judge' cannot be read (FileNotFoundError", id="judge-missing"),
+    pytest.param(["reward.function=null", "reward.judge.model={inputs}/rm_two_labels"],
+                 "ForSequenceClassification, not a causal LM", id="judge-not-a-causal-lm"),
+    pytest.param(["reward.function=null", "reward.judge.model=builtin:nope"], "reward.judge.model='builtin:nope' is "
+                 "not a built-in model", id="judge-builtin-unknown"),
+    pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.choices={{A: 1}}",
+                  "reward.judge.max_score=1"], "with choices, give each label its score instead",
+                 id="judge-choices-with-bounds"),
     # -- resume --
     pytest.param(["run.resume={inputs}/no_such_run"], "no_such_run: not a run folder (no status.json)",
                  id="resume-missing-folder"),

@@ -67,7 +67,7 @@ def test_exponent_without_a_dot_is_a_number():
     (["ppo.minibatch_size=7"], "minibatch_size=7 is not divisible"),
     (["learner.replicas=3", "ppo.minibatch_size=8", "ppo.micro_batch_size=2"], "not divisible by world_size"),
     (["generator.sampling.temperature=0"], "temperature must be > 0"),
-    (["reward.model=/x"], "exactly one of reward.model, reward.function and reward.url"),
+    (["reward.model=/x"], "exactly one of reward.model, reward.function, reward.url and reward.judge.model"),
     (["run.mode=fast"], "run.mode='fast' is unknown; use one of sync, async"),
     (["run.mode=1"], "run.mode must be str, got 1 (int)"),
     (["resources.cpu_threads=all"], "resources.cpu_threads='all' is unknown; use one of phase, reserved"),

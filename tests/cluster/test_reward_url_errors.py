@@ -55,7 +55,8 @@ def test_a_server_speaking_another_schema_is_refused(tmp_path, entrypoints, stat
 
 
 @pytest.mark.parametrize("args, message", [
-    (["reward.url=http://127.0.0.1:9/get_reward"], "set exactly one of reward.model, reward.function and reward.url"),
+    (["reward.url=http://127.0.0.1:9/get_reward"],
+     "set exactly one of reward.model, reward.function, reward.url and reward.judge.model"),
     (["reward.function=null", "reward.url=localhost:5000"], "reward.url='localhost:5000' is not an http(s) URL"),
     (["reward.function=null", "reward.url=http://h/x", "reward.http.concurrency=0"],
      "reward.http.batch_size=64 and concurrency=0 must be >= 1"),

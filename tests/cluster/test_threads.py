@@ -25,6 +25,21 @@ def test_reference_and_reward_model_score_together(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_judge_replica_hosts_an_engine_like_a_generator():
+    """reward.judge: the reward replica scores with the reference (it computes), its vLLM engine
+    runs in the actor's process on CPU with unbound threads, and on GPU keeps vLLM's layout."""
+    from cluster.runtime.pools import pool_env
+
+    judge = ["reward.function=null", "reward.judge.model=builtin:judge"]
+    assert plan(8, *judge, "reference.replicas=3")["reward"] == 2  # 8 cores over 3 + 1 scorers
+    env = pool_env(load_config(None, judge), "reward", 2)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    on_gpu = pool_env(load_config(None, [*judge, "reward.num_gpus=1"]), "reward", 2)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in on_gpu
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in pool_env(load_config(None, []), "reward", 1)  # a function
+
+
+@pytest.mark.unit
 def test_async_and_reserved_keep_rays_rule():
     want = {"generator": 1, "reference": 1, "reward": 1, "learner": 3}
     assert plan(16, "run.mode=async", "learner.num_cpus=3") == want
