@@ -37,14 +37,15 @@ DEFAULT_LR = 3e-3
 DEFAULT_SEQ_LEN = 32  # every corpus sentence + EOS fits (the longest is ~15 tokens)
 
 
-def _corpus_ids(tokenizer_path: str | Path, n_sentences: int = 2000) -> tuple[list[np.ndarray], int | None]:
-    """Every corpus sentence tokenized (no special tokens) with EOS appended."""
+def _corpus_ids(tokenizer_path: str | Path, texts: list[str] | None = None) -> tuple[list[np.ndarray], int | None]:
+    """Every sentence of `texts` (default: 2000 of the built-in corpus) tokenized (no special
+    tokens) with EOS appended."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {tokenizer_path} has no eos_token; the corpus needs one")
-    enc = tok(corpus(n_sentences), add_special_tokens=False)["input_ids"]
+    enc = tok(corpus(2000) if texts is None else texts, add_special_tokens=False)["input_ids"]
     return [np.asarray(ids + [tok.eos_token_id], dtype=np.int64) for ids in enc], tok.pad_token_id
 
 
@@ -61,8 +62,9 @@ def _pad_rows(rows: list[np.ndarray], seq_len: int, pad_id: int):
 
 
 def ptx_batches(tokenizer_path: str | Path, batch_size: int, seq_len: int = DEFAULT_SEQ_LEN,
-                seed: int = 0) -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:
-    """Endless `(input_ids [B,T] long, mask [B,T] long)` batches of the built-in corpus.
+                seed: int = 0, *, texts: list[str] | None = None) -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:
+    """Endless `(input_ids [B,T] long, mask [B,T] long)` batches of `texts` (default: the
+    built-in corpus).
 
     One sentence per row, EOS appended, right-padded with the tokenizer's pad token (EOS
     if it has none) to T = seq_len (longer sentences are cut). mask is 1 on real tokens
@@ -74,7 +76,7 @@ def ptx_batches(tokenizer_path: str | Path, batch_size: int, seq_len: int = DEFA
     """
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"ptx_batches: batch_size must be >= 1 and seq_len >= 2, got {batch_size}, {seq_len}")
-    rows, pad_id = _corpus_ids(tokenizer_path)
+    rows, pad_id = _corpus_ids(tokenizer_path, texts)
     if pad_id is None:
         pad_id = int(rows[0][-1])
     rng = np.random.default_rng(seed)
@@ -127,14 +129,20 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _key(spec: TinySpec, steps: int, batch_size: int, lr: float, seed: int) -> str:
-    blob = json.dumps({"base": spec.key("policy"), "recipe": RECIPE_VERSION, "steps": steps,
-                       "batch_size": batch_size, "lr": lr, "seed": seed,
-                       "seq_len": DEFAULT_SEQ_LEN}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def pretrained_key(spec: TinySpec, steps: int, batch_size: int, lr: float, seed: int,
+                   texts: list[str] | None = None) -> str:
+    """The cache key of a pre-trained policy. `texts` other than the built-in corpus add a hash
+    of their content; the built-in corpus adds nothing, so the default policy's key (and every
+    cache built before `texts` existed) stays what it was."""
+    fields = {"base": spec.key("policy"), "recipe": RECIPE_VERSION, "steps": steps,
+              "batch_size": batch_size, "lr": lr, "seed": seed, "seq_len": DEFAULT_SEQ_LEN}
+    if texts is not None:
+        fields["corpus"] = hashlib.sha256("\n".join(texts).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _pretrain(base: Path, out: Path, *, steps: int, batch_size: int, lr: float, seed: int) -> None:
+def _pretrain(base: Path, out: Path, *, steps: int, batch_size: int, lr: float, seed: int,
+              texts: list[str] | None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -151,7 +159,7 @@ def _pretrain(base: Path, out: Path, *, steps: int, batch_size: int, lr: float, 
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    batches = ptx_batches(base, batch_size, DEFAULT_SEQ_LEN, seed)
+    batches = ptx_batches(base, batch_size, DEFAULT_SEQ_LEN, seed, texts=texts)
     start, curve = time.perf_counter(), []
     for _ in range(steps):
         ids, mask = next(batches)
@@ -174,8 +182,11 @@ def _pretrain(base: Path, out: Path, *, steps: int, batch_size: int, lr: float, 
 
 
 def build_pretrained_policy(spec: TinySpec = TinySpec(), steps: int = DEFAULT_STEPS, seed: int = 0, *,  # noqa: B008
-                            batch_size: int = DEFAULT_BATCH_SIZE, lr: float = DEFAULT_LR) -> Path:
-    """The tiny policy of `spec`, pre-trained on the corpus; HF format, tokenizer beside it.
+                            batch_size: int = DEFAULT_BATCH_SIZE, lr: float = DEFAULT_LR,
+                            texts: list[str] | None = None) -> Path:
+    """The tiny policy of `spec`, pre-trained on `texts` (default: the built-in corpus, the
+    sentiment demo's); HF format, tokenizer beside it. Another task's corpus (e.g.
+    cluster.demo.arithmetic) gives a policy of its own, cached under a key of its own.
 
     AdamW (weight decay 0.01, betas 0.9/0.95), linear warm-up over the first 10% of steps
     then cosine decay to 10% of `lr`, gradient norm clipped at 1.0, fp32 on CPU. The run's
@@ -191,9 +202,10 @@ def build_pretrained_policy(spec: TinySpec = TinySpec(), steps: int = DEFAULT_ST
 
     def build(out: Path) -> None:
         with _one_thread() if small else contextlib.nullcontext():
-            _pretrain(base, out, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+            _pretrain(base, out, steps=steps, batch_size=batch_size, lr=lr, seed=seed, texts=texts)
 
-    return cached_build(cache_root() / f"policy-pretrained-{_key(spec, steps, batch_size, lr, seed)}", build)
+    key = pretrained_key(spec, steps, batch_size, lr, seed, texts)
+    return cached_build(cache_root() / f"policy-pretrained-{key}", build)
 
 
 if __name__ == "__main__":

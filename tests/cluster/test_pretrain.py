@@ -89,3 +89,16 @@ def test_pretrained_policy_ends_sentences_with_eos(pretrained):
     assert sum(ended) >= 0.9 * len(prompts)
     texts = [tok.decode(row[: row.index(tok.eos_token_id)]) for row in new if tok.eos_token_id in row]
     assert sum(t.endswith(".") for t in texts) >= 0.9 * len(texts)
+
+
+@pytest.mark.unit
+def test_default_cache_key_is_unchanged_by_other_corpora():
+    """The sentiment policy's key is the one caches were built under before texts= existed;
+    another corpus, or the same corpus changed, gets a key of its own."""
+    from cluster.demo.pretrain import DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS, pretrained_key
+
+    default = pretrained_key(TinySpec(), DEFAULT_STEPS, DEFAULT_BATCH_SIZE, DEFAULT_LR, 0)
+    assert default == "af7bbfce9201bd47"
+    other = pretrained_key(TinySpec(), DEFAULT_STEPS, DEFAULT_BATCH_SIZE, DEFAULT_LR, 0, ["1 plus 1 is 2."])
+    assert other != default
+    assert pretrained_key(TinySpec(), DEFAULT_STEPS, DEFAULT_BATCH_SIZE, DEFAULT_LR, 0, ["1 plus 1 is 3."]) != other
