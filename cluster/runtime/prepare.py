@@ -123,8 +123,6 @@ def prepare(cfg):
     """Everything that can fail on user input, before any actor starts."""
     from transformers import AutoTokenizer
 
-    from cluster.data.prompts import PromptDataset
-
     if cfg.run.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -133,7 +131,7 @@ def prepare(cfg):
                             "pip install tensorboard (or set run.tensorboard=false)") from None
     policy = resolve_model(cfg.model.policy)
     # Reward problems surface here, in the driver, not as a dead actor a minute later.
-    from actors.reward import load_function, probe_function
+    from actors.reward import load_function
     from actors.scoring import ColumnBinding
     functions = {key: load_function(spec, key) for key, spec in
                  (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)) if spec}
@@ -150,11 +148,22 @@ def prepare(cfg):
     if cfg.reference.model:
         from cluster.runtime.lineage import check_reference
         check_reference(cfg.reference.model, tokenizer, tokenizer_path, policy)
-    d = cfg.data
+    train_set, eval_set = prepare_prompts(cfg.data, tokenizer_path, required)
+    if cfg.reward.judge.model:
+        check_judge(cfg.reward.judge, train_set.columns.names)
+    probe_reward(cfg.reward, train_set)
+    return policy, tokenizer_path, tokenizer, train_set, eval_set
+
+
+def prepare_prompts(d, tokenizer_path: str, required_columns: set[str]):
+    """(train, eval) prompt sets of the data section ``d``; rows lacking a column in
+    ``required_columns`` (what the reward functions require) are skipped and counted."""
+    from cluster.data.prompts import PromptDataset
+
     dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
                                  chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
                                  seed=d.seed, split=d.split, config_name=d.config_name, columns=d.columns,
-                                 required_columns=required)
+                                 required_columns=required_columns)
     if dataset.num_skipped:
         log.warning("data: skipped %d rows %s, e.g. %s", dataset.num_skipped, dataset.skip_counts,
                     dataset.skipped[0])
@@ -163,19 +172,25 @@ def prepare(cfg):
         raise UserError(f"data: {len(train_set)} training prompts in {dataset.source} (after holding out "
                         f"data.eval_prompts={d.eval_prompts}) are fewer than data.prompts_per_step="
                         f"{d.prompts_per_step}; lower prompts_per_step or eval_prompts, or add prompts")
-    if cfg.reward.judge.model:  # the rows' other fields (none until the data carries columns)
-        check_judge(cfg.reward.judge, getattr(train_set, "columns", None) or {})
+    return train_set, eval_set
+
+
+def probe_reward(reward, train_set) -> None:
+    """Score example pairs of the first training prompts (with their columns) as the replicas
+    will: a reward function, gold function or server that cannot would void every batch (or
+    eval), so it is refused here in one line."""
+    from actors.reward import probe_function
+
     prompts = train_set.texts[:len(PROBE_RESPONSES)]
+    responses = list(PROBE_RESPONSES[:len(prompts)])
     columns = train_set.columns.take(train_set.ids[:len(prompts)])  # the first rows' own fields
-    for key, spec in (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)):
-        if spec:  # with real prompts: a function that cannot score them would void every batch (or eval)
-            probe_function(spec, prompts, list(PROBE_RESPONSES[:len(prompts)]), key, cfg.reward.timeout_s,
-                           columns=columns, sandbox=asdict(cfg.reward.sandbox))
-    if cfg.reward.url:  # a server that is down or speaks another schema would void every batch
+    for key, spec in (("reward.function", reward.function), ("reward.gold", reward.gold)):
+        if spec:
+            probe_function(spec, prompts, responses, key, reward.timeout_s, columns=columns,
+                           sandbox=asdict(reward.sandbox))
+    if reward.url:
         from actors.http_reward import probe_server
-        probe_server(cfg.reward.url, prompts, list(PROBE_RESPONSES[:len(prompts)]), columns=columns,
-                     **asdict(cfg.reward.http))
-    return policy, tokenizer_path, tokenizer, train_set, eval_set
+        probe_server(reward.url, prompts, responses, columns=columns, **asdict(reward.http))
 
 
 def prepare_ptx(cfg, tokenizer_path: str):
