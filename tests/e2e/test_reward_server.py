@@ -18,6 +18,7 @@ def _steps(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # the default suite's run below is scored by the server for a step before it goes down
 def test_a_run_scored_by_a_reward_server_trains_and_reports_its_calls(cluster, tmp_path):
     with RewardServer() as server:
         rc = train.main([f"run.dir={tmp_path}", "run.name=ok", f"reward.url={server.url}", *ARGS])
