@@ -172,8 +172,7 @@ class Reward:
         if batch_size < 1:
             raise ValueError(f"Reward: batch_size must be >= 1, got {batch_size}")
         self.batch_size = int(batch_size)
-        self.function_name = function or url
-        self.text_source = {"url": url} if url else {"function": function}  # health()'s
+        self.text_source = {"url": url} if url else {"judge": judge["model"]} if judge else {"function": function}
         self.model_path = None
         self.model = self.text_tokenizer = None
         self.normalization: tuple[float, float] | None = None  # (mean, std) applied to model scores

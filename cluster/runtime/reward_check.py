@@ -21,7 +21,8 @@ def check_invalid_scores(produced, reward, step: int) -> None:
     if not scored or produced.invalid_scores <= reward.max_invalid_fraction * scored:
         return
     name = (f"reward function {reward.function}" if reward.function else
-            f"reward server {reward.url}" if reward.url else f"reward model {reward.model}")
+            f"reward server {reward.url}" if reward.url else
+            f"reward judge {reward.judge.model}" if reward.judge.model else f"reward model {reward.model}")
     raise InvalidScores(f"{name}: {produced.invalid_scores} of {scored} scores at step {step} were invalid (NaN or "
                         "inf, or the reward raised; the log's 'reward:' lines say why), above "
                         f"reward.max_invalid_fraction={reward.max_invalid_fraction:g}; fix the reward, or raise "

@@ -34,6 +34,12 @@ def test_a_reward_model_is_named_by_its_path(tmp_path):
         check(Produced(invalid_scores=64), "reward.function=null", f"reward.model={tmp_path}")
 
 
+def test_a_judge_is_named_by_its_model():
+    from cluster.runtime.reward_check import InvalidScores
+    with pytest.raises(InvalidScores, match="^reward judge builtin:judge: 64 of 64 scores at step 3"):
+        check(Produced(invalid_scores=64), "reward.function=null", "reward.judge.model=builtin:judge")
+
+
 @pytest.mark.parametrize("value", ["-0.1", "1.5"])
 def test_the_threshold_is_a_fraction(value):
     with pytest.raises(ConfigError, match=f"reward.max_invalid_fraction={float(value)} must be in"):
