@@ -1,4 +1,6 @@
-"""Async mode's producer thread: BackgroundProducer, and ProducerStuck when its stop is not heeded."""
+"""Async mode's producer thread: ProducerThread, and ProducerStuck when its stop is not heeded.
+
+The step producer that runs it is cluster/runtime/step_producers.py's AsyncProducer."""
 from __future__ import annotations
 
 import sys
@@ -11,13 +13,13 @@ from typing import TYPE_CHECKING
 from cluster.runtime.produced import Produced
 
 if TYPE_CHECKING:
-    from cluster.runtime.rollouts import RolloutProducer
+    from cluster.runtime.rollouts import ChunkDispatcher
 
 # Python's and the installed libraries' files: not where a stuck producer's own code waits.
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
-class BackgroundProducer:
+class ProducerThread:
     """Async mode: keeps generating and scoring with whatever weights the generators hold.
 
     ``admit(stop, backlog)`` waits until the next batch may be issued (cluster/runtime/admission.py)
@@ -26,7 +28,7 @@ class BackgroundProducer:
     each step reports the generation work done during it.
     """
 
-    def __init__(self, rollouts: RolloutProducer, *, admit, issue, shaping) -> None:
+    def __init__(self, rollouts: ChunkDispatcher, *, admit, issue, shaping) -> None:
         self._rollouts, self._admit, self._issue, self._shaping = rollouts, admit, issue, shaping
         self._stop = threading.Event()
         self._pending, self._lock, self._error = Produced(), threading.Lock(), None

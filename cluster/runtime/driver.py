@@ -1,7 +1,8 @@
 """The PPO loop: prompts -> rollouts -> scores -> buffer -> learner -> weights -> generators.
 
 One step, as `step()` reads:
-    rollouts  sync: generate, score and store this step's prompts (async: a producer thread does it)
+    rollouts  the step producer fills the buffer (cluster/runtime/step_producers.py; sync: this
+              step's prompts now, async: a producer thread all along)
     batch     take the learner's shards from the buffer, by reference, plus a summary for metrics
     learn     the PPO epochs on the learner group
     sync      update the KL controller from the batch, push the new weights, bump the version
@@ -11,14 +12,14 @@ next generation waits for the weight push. Async mode keeps generating while the
 learner trains; the buffer drops rollouts more than `buffer.max_staleness` versions old.
 The driver holds object references and small summaries only; rollouts never pass through it.
 
-Beside the loop, in their own modules: recovery (cluster/runtime/recovery.py; a dead
-rollout-side replica or buffer is handled where the rollouts are made, cluster/runtime/rollouts.py),
+Beside the loop, in their own modules: the prompt stream (cluster/runtime/prompt_stream.py),
+recovery (cluster/runtime/recovery.py; a dead rollout-side replica or buffer is handled where the
+rollouts are made, cluster/runtime/rollouts.py), the step's metrics row (cluster/runtime/step_row.py),
 scaling between steps (cluster/runtime/scaling.py) and evaluation (cluster/runtime/evaluation.py).
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -30,23 +31,23 @@ from ray.exceptions import RayActorError
 
 from cluster.config.ppo import TetherConfig
 from cluster.runtime import checkpoint, evaluation, recovery, scaling
-from cluster.runtime.admission import Admission
 from cluster.runtime.alarms import OveroptimizationAlarm
-from cluster.runtime.background import BackgroundProducer
 from cluster.runtime.checkpoint import RunState
 from cluster.runtime.metrics import RayMetrics, RunMetrics, progress_line
 from cluster.runtime.pools import Pools, alive
-from cluster.runtime.produced import Produced, kept_set_warning, transfer_metrics
+from cluster.runtime.produced import Produced, kept_set_warning
+from cluster.runtime.prompt_stream import PromptStream
+from cluster.runtime.recovery import Recovery
 from cluster.runtime.reward_check import check_invalid_scores
-from cluster.runtime.rollouts import RolloutProducer
+from cluster.runtime.rollouts import ChunkDispatcher
+from cluster.runtime.step_producers import PRODUCERS
+from cluster.runtime.step_row import StepFacts, StepRow
 from cluster.runtime.threads import chunks_per_generator
 from core.annotate import RewardShaping
 from core.files import publish_dir
 from core.kl import AdaptiveKLController, FixedKLController
-from core.transfer import Transfer
 from core.weights import WEIGHT_UPDATE_GROUP
 from learner.group import LearnerRankDied
-from learner.worker import TO_LEARNER
 
 log = logging.getLogger("tether")
 
@@ -82,18 +83,20 @@ class Driver:
         # Learner calls are collectives: two threads (async mode's producer replacing a dead
         # generator, the main loop training) must not interleave them differently per rank.
         self._learner_lock = threading.Lock()
-        # Drawing a batch and opening its ledger chunks is one act, so a checkpoint's data
-        # position and its unfinished prompts agree (async mode draws in another thread).
-        self._issue_lock = threading.Lock()
-        self._seek(0)
-        self.rollouts = RolloutProducer(pools, put_timeout_s=cfg.buffer.timeout_s,
+        self.rollouts = ChunkDispatcher(pools, put_timeout_s=cfg.buffer.timeout_s,
                                         chunks_per_generator=chunks_per_generator(cfg),
                                         on_new_generator=self._give_current_weights,
                                         filter_groups=cfg.ppo.filter_groups)
-        self.admission = Admission(per_step=cfg.rollouts_per_step,
-                                   max_staleness=cfg.buffer.max_staleness, outstanding=self._outstanding_rollouts)
+        self.prompts = PromptStream(dataset=dataset, prompts_per_step=cfg.data.prompts_per_step,
+                                    rollouts=self.rollouts)
+        self.producer = PRODUCERS[cfg.run.mode](cfg, rollouts=self.rollouts, prompts=self.prompts,
+                                                shaping=self.shaping)
+        self.recovery = Recovery(run=self, pools=pools, rollouts=self.rollouts, producer=self.producer,
+                                 learner_lock=self._learner_lock, run_dir=metrics.run_dir,
+                                 placement_timeout_s=cfg.resources.placement_timeout_s)
+        self.step_row = StepRow(filter_groups=cfg.ppo.filter_groups, columns=dataset.columns,
+                                source_field=cfg.data.source_field)
         self.stop_requested = threading.Event()  # set by SIGTERM/SIGINT: stop at the next step boundary
-        self.producer_stop_timeout_s = 60.0      # async mode: how long a stop waits for the producer thread
         self.rollbacks: list[dict] = []          # one record per learner recovery
         self.startup_metrics: dict = {}          # perf/startup_* of the process that built the pools (step 0)
 
@@ -108,26 +111,6 @@ class Driver:
         """beta for the learner's KL loss term (ppo.kl.placement=loss), else 0."""
         return self.kl_ctl.value if self.cfg.ppo.kl.placement == "loss" else 0.0
 
-    # ------------------------------------------------------------------ the data stream
-    def _seek(self, batches_issued: int) -> None:
-        """Position the prompt stream after ``batches_issued`` batches (it is deterministic)."""
-        stream = self.dataset.batches(self.cfg.data.prompts_per_step, epochs=None)
-        self._prompts = itertools.islice(stream, batches_issued, None)
-        self.batches_issued = batches_issued
-
-    def issue(self) -> list:
-        """The next batch of prompts, as ledger chunks."""
-        with self._issue_lock:
-            indices, prompt_ids, _ = next(self._prompts)
-            self.batches_issued += 1
-            return self.rollouts.open(indices, prompt_ids)
-
-    def _outstanding_rollouts(self) -> int:
-        """Rollouts issued and neither trained nor lost: in the buffer, or on their way there."""
-        ledger = self.rollouts.ledger
-        return ledger.held_rollouts() + self.cfg.generator.sampling.n * sum(
-            len(c.prompt_indices) for c in ledger.in_flight())
-
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
         cfg, final = self.cfg, {}
@@ -135,32 +118,31 @@ class Driver:
             eval_metrics = self.evaluate() if cfg.run.eval_every else {}
             self.metrics.log(0, {**self.startup_metrics, **eval_metrics})
             log.info("step 0: eval %s", " ".join(f"{k}={v:.3f}" for k, v in eval_metrics.items()))
-        producer = self._start_producer()
+        self.producer.start()
         t_start = time.perf_counter()
         try:
             while self.step_count < cfg.run.steps and not self.stop_requested.is_set():
                 scaling.apply_requested(self.control, self.pools, on_new_generator=self._give_current_weights)
                 try:
-                    metrics = self.step(producer)
+                    metrics = self.step()
                     self._after_step(metrics)
                 except LearnerRankDied as e:
-                    producer = self._rollback(producer, e)
+                    self.rollbacks.append(self.recovery.roll_back(e))
                     continue
                 log.info(progress_line(self.step_count, cfg.run.steps, metrics, time.perf_counter() - t_start))
                 final = metrics
         finally:
-            self._stop_producer(producer, at_end=True)
+            self.producer.stop(at_end=True)
         return final
 
-    def step(self, producer) -> dict:
-        """One PPO step; ``producer``: async mode's BackgroundProducer, None in sync mode."""
+    def step(self) -> dict:
+        """One PPO step: the producer's rollouts, the take, the update and the weight push."""
         timer = PhaseTimer()
         with timer("step"):
-            # prompts -> rollouts -> scores -> buffer: sync mode now, async mode all along (the producer)
-            produced = self._produce_now() if producer is None else None
+            self.producer.fill(self.step_count + 1)  # prompts -> rollouts -> scores -> buffer
             with timer("buffer_wait"):  # buffer -> the learner's shards
-                shards, batch, regenerated = self._take(producer, self._min_version(producer))
-            produced = (producer.take() if producer is not None else produced).merge(regenerated)
+                shards, batch = self._take()
+            produced = self.producer.for_step()
             check_invalid_scores(produced, self.cfg.reward, self.step_count + 1)  # async: what fed this step
             if warning := kept_set_warning(produced):  # one line per step, and only when it happens
                 log.warning(warning)
@@ -170,40 +152,16 @@ class Driver:
                 sync = self._publish(batch)
         return self._step_metrics(batch, produced, learn, sync, timer.seconds)
 
-    def _produce_now(self) -> Produced:
-        """Sync mode: this step's prompts generated, scored and stored, by the current version.
-        With dynamic sampling (ppo.filter_groups) the buffer leaves out prompts whose samples
-        all scored alike, and further prompt batches are drawn, up to ppo.filter_max_batches
-        in all, until the step holds a full batch of rollouts; the step trains on one batch of
-        whole groups, the first in prompt order, and leaves out the rest (``_take``)."""
-        cfg = self.cfg
-        produced = self.rollouts.produce(self.issue(), self.shaping())
-        check_invalid_scores(produced, cfg.reward, self.step_count + 1)
-        batches = 1
-        while (cfg.ppo.filter_groups and batches < cfg.ppo.filter_max_batches
-               and self.rollouts.ledger.held_rollouts() < cfg.rollouts_per_step):
-            more = self.rollouts.produce(self.issue(), self.shaping())
-            check_invalid_scores(more, cfg.reward, self.step_count + 1)
-            more.extra_rollouts = more.prompts * cfg.generator.sampling.n
-            produced, batches = produced.merge(more), batches + 1
-        return produced
-
-    def _min_version(self, producer) -> int:
-        """The oldest policy version this step may train on: sync mode is on-policy."""
-        return self.version if producer is None else max(0, self.version - self.cfg.buffer.max_staleness)
-
-    def _take(self, producer, min_version: int):
-        """The learner's shards and their summary from the buffer. A buffer that died is
-        replaced and what it held generated again (sync: here; async: by the producer)."""
-        cfg, world, regenerated = self.cfg, self.pools.learner.world_size, Produced()
+    def _take(self):
+        """The learner's shards and the buffer's summary of them. A buffer that died is replaced
+        and what it held generated again (by the producer)."""
+        cfg, world = self.cfg, self.pools.learner.world_size
+        min_version = self.producer.min_version(self.version)
         while True:
-            # Here, in the thread that applies `consumed`, a dead buffer's prompts are queued
-            # again (sync: and generated now; async: by the producer).
-            if self.rollouts.recover_lost_buffer() and producer is None:
-                regenerated = regenerated.merge(self.rollouts.produce([], self.shaping()))
+            self.producer.requeue_lost_buffer()  # here, in the thread that applies `consumed`
             full = cfg.rollouts_per_step
-            held = self.rollouts.ledger.held_rollouts() if producer is None else full
-            # Sync: all that was made for this step; after a refill, one batch of it (DAPO).
+            held = self.producer.available(full)
+            # Dynamic sampling: one batch of what was made; after a refill, the rest left out (DAPO).
             n, trim = (min(held, full), held > full) if cfg.ppo.filter_groups else (held, False)
             if n == 0:
                 raise RuntimeError(f"version {self.version}: no usable rollouts (all prompts skipped or all "
@@ -221,8 +179,7 @@ class Driver:
                 self.rollouts.buffer_died(buffer_id)
                 continue
             self.rollouts.ledger.consumed(batch.consumed)
-            self.admission.took()
-            return shards, batch, regenerated
+            return shards, batch
 
     def ptx_rows(self):
         """This step's PTX rows: ptx.batch_size per optimizer step of the update, chosen by the
@@ -239,7 +196,7 @@ class Driver:
         sync = recovery.push_weights(self.pools.learner, self.pools.generators.handles(), self.version + 1)
         self.version += 1
         self.step_count += 1
-        self.admission.published()
+        self.producer.published()
         return sync
 
     def _after_step(self, metrics: dict) -> None:
@@ -255,38 +212,11 @@ class Driver:
             self.checkpoint()
 
     def _step_metrics(self, batch, produced: Produced, learn: dict, sync: dict, seconds: dict) -> dict:
-        moved = transfer_metrics(produced, Transfer.pop_metrics(learn, TO_LEARNER))  # learn keeps the rest
-        m = {"reward/mean": batch.scores.mean(), "reward/std": batch.scores.std(),
-             "kl/mean": batch.kl_sums.mean(), "kl/beta": self.kl_ctl.value,
-             "response/length_mean": batch.response_lengths.mean(),
-             "response/truncated_frac": float(batch.truncated.mean()),
-             "rollouts/used": len(batch.scores), "rollouts/prompts": produced.prompts,
-             "rollouts/skipped_prompts": produced.skipped_prompts,
-             "rollouts/invalid_scores": produced.invalid_scores,
-             "reward/timeouts": produced.reward_counts.get("timeouts", 0),
-             "reward/crashes": produced.reward_counts.get("crashes", 0),
-             "rollouts/empty_responses": produced.empty_responses,
-             "rollouts/incomplete_kept_sets": produced.incomplete_kept_sets,
-             "rollouts/duplicate_chunks": produced.duplicate_chunks,
-             "rollouts/redispatched_chunks": produced.redispatched_chunks,
-             **self._filter_metrics(produced, batch),
-             "policy/version": self.version, "data/batches_issued": self.batches_issued,
-             **{f"pool/{role}_replicas": n for role, n in self.pools.sizes().items()},
-             "buffer/depth": batch.buffer_depth,
-             "buffer/dropped_stale": batch.dropped_stale,
-             "buffer/staleness_mean": float(batch.staleness.mean()),
-             "buffer/staleness_max": int(batch.staleness.max()),
-             "buffer/token_staleness_mean": float(batch.token_staleness.mean()),
-             "rollouts/partial_frac": float(batch.partial.mean()),
-             "perf/step_seconds": seconds["step"], "perf/generate_seconds": produced.generate_seconds,
-             "perf/score_seconds": produced.score_seconds,
-             "perf/buffer_wait_seconds": seconds["buffer_wait"], "perf/learn_seconds": seconds["learn"],
-             "perf/admission_wait_seconds": self.admission.pop_waited_seconds(),
-             "perf/sync_seconds": sync.get("seconds", seconds["sync"]), "perf/sync_bytes": sync.get("bytes", 0),
-             "perf/sync_wait_seconds": sync.get("wait_seconds", 0.0),
-             "perf/tokens_per_s": produced.tokens / max(produced.generate_seconds, 1e-9), **moved, **learn,
-             **evaluation.source_metrics(batch, self.dataset.columns, self.cfg.data.source_field),
-             **{f"reward/{k}": v for k, v in produced.reward_counts.items()}}
+        """The step's row, its Ray gauges, and its samples when due."""
+        facts = StepFacts(kl_beta=self.kl_ctl.value, version=self.version, batches_issued=self.prompts.batches_issued,
+                          pool_sizes=self.pools.sizes(), seconds=seconds,
+                          admission_wait_s=self.producer.admission_wait_seconds())
+        m = self.step_row.build(batch, produced, learn, sync, facts)
         for g, tps in produced.per_generator_tps.items():
             self.ray_metrics.record({"generator/tokens_per_s": tps}, {"pool": "generator", "replica": g})
         for pool, lat in produced.score_latency.items():
@@ -296,21 +226,12 @@ class Driver:
                                                 for row in batch.samples])
         return m
 
-    def _filter_metrics(self, produced: Produced, batch) -> dict:
-        """Dynamic sampling's share left out and what refilling the step cost (ppo.filter_groups)."""
-        if not self.cfg.ppo.filter_groups:
-            return {}
-        sampled = max(produced.prompts - produced.skipped_prompts, 1)
-        return {"rollouts/filtered_frac": produced.filtered_prompts / sampled,
-                "rollouts/extra_generated": produced.extra_rollouts, "rollouts/surplus": batch.surplus}
-
     # ------------------------------------------------------------------ checkpoints
     def run_state(self) -> RunState:
-        with self._issue_lock:
-            return RunState(step=self.step_count, version=self.version, batches_issued=self.batches_issued,
-                            unfinished=tuple(self.rollouts.ledger.unfinished_prompts()),
-                            kl_beta=self.kl_ctl.value, pinned=checkpoint.pinned_values(self.cfg),
-                            pool_sizes=self.pools.sizes())
+        batches_issued, unfinished = self.prompts.position()
+        return RunState(step=self.step_count, version=self.version, batches_issued=batches_issued,
+                        unfinished=unfinished, kl_beta=self.kl_ctl.value, pinned=checkpoint.pinned_values(self.cfg),
+                        pool_sizes=self.pools.sizes())
 
     def checkpoint(self) -> Path:
         """A resumable checkpoint of this step (learner + driver state), written atomically."""
@@ -334,8 +255,8 @@ class Driver:
                      for g in generators.values()])
             recovery.push_weights(self.pools.learner, generators, state.version)
         self.step_count, self.version, self.kl_ctl.value = state.step, state.version, state.kl_beta
-        self.admission.published()  # nothing taken at the restored version yet
-        self._seek(state.batches_issued)
+        self.producer.published()  # nothing taken at the restored version yet
+        self.prompts.seek(state.batches_issued)
         if state.unfinished:  # async: prompts drawn before the checkpoint but never trained on
             ids = dict(zip((int(i) for i in self.dataset.ids), self.dataset.prompt_ids))
             self.rollouts.requeue(self.rollouts.open(state.unfinished, [ids[i] for i in state.unfinished]))
@@ -362,26 +283,6 @@ class Driver:
             if self.version:  # version 0 is the checkpoint every generator loads at start
                 self.pools.learner.push_weights({replica_id: self.pools.generators.handles()[replica_id]},
                                                 self.version)
-
-    def _rollback(self, producer, error: LearnerRankDied):
-        """A learner rank died: new ranks, the last checkpoint, and the run goes on from there."""
-        detected_at = time.perf_counter()  # the death was just reported: this is when it was detected
-        log.warning("%s; rebuilding the learner and rolling back to the last checkpoint", error)
-        self._stop_producer(producer)
-        self.rollbacks.append(recovery.roll_back(
-            error, pools=self.pools, rollouts=self.rollouts, learner_lock=self._learner_lock,
-            run_dir=self.metrics.run_dir, restore=self.restore, failed_at=self.step_count, detected_at=detected_at,
-            placement_timeout_s=self.cfg.resources.placement_timeout_s))
-        return self._start_producer()
-
-    def _start_producer(self):
-        if self.cfg.run.mode != "async":
-            return None
-        return BackgroundProducer(self.rollouts, admit=self.admission.wait, issue=self.issue, shaping=self.shaping)
-
-    def _stop_producer(self, producer, *, at_end: bool = False) -> None:
-        recovery.stop_producer(producer, timeout_s=self.producer_stop_timeout_s, run_dir=self.metrics.run_dir,
-                               at_end=at_end)
 
     def evaluate(self) -> dict:
         """Mean score and response length on the held-out prompts, with the current weights."""

@@ -34,7 +34,7 @@ log = logging.getLogger("tether")
 STOP_POLL_S = 0.5  # how often a stoppable produce() waiting on remote calls looks at its stop
 
 
-class RolloutProducer:
+class ChunkDispatcher:
     """Dispatches prompt chunks through the pools into the buffer (see module docstring).
 
     A replica that dies (its process killed, its node lost) is replaced in its pool and
@@ -70,7 +70,7 @@ class RolloutProducer:
 
     def produce(self, chunks: list, shaping, stop: threading.Event | None = None) -> Produced:
         """Generate, score and store ``chunks`` (and any backlog); returns once all is stored,
-        or soon after ``stop`` is set (async mode's producer). A stopped produce abandons what is
+        or soon after ``stop`` is set (async mode's producer thread). A stopped produce abandons what is
         in flight (the ledger still counts it unfinished) and takes nothing from the backlog."""
         out = Produced(prompts=sum(len(c.prompt_indices) for c in chunks))
         if stop is not None and stop.is_set():
@@ -336,7 +336,7 @@ class RolloutProducer:
 
 @dataclass
 class _InFlight:
-    """One remote call of a chunk's life that the producer waits on."""
+    """One remote call of a chunk's life that the dispatcher waits on."""
     stage: str                    # "generated" | "reference" | "reward" | "stored"
     chunk_id: int
     replica: str | None

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import ray
 
-from cluster.runtime.background import BackgroundProducer
-from cluster.runtime.rollouts import RolloutProducer
+from cluster.runtime.background import ProducerThread
+from cluster.runtime.rollouts import ChunkDispatcher
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
 
@@ -43,26 +43,26 @@ def _driver(tmp_path):
 @pytest.mark.unit
 def test_a_producer_that_outlives_the_stop_fails_the_rollback_in_one_line(tmp_path):
     driver, gate = _driver(tmp_path), Gate()
-    driver.issue = gate
-    driver.producer_stop_timeout_s = 0.2
-    producer = driver._start_producer()
+    driver.prompts.issue = gate
+    driver.producer.stop_timeout_s = 0.2
+    driver.producer.start()
     assert gate.entered.wait(10)
     try:
         with pytest.raises(RuntimeError) as stuck:
-            driver._stop_producer(producer)  # the rollback's stop
+            driver.recovery.stop_producer()  # the rollback's stop
     finally:
         gate.opened.set()
         driver.metrics.close()
     message = str(stuck.value)
     assert "\n" not in message and "producer" in message and f"run.resume={tmp_path}" in message
     assert "test_producer_stop.py" in message  # where it was stuck
-    driver._stop_producer(producer)  # run()'s own stop afterwards does not wait or fail a second time
+    driver.recovery.stop_producer()  # run()'s own stop afterwards does not wait or fail a second time
 
 
 @pytest.mark.unit
 def test_a_stopped_producer_never_takes_the_prompts_a_rollback_requeues():
-    rollouts, gate = RolloutProducer(None, put_timeout_s=1.0), Gate()  # no pools: no replica to reach
-    producer = BackgroundProducer(rollouts, admit=lambda stop, backlog: True, issue=gate, shaping=lambda: None)
+    rollouts, gate = ChunkDispatcher(None, put_timeout_s=1.0), Gate()  # no pools: no replica to reach
+    producer = ProducerThread(rollouts, admit=lambda stop, backlog: True, issue=gate, shaping=lambda: None)
     assert gate.entered.wait(10)
     producer.stop()
     rollouts.reset()  # what the rollback does next: the old timeline forgotten, the checkpoint's prompts re-queued
@@ -111,13 +111,13 @@ def test_the_stop_does_not_wait_for_a_generate_call_in_flight(cluster):
                       num_gpus=0, placement_timeout_s=10)
     generators.admit(generators.launch([(0, None)]))
     (handle,) = generators.handles().values()
-    rollouts = RolloutProducer(SimpleNamespace(generators=generators), put_timeout_s=1.0)
+    rollouts = ChunkDispatcher(SimpleNamespace(generators=generators), put_timeout_s=1.0)
     batches = [rollouts.open([0], [np.array([1])])]  # one batch, then none
 
     def issue():
         return batches.pop() if batches else []
 
-    producer = BackgroundProducer(rollouts, admit=lambda stop, backlog: True, issue=issue, shaping=lambda: None)
+    producer = ProducerThread(rollouts, admit=lambda stop, backlog: True, issue=issue, shaping=lambda: None)
     try:
         assert ray.get(handle.wait_called.remote(30))
         producer.stop()

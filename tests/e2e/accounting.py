@@ -7,7 +7,7 @@ class Accounting:
 
     def __init__(self, driver):
         self.issued, self.trained = [], []
-        issue, consumed = driver.issue, driver.rollouts.ledger.consumed
+        issue, consumed = driver.prompts.issue, driver.rollouts.ledger.consumed
 
         def issue_and_note():
             chunks = issue()
@@ -18,7 +18,7 @@ class Accounting:
             self.trained += [i for _, i in pairs]
             return consumed(pairs)
 
-        driver.issue, driver.rollouts.ledger.consumed = issue_and_note, consumed_and_note
+        driver.prompts.issue, driver.rollouts.ledger.consumed = issue_and_note, consumed_and_note
 
     def assert_each_prompt_trained_once(self, samples=4):
         assert sorted(self.trained) == sorted(i for i in self.issued for _ in range(samples))

@@ -78,7 +78,7 @@ def test_kill_every_rollout_role_once(cluster_with_test_rewards, tmp_path, mode)
     metrics = RunMetrics(run_dir=tmp_path, plot_every=0)
     driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer, metrics=metrics)
     issued, trained = collections.Counter(), collections.Counter()
-    issue, consumed = driver.issue, driver.rollouts.ledger.consumed
+    issue, consumed = driver.prompts.issue, driver.rollouts.ledger.consumed
 
     def noting_issue():
         chunks = issue()
@@ -89,7 +89,7 @@ def test_kill_every_rollout_role_once(cluster_with_test_rewards, tmp_path, mode)
         trained.update(i for _, i in pairs)
         consumed(pairs)
 
-    driver.issue, driver.rollouts.ledger.consumed = noting_issue, noting_consumed
+    driver.prompts.issue, driver.rollouts.ledger.consumed = noting_issue, noting_consumed
     chaos = Chaos(driver)
     chaos.start()
     try:

@@ -72,11 +72,11 @@ def steps_until(driver, killer, max_steps=4):
     out = []
     try:
         while not killer.fired.is_set() and len(out) < max_steps:
-            out.append(driver.step(None))
+            out.append(driver.step())
     finally:
         killer.stop.set()
     assert killer.fired.is_set(), f"{killer.replica} never held a chunk in state {killer.state.value}"
-    out.append(driver.step(None))
+    out.append(driver.step())
     return out
 
 
@@ -88,7 +88,7 @@ def assert_every_prompt_accounted(m):
 
 def test_generator_killed_while_generating(driver):
     gens = driver.pools.generators
-    driver.step(None)  # version 1: a replacement must not come up with the initial weights
+    driver.step()  # version 1: a replacement must not come up with the initial weights
     steps = steps_until(driver, Killer(driver, gens, "generator-0", ChunkState.GENERATING))
     for m in steps:
         assert_every_prompt_accounted(m)
@@ -98,7 +98,7 @@ def test_generator_killed_while_generating(driver):
     assert sorted(gens.handles()) == ["generator-1", "generator-2"]
     health = ray.get(gens.handles()["generator-2"].health.remote())
     assert health["version"] == driver.version  # pushed the current weights, then kept in sync
-    after = driver.step(None)
+    after = driver.step()
     assert after["ppo/logprob_gap_mean"] < 1e-3  # sync mode: every generator ran the learner's weights
     assert ray.get(gens.handles()["generator-2"].health.remote())["generated_tokens"] > 0
 
@@ -116,9 +116,9 @@ def test_reward_killed_while_scoring(driver):
 
 def test_reference_killed_between_steps(driver):
     refs = driver.pools.references
-    driver.step(None)
+    driver.step()
     os.kill(ray.get(refs.handles()["reference-0"].health.remote())["pid"], signal.SIGKILL)
-    m = driver.step(None)  # the first scoring call of this step meets the dead replica
+    m = driver.step()  # the first scoring call of this step meets the dead replica
     assert_every_prompt_accounted(m)
     assert m["rollouts/redispatched_chunks"] >= 1 and list(refs.handles()) == ["reference-1"]
     assert math.isfinite(m["kl/mean"]) and m["policy/version"] == 2
@@ -150,12 +150,12 @@ def test_buffer_killed_between_rollouts_and_learning(driver):
         return out
 
     driver.rollouts.produce = produce_then_kill
-    m = driver.step(None)
+    m = driver.step()
     driver.rollouts.produce = produce
     assert_every_prompt_accounted(m)
     assert m["rollouts/redispatched_chunks"] >= 1 and driver.pools.buffer_slot.id == "buffer-1"
     account.assert_each_prompt_trained_once()
-    assert driver.step(None)["policy/version"] == 2
+    assert driver.step()["policy/version"] == 2
 
 
 def test_generator_killed_between_rollouts_and_weight_push(driver):
@@ -170,10 +170,10 @@ def test_generator_killed_between_rollouts_and_weight_push(driver):
         return out
 
     driver.rollouts.produce = produce_then_kill
-    m = driver.step(None)
+    m = driver.step()
     driver.rollouts.produce = produce
     assert m["policy/version"] == 1 and m["perf/sync_bytes"] > 0
-    after = [driver.step(None) for _ in range(2)]
+    after = [driver.step() for _ in range(2)]
     assert "generator-0" not in gens.handles() and len(gens) == 2
     assert all(a["ppo/logprob_gap_mean"] < 1e-3 for a in after)
     assert [a["policy/version"] for a in after] == [2, 3]

@@ -58,6 +58,6 @@ def test_a_judge_replica_killed_while_scoring_is_replaced(cluster_with_test_rewa
             res = ray.get(rewards.handles()["reward-2"].score.remote([ids[0]], [ids[1]]))
             assert res.valid.all() and res.scores.tolist() == [1.0]  # the judge's verdict
             assert ray.get(rewards.handles()["reward-2"].health.remote())["dtype"] == "bfloat16"
-            driver.step(None)  # and the run goes on
+            driver.step()  # and the run goes on
     finally:
         pools.shutdown()

@@ -115,7 +115,7 @@ def step_killing(cluster, node: str, when) -> dict:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        m = cluster.driver.step(None)
+        m = cluster.driver.step()
     finally:
         fired.set()
     assert cluster.killed_at is not None, f"node {node} was never killed"
@@ -134,7 +134,7 @@ def step_killing_after_rollouts(cluster, node: str) -> dict:
 
     cluster.driver.rollouts.produce = produce_then_kill
     try:
-        return cluster.driver.step(None)
+        return cluster.driver.step()
     finally:
         cluster.driver.rollouts.produce = produce
 
@@ -149,9 +149,9 @@ def test_losing_the_scorers_node_mid_step_then_scaling_onto_a_new_node(run):
     node joins, and a second generator asked for through the scaling path starts on it."""
     c = run(spare_for=("score",))
     account = Accounting(c.driver)
-    c.driver.step(None)
+    c.driver.step()
     m = step_killing(c, "score", scoring)
-    after = c.driver.step(None)
+    after = c.driver.step()
     recoveries = {r["role"]: r for r in c.driver.rollouts.recoveries}
     assert set(recoveries) == {"reference", "reward"}
     for role in ("reference", "reward"):
@@ -169,7 +169,7 @@ def test_losing_the_scorers_node_mid_step_then_scaling_onto_a_new_node(run):
     assert ray.get(control.health.remote())["sizes"]["generator"] == 2
     (new,) = set(c.pools.generators.handles()) - {"generator-0"}
     assert c.where(c.pools.generators.handles()[new]) == late
-    m = c.driver.step(None)
+    m = c.driver.step()
     assert m["pool/generator_replicas"] == 2 and m["rollouts/used"] == 64
     assert m["ppo/logprob_gap_mean"] < 1e-3  # the new generator got the current weights first
 
@@ -206,7 +206,7 @@ def test_node_loss_table(run):
     step's rollouts stored in it, (d) the learner's while it trains. Prints the table."""
     c = run("run.checkpoint_every=1", "run.steps=6")
     account = Accounting(c.driver)
-    c.driver.step(None)
+    c.driver.step()
     table = []
 
     def rollout_side(node, roles, when=None):

@@ -105,7 +105,7 @@ class Trail:
     def __init__(self, driver):
         self.draws, self.takes, self.restored = [], [], []
         self.issued_chunks: set = set()
-        issue, take, restore = driver.issue, driver._take, driver.restore
+        issue, take, restore = driver.prompts.issue, driver._take, driver.restore
 
         def issue_and_note():
             chunks = issue()
@@ -113,19 +113,19 @@ class Trail:
             self.draws.append((len(self.restored), [i for c in chunks for i in c.prompt_indices]))
             return chunks
 
-        def take_and_note(producer, min_version):
-            shards, batch, regenerated = take(producer, min_version)
+        def take_and_note():
+            shards, batch = take()
             self.takes.append({"timeline": len(self.restored), "step": driver.step_count + 1,
                                "consumed": list(batch.consumed), "reward_mean": float(batch.scores.mean()),
                                "kl_mean": float(batch.kl_sums.mean())})
-            return shards, batch, regenerated
+            return shards, batch
 
         def restore_and_note(path):
             from cluster.runtime import checkpoint
             self.restored.append(checkpoint.load_state(path))
             return restore(path)
 
-        driver.issue, driver._take, driver.restore = issue_and_note, take_and_note, restore_and_note
+        driver.prompts.issue, driver._take, driver.restore = issue_and_note, take_and_note, restore_and_note
         self.stream = [sorted(int(i) for i in indices) for indices, _, _ in
                        itertools.islice(driver.dataset.batches(driver.cfg.data.prompts_per_step, epochs=None), 64)]
 

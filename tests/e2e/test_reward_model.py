@@ -28,8 +28,8 @@ def taken(monkeypatch):
 
     batches, take = [], Driver._take
 
-    def take_and_keep(self, producer, min_version):
-        out = take(self, producer, min_version)
+    def take_and_keep(self):
+        out = take(self)
         batches.append(out[1])
         return out
 

@@ -144,7 +144,7 @@ def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_
         with RunMetrics(run_dir=tmp_path, plot_every=0) as metrics:
             driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer,
                             metrics=metrics, ptx=ptx)
-            steps = [driver.step(None) for _ in range(4)]
+            steps = [driver.step() for _ in range(4)]
             ranks = [ray.get(ray.get_actor(f"learner-{r}").ptx_rows.remote()) for r in range(2)]
             assert sorted(pools.actor_names()) == sorted([  # looked up live in Ray
                 "generator-0", "generator-1", "reference-0", "reward-0", "reward-1",
@@ -187,11 +187,11 @@ def test_pools_change_while_running(cluster, tmp_path, driver_loads):
             driver = Driver(cfg, pools=pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer,
                             metrics=metrics)
             health = lambda rid: ray.get(pools.generators.handles()[rid].health.remote())
-            driver.step(None)
+            driver.step()
             added = driver.add_generator()
             assert added == "generator-1" and health(added)["version"] == 1  # weights before serving
             learner_before = ray.get(ray.get_actor("learner-0").health.remote())
-            second = driver.step(None)
+            second = driver.step()
             assert health(added)["generated_tokens"] > 0  # least-loaded dispatch used it
             # Sync mode: what the new replica sampled matches the learner's weights.
             assert second["ppo/logprob_gap_mean"] < 1e-3
@@ -199,7 +199,7 @@ def test_pools_change_while_running(cluster, tmp_path, driver_loads):
             with pytest.raises(ValueError):
                 ray.get_actor("generator-0")
             served = health(added)["generated_tokens"]
-            third = driver.step(None)
+            third = driver.step()
             assert health(added)["generated_tokens"] > served and third["policy/version"] == 3
             assert third["rollouts/used"] == 64 - 4 * third["rollouts/skipped_prompts"] \
                 - third["rollouts/invalid_scores"] - third["rollouts/empty_responses"]
