@@ -89,6 +89,7 @@ class Driver:
                                         filter_groups=cfg.ppo.filter_groups)
         self.prompts = PromptStream(dataset=dataset, prompts_per_step=cfg.data.prompts_per_step,
                                     rollouts=self.rollouts)
+        # The one place the run's mode is read: the step below calls the producer whichever it is.
         self.producer = PRODUCERS[cfg.run.mode](cfg, rollouts=self.rollouts, prompts=self.prompts,
                                                 shaping=self.shaping)
         self.recovery = Recovery(run=self, pools=pools, rollouts=self.rollouts, producer=self.producer,
