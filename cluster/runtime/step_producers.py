@@ -111,7 +111,7 @@ class SyncProducer(StepProducer):
         return self._rollouts.ledger.held_rollouts()
 
     def requeue_lost_buffer(self) -> None:
-        """...and generate them now: the take waits for them."""
+        """A lost buffer's prompts are queued and generated now: the take waits for them."""
         if self._rollouts.recover_lost_buffer():
             self._regenerated = self._regenerated.merge(self._rollouts.produce([], self._shaping()))
 
@@ -173,7 +173,7 @@ class AsyncProducer(StepProducer):
         return full
 
     def requeue_lost_buffer(self) -> None:
-        """...for the thread to generate, admitted or not."""
+        """A lost buffer's prompts are queued for the thread, which generates them admitted or not."""
         self._rollouts.recover_lost_buffer()
 
     def for_step(self) -> Produced:
