@@ -206,6 +206,12 @@ class TrainerConfig:
                   f"{p}.replicas=1 (got {world_size}); use weight_sync='nccl' for more ranks")
         self.optim.validate(world_size)
 
+
+@config_class
+class RankConfig(TrainerConfig):
+    """What a learner rank builds its engine from: the trainer settings and the batch sizes of
+    what it trains (LearnerConfig for PPO, SupervisedConfig for the stages before it)."""
+
     def check_device(self, has_cuda: bool) -> None:
         """Checks that depend on the rank's hardware. Called by each LearnerWorker, not by
         ``validate``: the driver that validates a config may well have no GPU itself."""
@@ -244,7 +250,7 @@ class TrainerConfig:
 
 
 @config_class
-class SupervisedConfig(TrainerConfig):
+class SupervisedConfig(RankConfig):
     """Everything a LearnerWorker training an SFT model or a reward model needs: the trainer
     settings plus the stage's own batch sizes and seed (filled in by the stage's config,
     cluster.config.stages.StageConfig.learner_config())."""
@@ -265,7 +271,7 @@ class SupervisedConfig(TrainerConfig):
 
 
 @config_class
-class LearnerConfig(TrainerConfig):
+class LearnerConfig(RankConfig):
     """Everything a LearnerWorker needs: the trainer settings plus the PPO update and
     values owned by other sections of a run's config (the run seed, the sampling
     temperature and truncation), filled in by cluster.config.ppo.TetherConfig.learner_config()."""

@@ -6,10 +6,10 @@ from typing import Callable
 
 import torch
 
-from learner.config import TrainerConfig
+from learner.config import RankConfig
 
 
-def build_engine(model: str, config: TrainerConfig, world_size: int, *, load: Callable[[str, TrainerConfig], tuple]):
+def build_engine(model: str, config: RankConfig, world_size: int, *, load: Callable[[str, RankConfig], tuple]):
     """Load the module an objective trains (``load``: its ``load_module``, -> (module, HF body))
     and wrap it with its optimizer and lr schedule in a DeepSpeed engine.
 

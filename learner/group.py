@@ -16,7 +16,7 @@ from core.node_loss import start_placed
 from core.placement import on_bundle, wait_placed
 from core.ray_calls import drain
 from core.transfer import Pull, lost_with_a_node
-from learner.config import LearnerConfig, TrainerConfig
+from learner.config import LearnerConfig, RankConfig
 from learner.objective import Objective
 from learner.rendezvous import RendezvousError, StoreAddress
 from learner.update import PPOObjective
@@ -61,12 +61,12 @@ class LearnerGroup:
     ``LearnerConfig.from_dict``. ``objective``: the class every rank trains (learner/objective.py).
     """
 
-    def __init__(self, *, model: str, config: TrainerConfig | dict, world_size: int,
+    def __init__(self, *, model: str, config: RankConfig | dict, world_size: int,
                  num_cpus_per_rank: float = 1, num_gpus_per_rank: float = 0, placement_group=None,
                  name_prefix: str = "learner", start_timeout_s: float = 600.0,
                  rendezvous_timeout_s: float = 120.0, call_timeout_s: float = 1800.0,
                  env: Optional[Mapping[str, str]] = None, objective: type[Objective] = PPOObjective) -> None:
-        if not isinstance(config, TrainerConfig):
+        if not isinstance(config, RankConfig):
             config = LearnerConfig.from_dict({**config, "world_size": world_size})
         self.config, self.model, self.world_size = config, str(model), world_size
         self.objective_class = objective  # what every rank trains

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from learner.collectives import Collectives
-from learner.config import TrainerConfig
+from learner.config import RankConfig
 
 
 class Objective:
@@ -24,14 +24,14 @@ class Objective:
 
     name: ClassVar[str]  # names the calls in messages ("learner.{name}_train: ...")
 
-    def __init__(self, *, engine, config: TrainerConfig, rank: int, world_size: int,
+    def __init__(self, *, engine, config: RankConfig, rank: int, world_size: int,
                  collectives: Collectives, device: torch.device, pad_id: int) -> None:
         self.engine, self.config = engine, config
         self.rank, self.world_size = rank, world_size
         self.comm, self.device, self.pad_id = collectives, device, pad_id
 
     @classmethod
-    def load_module(cls, model: str, config: TrainerConfig) -> tuple:
+    def load_module(cls, model: str, config: RankConfig) -> tuple:
         """(the module the engine wraps, its Hugging Face body), loaded from ``model``; the
         torch seed is set already, so a fresh head is drawn alike on every rank."""
         raise NotImplementedError

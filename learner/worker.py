@@ -25,7 +25,7 @@ from core.transfer import pull_args
 from learner import rendezvous
 from learner.checkpoint import Checkpointer
 from learner.collectives import Collectives
-from learner.config import LearnerConfig, TrainerConfig
+from learner.config import LearnerConfig, RankConfig
 from learner.engine import build_engine, pad_token_id
 from learner.export import WeightExporter
 from learner.objective import Objective
@@ -45,10 +45,10 @@ class LearnerWorker:
     ``objective``: the class of what this rank trains (learner/objective.py).
     """
 
-    def __init__(self, *, rank: int, world_size: int, model: str, config: TrainerConfig | dict,
+    def __init__(self, *, rank: int, world_size: int, model: str, config: RankConfig | dict,
                  start: bool = True, objective: type[Objective] = PPOObjective) -> None:
         fit_threads()
-        if not isinstance(config, TrainerConfig):
+        if not isinstance(config, RankConfig):
             config = LearnerConfig.from_dict({**config, "world_size": world_size})
         config.check_device(torch.cuda.is_available())
         self.config, self.rank, self.world_size, self.model_path = config, rank, world_size, str(model)
