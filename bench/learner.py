@@ -180,7 +180,7 @@ def tether_side(args, wl: dict, batch_rollouts: list, zero_stage: int, device: t
     from learner.worker import LearnerWorker
 
     worker = LearnerWorker(rank=0, world_size=1, model=wl["policy"], config=config(args, wl, zero_stage))
-    params = trainable_params(worker.update.engine.module)
+    params = trainable_params(worker.engine.module)
     if device.type == "cuda":  # the update's own clock stops before its last kernels have run
         return (lambda: timed(lambda: worker.train(batch_rollouts), device)), params
     return (lambda: worker.train(batch_rollouts)["perf/learner_seconds"]), params

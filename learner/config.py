@@ -208,7 +208,70 @@ class TrainerConfig:
 
 
 @config_class
-class LearnerConfig(TrainerConfig):
+class RankConfig(TrainerConfig):
+    """What a learner rank builds its engine from: the trainer settings and the batch sizes of
+    what it trains (LearnerConfig for PPO, SupervisedConfig for the stages before it)."""
+
+    def check_device(self, has_cuda: bool) -> None:
+        """Checks that depend on the rank's hardware. Called by each LearnerWorker, not by
+        ``validate``: the driver that validates a config may well have no GPU itself."""
+        if self.weight_sync in GPU_TRANSPORTS and not has_cuda:
+            _fail(f"learner.weight_sync={self.weight_sync!r} needs CUDA on the learner "
+                  f"({GPU_TRANSPORTS[self.weight_sync]}); this rank has no GPU: set learner.weight_sync='cpu' "
+                  "or give the learner num_gpus")
+
+    def batch_sizes(self) -> tuple[int, int]:
+        """(items per optimizer step over all ranks, items per forward on one rank)."""
+        raise NotImplementedError
+
+    def deepspeed_config(self, world_size: int) -> dict:
+        """The DeepSpeed config dict; batch sizes mirror batch_sizes() (DeepSpeed checks their product)."""
+        batch, micro = self.batch_sizes()
+        bf16 = self.dtype == "bfloat16"
+        # Gradients accumulate over micro-batches in fp32 (bf16 sums lose ~0.4% of the minibatch
+        # gradient). DeepSpeed does that only behind an optimizer wrapper: without ZeRO, bf16 with
+        # fp32 accumulation is its stage-1 BF16_Optimizer (fp32 master weights split over the
+        # ranks; the same numbers as unpartitioned, less memory).
+        stage = 1 if bf16 and self.zero_stage == 0 else self.zero_stage
+        return {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": batch // (world_size * micro),
+            "train_batch_size": batch,
+            "gradient_clipping": self.optim.grad_clip,
+            # overlap_comm needs streams; nothing to overlap with on CPU and simpler to reason about.
+            "zero_optimization": {"stage": stage, "overlap_comm": False},
+            "bf16": {"enabled": bf16},
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "zero_allow_untested_optimizer": True,  # plain torch AdamW / SGD under ZeRO
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+
+
+@config_class
+class SupervisedConfig(RankConfig):
+    """Everything a LearnerWorker training an SFT model or a reward model needs: the trainer
+    settings plus the stage's own batch sizes and seed (filled in by the stage's config,
+    cluster.config.stages.StageConfig.learner_config())."""
+    batch_size: int = setting(8, "rows per optimizer step, over all learner ranks")
+    micro_batch_size: int = setting(4, "rows per forward/backward on one rank (gradient accumulation)")
+    seed: int = setting(0, "seeds the score-head init")
+
+    def validate(self, world_size: int = 1) -> None:
+        super().validate(world_size)
+        if min(self.batch_size, self.micro_batch_size) < 1:
+            _fail("learner: batch_size and micro_batch_size must be >= 1")
+        if self.batch_size % (world_size * self.micro_batch_size):
+            _fail(f"learner: batch_size={self.batch_size} is not divisible by world_size*micro_batch_size="
+                  f"{world_size}*{self.micro_batch_size}")
+
+    def batch_sizes(self) -> tuple[int, int]:
+        return self.batch_size, self.micro_batch_size
+
+
+@config_class
+class LearnerConfig(RankConfig):
     """Everything a LearnerWorker needs: the trainer settings plus the PPO update and
     values owned by other sections of a run's config (the run seed, the sampling
     temperature and truncation), filled in by cluster.config.ppo.TetherConfig.learner_config()."""
@@ -244,6 +307,9 @@ class LearnerConfig(TrainerConfig):
         self.ppo.validate(world_size)
         self._check_critic()
 
+    def batch_sizes(self) -> tuple[int, int]:
+        return self.ppo.minibatch_size, self.ppo.micro_batch_size
+
     @property
     def value_model(self) -> Critic:
         """The critic this run trains: ``critic``, or what ``ppo.advantage`` implies when null."""
@@ -259,37 +325,6 @@ class LearnerConfig(TrainerConfig):
         if name not in CRITIC_FREE and self.critic == "none":
             _fail(f"learner.critic=none leaves ppo.advantage={name} without values; use critic shared or "
                   f"separate, or a critic-free estimator ({' | '.join(CRITIC_FREE)})")
-
-    def check_device(self, has_cuda: bool) -> None:
-        """Checks that depend on the rank's hardware. Called by each LearnerWorker, not by
-        ``validate``: the driver that validates a config may well have no GPU itself."""
-        if self.weight_sync in GPU_TRANSPORTS and not has_cuda:
-            _fail(f"learner.weight_sync={self.weight_sync!r} needs CUDA on the learner "
-                  f"({GPU_TRANSPORTS[self.weight_sync]}); this rank has no GPU: set learner.weight_sync='cpu' "
-                  "or give the learner num_gpus")
-
-    def deepspeed_config(self, world_size: int) -> dict:
-        """The DeepSpeed config dict; batch sizes mirror ppo (DeepSpeed checks their product)."""
-        bf16 = self.dtype == "bfloat16"
-        # Gradients accumulate over micro-batches in fp32 (bf16 sums lose ~0.4% of the minibatch
-        # gradient). DeepSpeed does that only behind an optimizer wrapper: without ZeRO, bf16 with
-        # fp32 accumulation is its stage-1 BF16_Optimizer (fp32 master weights split over the
-        # ranks; the same numbers as unpartitioned, less memory).
-        stage = 1 if bf16 and self.zero_stage == 0 else self.zero_stage
-        return {
-            "train_micro_batch_size_per_gpu": self.ppo.micro_batch_size,
-            "gradient_accumulation_steps": self.ppo.micro_batches(world_size),
-            "train_batch_size": self.ppo.minibatch_size,
-            "gradient_clipping": self.optim.grad_clip,
-            # overlap_comm needs streams; nothing to overlap with on CPU and simpler to reason about.
-            "zero_optimization": {"stage": stage, "overlap_comm": False},
-            "bf16": {"enabled": bf16},
-            "data_types": {"grad_accum_dtype": "fp32"},
-            "zero_allow_untested_optimizer": True,  # plain torch AdamW / SGD under ZeRO
-            "zero_force_ds_cpu_optimizer": False,
-            "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False,
-        }
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "LearnerConfig":

@@ -1,16 +1,16 @@
-"""The policy (with its value head) inside a DeepSpeed engine, as one rank trains it."""
+"""The module an objective trains (the policy with its value head, or a reward model) inside a
+DeepSpeed engine, as one rank trains it."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
-from learner.config import LearnerConfig
-from learner.policy import PolicyWithValueHead
-
-MODEL_KINDS = ("policy", "reward")  # what a rank trains: the policy (PPO, SFT) or a reward model
+from learner.config import RankConfig
 
 
-def build_engine(model: str, config: LearnerConfig, world_size: int, kind: str = "policy"):
-    """Load the policy (``kind="policy"``) or a reward model (``"reward"``, learner/preference.py)
+def build_engine(model: str, config: RankConfig, world_size: int, *, load: Callable[[str, RankConfig], tuple]):
+    """Load the module an objective trains (``load``: its ``load_module``, -> (module, HF body))
     and wrap it with its optimizer and lr schedule in a DeepSpeed engine.
 
     The process group must exist already (DeepSpeed is told not to create one).
@@ -18,14 +18,7 @@ def build_engine(model: str, config: LearnerConfig, world_size: int, kind: str =
     import deepspeed
 
     torch.manual_seed(config.seed)  # identical value-head / score-head init on every rank
-    if kind == "reward":
-        from learner.preference import RewardModule
-        policy = RewardModule.from_pretrained(model)
-        body = policy.model
-    else:
-        policy = PolicyWithValueHead.from_pretrained(model, critic=config.value_model,
-                                                     critic_model=config.critic_model)
-        body = policy.lm
+    policy, body = load(model, config)
     if config.gradient_checkpointing:
         body.gradient_checkpointing_enable()
     policy.train()  # HF loads in eval mode; checkpointing needs train mode (dropout is off anyway)

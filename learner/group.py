@@ -11,13 +11,15 @@ import time
 from collections.abc import Mapping
 from typing import Optional
 
-import numpy as np
-
 from core.errors import type_and_first_line
-from core.node_loss import dead_nodes, start_placed
+from core.node_loss import start_placed
+from core.placement import on_bundle, wait_placed
+from core.ray_calls import drain
 from core.transfer import Pull, lost_with_a_node
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, RankConfig
+from learner.objective import Objective
 from learner.rendezvous import RendezvousError, StoreAddress
+from learner.update import PPOObjective
 from learner.weight_sync import DEFAULT_BUCKET_BYTES
 from learner.worker import LearnerWorker
 
@@ -55,18 +57,19 @@ class LearnerGroup:
     naming it (the other ranks then fail their collectives at ``dist_timeout_s``: shut the
     group down and recreate it).
 
-    ``config``: a LearnerConfig is taken as validated; a dict goes through ``from_dict``.
+    ``config``: a LearnerConfig or SupervisedConfig is taken as validated; a dict goes through
+    ``LearnerConfig.from_dict``. ``objective``: the class every rank trains (learner/objective.py).
     """
 
-    def __init__(self, *, model: str, config: LearnerConfig | dict, world_size: int,
+    def __init__(self, *, model: str, config: RankConfig | dict, world_size: int,
                  num_cpus_per_rank: float = 1, num_gpus_per_rank: float = 0, placement_group=None,
                  name_prefix: str = "learner", start_timeout_s: float = 600.0,
                  rendezvous_timeout_s: float = 120.0, call_timeout_s: float = 1800.0,
-                 env: Optional[Mapping[str, str]] = None, kind: str = "policy") -> None:
-        if not isinstance(config, LearnerConfig):
+                 env: Optional[Mapping[str, str]] = None, objective: type[Objective] = PPOObjective) -> None:
+        if not isinstance(config, RankConfig):
             config = LearnerConfig.from_dict({**config, "world_size": world_size})
         self.config, self.model, self.world_size = config, str(model), world_size
-        self.kind = kind  # "policy" | "reward": what the ranks train (LearnerWorker)
+        self.objective_class = objective  # what every rank trains
         self.call_timeout_s, self.start_timeout_s = call_timeout_s, start_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s  # joining takes seconds; past this, retry
         self._actor_options = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
@@ -108,9 +111,9 @@ class LearnerGroup:
         actor = ray.remote(LearnerWorker)
         return [actor.options(name=f"{opts['name_prefix']}-{r}", num_cpus=opts["num_cpus"],
                               num_gpus=opts["num_gpus"], runtime_env={"env_vars": env} if env else None,
-                              **_placement(opts["placement_group"], r)).remote(
+                              **on_bundle(opts["placement_group"], r)).remote(
                     rank=r, world_size=self.world_size, model=self.model, config=self.config, start=False,
-                    kind=self.kind)
+                    objective=self.objective_class)
                 for r in range(self.world_size)]
 
     def _rendezvous(self) -> Optional[Exception]:
@@ -128,48 +131,39 @@ class LearnerGroup:
 
     # ------------------------------------------------------------------ the ranks as one
 
-    def train(self, shards: list, ptx_rows: Optional[np.ndarray] = None, kl_coef: float = 0.0) -> dict:
-        """One PPO update. ``shards``: one entry per rank (core.rollout.shard_rollouts makes
-        them), each a list of ScoredRollout or a Ray ObjectRef to one; a ref is pulled by its
-        rank (core.transfer), so the rollouts never pass through this process, and the ranks'
-        ``transfer/to_learner_*`` (bytes and seconds across nodes) are summed.
-        ``ptx_rows``: [N, T] token ids of pretraining text for the PTX loss; rank r gets the
-        r-th of W equal consecutive blocks, so N must be a multiple of the world size.
-        ``kl_coef``: beta of the KL loss term (``kl_loss_estimator`` set; ignored otherwise)."""
-        t0 = time.perf_counter()
-        if len(shards) != self.world_size:
-            raise ValueError(f"learner.train: got {len(shards)} shards for {self.world_size} ranks; "
-                             "pass exactly one per rank (core.rollout.shard_rollouts)")
+    def train(self, shards: list, **options) -> dict:
+        """The objective's train() on every rank (for PPO one update, with ``ptx_rows`` and
+        ``kl_coef``). ``shards``: one entry per rank (core.rollout.shard_rollouts makes PPO's),
+        each a list or a Ray ObjectRef to one; a ref is pulled by its rank (core.transfer), so
+        the rollouts never pass through this process, and the ranks' ``transfer/to_learner_*``
+        (bytes and seconds across nodes) are summed. ``options``: the objective's, each rank's
+        share cut by its ``rank_options`` (PPO: rank r gets the r-th of W equal consecutive
+        blocks of the [N, T] ``ptx_rows``, so N must be a multiple of the world size)."""
         import ray
-        refs = [w.train.remote(Pull(shard) if isinstance(shard, ray.ObjectRef) else shard, rows, kl_coef)
-                for w, shard, rows in zip(self.workers, shards, split_rows(ptx_rows, self.world_size))]
-        metrics = _merge_metrics(self._gather(refs, "train"))
+        t0 = time.perf_counter()
+        refs = [w.train.remote(Pull(shard) if isinstance(shard, ray.ObjectRef) else shard, **opts)
+                for (w, shard), opts in zip(self._per_rank(shards, "train"),
+                                            self.objective_class.rank_options(self.world_size, **options))]
+        metrics = self.objective_class.merge_train(self._gather(refs, "train"))
         metrics["perf/learner_group_seconds"] = time.perf_counter() - t0
         return metrics
 
-    # SFT and reward-model steps: ``shards`` holds one list per rank (equal lengths for the
-    # train calls); metrics are reduced over the ranks inside, so rank 0's stand for all.
+    def evaluate(self, shards: list, **options):
+        """The objective's evaluate() of one shard per rank (the supervised objectives' shards may
+        differ in length), merged by the objective (SFT, reward model: reduced over the ranks)."""
+        refs = [w.evaluate.remote(s, **options) for w, s in self._per_rank(shards, "evaluate")]
+        return self.objective_class.merge_evaluate(self._gather(refs, "evaluate"))
 
-    def sft_train(self, shards: list) -> dict:
-        return self._gather([w.sft_train.remote(s) for w, s in self._per_rank(shards)], "sft_train")[0]
+    def apply(self, call, shards: list) -> list:
+        """Per rank, ``call(objective, shard)``: a call of the objective's own (the reward model's
+        ``PreferenceObjective.scores``), passed as the function itself."""
+        what = getattr(call, "__name__", "apply")
+        return self._gather([w.apply.remote(call, s) for w, s in self._per_rank(shards, what)], what)
 
-    def sft_evaluate(self, shards: list) -> dict:
-        return self._gather([w.sft_evaluate.remote(s) for w, s in self._per_rank(shards)], "sft_evaluate")[0]
-
-    def rm_train(self, shards: list, margin: float = 0.0) -> dict:
-        return self._gather([w.rm_train.remote(s, margin) for w, s in self._per_rank(shards)], "rm_train")[0]
-
-    def rm_evaluate(self, shards: list, margin: float = 0.0) -> dict:
-        return self._gather([w.rm_evaluate.remote(s, margin) for w, s in self._per_rank(shards)],
-                            "rm_evaluate")[0]
-
-    def rm_scores(self, shards: list) -> list[np.ndarray]:
-        """Per rank, the scores of its shard's (prompt_ids, response_ids) items."""
-        return self._gather([w.rm_scores.remote(s) for w, s in self._per_rank(shards)], "rm_scores")
-
-    def _per_rank(self, shards: list) -> list:
+    def _per_rank(self, shards: list, what: str) -> list:
         if len(shards) != self.world_size:
-            raise ValueError(f"learner: got {len(shards)} shards for {self.world_size} ranks; pass one per rank")
+            raise ValueError(f"learner.{what}: got {len(shards)} shards for {self.world_size} ranks; "
+                             "pass exactly one per rank")
         return list(zip(self.workers, shards))
 
     def push_weights(self, generators: Mapping, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
@@ -220,8 +214,13 @@ class LearnerGroup:
         """_start() once every bundle is placed on a live node outside ``avoid`` and every old
         rank's name is free."""
         import ray
-        if self._actor_options["placement_group"] is not None:
-            _wait_placed(self._actor_options["placement_group"], placement_timeout_s, self.world_size, avoid)
+        pg = self._actor_options["placement_group"]
+        state = wait_placed(pg, placement_timeout_s, avoid) if pg is not None else None
+        if state is not None:
+            raise LearnerPlacementError(
+                f"learner: its {self.world_size} rank(s) could not be placed again within {placement_timeout_s:.0f}s "
+                f"after losing a node (placement {state}); add a node with room for a rank, or lower "
+                "learner.replicas")
         deadline = time.monotonic() + 60
         for r in range(self.world_size):  # a killed actor's name frees a moment later
             while time.monotonic() < deadline:
@@ -243,43 +242,6 @@ class LearnerPlacementError(RuntimeError):
     """The learner's ranks cannot all be placed again (a node died and no other has room)."""
 
 
-def _wait_placed(pg, timeout_s: float, ranks: int, avoid: frozenset = frozenset()) -> None:
-    """Until every bundle of ``pg`` is placed on a live node outside ``avoid`` (Ray re-places the
-    bundles of a dead node by itself), or LearnerPlacementError after ``timeout_s``."""
-    from ray.util import placement_group_table
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        table = placement_group_table(pg)
-        state, nodes = table["state"], set((table.get("bundles_to_node_id") or {}).values())
-        if state == "CREATED" and not nodes & (avoid | dead_nodes()):
-            return
-        if time.monotonic() > deadline:
-            raise LearnerPlacementError(
-                f"learner: its {ranks} rank(s) could not be placed again within {timeout_s:.0f}s after losing a "
-                f"node (placement {state.lower()}); add a node with room for a rank, or lower learner.replicas")
-        time.sleep(0.1)
-
-
-def split_rows(rows: Optional[np.ndarray], world_size: int) -> list:
-    """[N, T] -> W blocks of [N/W, T] (None -> W Nones): each rank's share of the PTX rows."""
-    if rows is None:
-        return [None] * world_size
-    rows = np.asarray(rows)
-    if rows.ndim != 2 or len(rows) == 0 or len(rows) % world_size:
-        raise ValueError(f"learner.train: ptx_rows must be a 2-D [N, T] array with N a positive multiple "
-                         f"of the {world_size} ranks, got shape {rows.shape}")
-    return np.split(rows, world_size)
-
-
-def _placement(pg, bundle: int) -> dict:
-    if pg is None:
-        return {}
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=bundle)}
-
-
 def _gather(refs: list, what: str, timeout: float) -> list:
     """Results in rank order; the first failure raises, naming its rank (ValueError stays one)."""
     import ray
@@ -298,7 +260,7 @@ def _gather(refs: list, what: str, timeout: float) -> list:
         try:
             results[rank] = ray.get(ready[0])
         except RayTaskError as e:
-            _drain(pending)
+            drain(pending)
             cause = e.cause if getattr(e, "cause", None) is not None else e
             if lost_with_a_node(e):
                 raise LearnerInputLost(rank, what, type_and_first_line(cause)) from e
@@ -307,31 +269,3 @@ def _gather(refs: list, what: str, timeout: float) -> list:
         except RayActorError as e:
             raise LearnerRankDied(rank, what, type_and_first_line(e)) from e
     return results
-
-
-def _drain(refs: list, timeout: float = 2.0) -> None:
-    """Collect the other ranks' (usually identical) errors so Ray does not log them as unhandled."""
-    import ray
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except Exception:  # noqa: BLE001 - the first rank's error is the one raised
-            pass
-
-
-def _merge_metrics(per_rank: list[dict]) -> dict:
-    """Workers already all-reduce, so values agree; mean for safety, lr from rank 0, slowest time,
-    and each rank's own transfer/* (bytes, seconds of taking its shard) summed."""
-    out = {}
-    for key in per_rank[0]:
-        values = [m[key] for m in per_rank]
-        if key == "ppo/lr":
-            out[key] = values[0]
-        elif key == "perf/learner_seconds":
-            out[key] = max(values)
-        elif key.startswith("transfer/"):
-            out[key] = sum(values)
-        else:
-            out[key] = float(np.mean(values))
-    return out

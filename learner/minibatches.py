@@ -9,6 +9,8 @@ update is then one process's over the global batch, whatever the world size.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 
@@ -37,3 +39,14 @@ def minibatch_plan(counts: list[int], rank: int, order: np.ndarray, minibatch_si
         micros = -(-most // micro_batch_size)
         plan.append((rows[who == rank] - starts[rank], micros))
     return plan
+
+
+def split_rows(rows: Optional[np.ndarray], world_size: int) -> list:
+    """[N, T] -> W blocks of [N/W, T] (None -> W Nones): each rank's share of the PTX rows."""
+    if rows is None:
+        return [None] * world_size
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or len(rows) == 0 or len(rows) % world_size:
+        raise ValueError(f"learner.train: ptx_rows must be a 2-D [N, T] array with N a positive multiple "
+                         f"of the {world_size} ranks, got shape {rows.shape}")
+    return np.split(rows, world_size)

@@ -22,7 +22,7 @@ from core.dtypes import torch_dtype
 from core.layout import pool_last_token
 from core.preference import bradley_terry_loss
 from learner.policy import HFWrapper, copy_tokenizer, disable_dropout
-from learner.sft import SupervisedStep, collate_sequences
+from learner.sft import SupervisedObjective, collate_sequences
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,21 @@ class RewardModule(HFWrapper):
         return module
 
 
-class PreferenceStep(SupervisedStep):
+class PreferenceObjective(SupervisedObjective):
     """Bradley-Terry on pairs: chosen and rejected of a micro-batch go through one forward."""
 
-    def train(self, pairs: list[Pair], margin: float = 0.0) -> dict:
-        """One optimizer step per ``minibatch_size`` pairs (over all ranks); every rank calls it
+    name = "rm"
+
+    @classmethod
+    def load_module(cls, model: str, config) -> tuple:
+        module = RewardModule.from_pretrained(model)
+        return module, module.model
+
+    def train(self, pairs: list[Pair], *, step: int = 0, margin: float = 0.0) -> dict:
+        """One optimizer step per ``batch_size`` pairs (over all ranks); every rank calls it
         with its equal share. -> per-step global loss, accuracy, chosen-rejected gap, grad norm, lr."""
         out = {"loss": [], "accuracy": [], "gap": [], "grad_norm": [], "lr": []}
-        for batch in self._batches(list(pairs), "rm_train"):
+        for batch in self._batches(list(pairs)):
             n_global = len(batch) * self.world_size
             sums = np.zeros(3)  # loss, correct, gap
 
@@ -88,17 +95,17 @@ class PreferenceStep(SupervisedStep):
                             float((chosen - rejected).detach().sum())]
                 return loss
 
-            step = self._optimizer_step(self._micro_batches(batch), micro_loss)
+            done = self._optimizer_step(self._micro_batches(batch), micro_loss)
             loss, correct, gap = self.comm.sum(sums.tolist())
             out["loss"].append(loss)
             out["accuracy"].append(correct / n_global)
             out["gap"].append(gap / n_global)
-            out["grad_norm"].append(step["grad_norm"])
-            out["lr"].append(step["lr"])
+            out["grad_norm"].append(done["grad_norm"])
+            out["lr"].append(done["lr"])
         return out
 
     @torch.no_grad()
-    def evaluate(self, pairs: list[Pair], margin: float = 0.0) -> dict:
+    def evaluate(self, pairs: list[Pair], *, margin: float = 0.0) -> dict:
         """Loss and pair accuracy over every rank's pairs (ranks may hold unequal shares)."""
         sums = np.zeros(3)  # loss sum, correct, pairs
         for items, weight in self._micro_batches(list(pairs), pad_to_ranks=True):
@@ -110,7 +117,8 @@ class PreferenceStep(SupervisedStep):
 
     @torch.no_grad()
     def scores(self, sequences: list[tuple]) -> np.ndarray:
-        """[N] float32 scores of (prompt_ids, response_ids) items; every rank calls it."""
+        """[N] float32 scores of (prompt_ids, response_ids) items; every rank calls it (through
+        LearnerGroup.apply: a call of this objective's own)."""
         out = []
         for items, weight in self._micro_batches(list(sequences), pad_to_ranks=True):
             s = self.engine(*collate_sequences(items, self.pad_id, self.device)[:2])

@@ -1,6 +1,6 @@
 """Supervised fine-tuning of one data-parallel rank on the learner's DeepSpeed engine.
 
-The engine is the PPO one (learner/engine.py: the policy with its value head); SFT reads
+The module is PPO's (learner/policy.py: the policy with its value head); SFT reads
 the LM logits and keeps the value head in the graph at zero weight, so ZeRO's gradient
 reductions line up and the saved checkpoint is one cluster.train loads as it is.
 
@@ -18,8 +18,8 @@ import torch
 
 from core.layout import pad_right, position_ids
 from core.preference import response_nll
-from learner.collectives import Collectives
-from learner.config import LearnerConfig
+from learner.objective import Objective
+from learner.policy import PolicyWithValueHead
 
 Example = tuple  # (prompt_ids [P] int64, response_ids [R] int64): one SFT example
 
@@ -38,24 +38,21 @@ def collate_sequences(parts: Sequence[Sequence[np.ndarray]], pad_id: int, device
     return torch.from_numpy(ids).to(device), torch.from_numpy(attn).to(device), loss_mask.to(device)
 
 
-class SupervisedStep:
-    """What the SFT and reward-model steps share: equal shards, micro-batches, one
+class SupervisedObjective(Objective):
+    """What the SFT and reward-model objectives share: equal shards, micro-batches, one
     DeepSpeed optimizer step per batch, metrics reduced over the ranks."""
 
-    def __init__(self, *, engine, config: LearnerConfig, rank: int, world_size: int,
-                 collectives: Collectives, device: torch.device, pad_id: int) -> None:
-        self.engine, self.config = engine, config
-        self.rank, self.world_size = rank, world_size
-        self.comm, self.device, self.pad_id = collectives, device, pad_id
-        self.local_batch = config.ppo.minibatch_size // world_size  # items per rank per optimizer step
-        self.micro = config.ppo.micro_batch_size
+    def __init__(self, **parts) -> None:
+        super().__init__(**parts)
+        batch, self.micro = self.config.batch_sizes()
+        self.local_batch = batch // self.world_size  # items per rank per optimizer step
 
-    def _batches(self, items: list, what: str) -> list[list]:
+    def _batches(self, items: list) -> list[list]:
         """This rank's items cut into optimizer steps; every rank must hold as many."""
         n = len(items)
         n_max, neg_n_min = self.comm.max([n, -n])
         if n_max != -neg_n_min or n == 0 or n % self.local_batch:
-            raise ValueError(f"learner.{what}: ranks got unequal shards or a size that is not a multiple of "
+            raise ValueError(f"learner.{self.name}_train: ranks got unequal shards or a size that is not a multiple of "
                              f"the per-rank batch {self.local_batch} (rank {self.rank}: {n}, max {int(n_max)})")
         return [items[i:i + self.local_batch] for i in range(0, n, self.local_batch)]
 
@@ -89,14 +86,22 @@ class SupervisedStep:
                                              (norm if norm is not None else float("nan")))}
 
 
-class SFTStep(SupervisedStep):
+class SFTObjective(SupervisedObjective):
     """Next-token loss on the response tokens of (prompt, response) examples."""
 
-    def train(self, examples: list[Example]) -> dict:
-        """One optimizer step per ``minibatch_size`` examples (over all ranks); every rank
+    name = "sft"
+
+    @classmethod
+    def load_module(cls, model: str, config) -> tuple:
+        """The policy with a shared value head, which SFT keeps at zero weight (see above)."""
+        policy = PolicyWithValueHead.from_pretrained(model, critic="shared", critic_model=None)
+        return policy, policy.lm
+
+    def train(self, examples: list[Example], *, step: int = 0) -> dict:
+        """One optimizer step per ``batch_size`` examples (over all ranks); every rank
         calls it with its equal share. -> per-step global losses, gradient norms, lr."""
         out = {"loss": [], "grad_norm": [], "lr": [], "tokens": 0}
-        for batch in self._batches(list(examples), "sft_train"):
+        for batch in self._batches(list(examples)):
             (tokens,) = self.comm.sum([sum(len(r) for _, r in batch)])
             parts: list[float] = []
 
@@ -105,11 +110,11 @@ class SFTStep(SupervisedStep):
                 parts.append(float(loss.detach()))
                 return loss
 
-            step = self._optimizer_step(self._micro_batches(batch), micro_loss)
+            done = self._optimizer_step(self._micro_batches(batch), micro_loss)
             (loss,) = self.comm.sum([sum(parts)])
             out["loss"].append(loss)
-            out["grad_norm"].append(step["grad_norm"])
-            out["lr"].append(step["lr"])
+            out["grad_norm"].append(done["grad_norm"])
+            out["lr"].append(done["lr"])
             out["tokens"] += int(tokens)
         return out
 

@@ -1,8 +1,10 @@
-"""What one rank accumulates over a PPO update, and the metrics made from it."""
+"""What one rank accumulates over a PPO update, the metrics made from it, and their merge over the ranks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from typing import Callable
+
+import numpy as np
 
 Reduce = Callable[[list], list]  # sums a list of local scalars over the ranks (Collectives.sum)
 
@@ -53,7 +55,7 @@ class UpdateStats:
         return UpdateStats(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
 
     def epoch_summary(self) -> dict:
-        """This rank's per-epoch loss and clip statistics (LearnerWorker.epoch_history)."""
+        """This rank's per-epoch loss and clip statistics (PPOObjective.epoch_history)."""
         steps, tokens = max(self.optimizer_steps, 1), max(self.tokens, 1)
         return {"policy_loss": self.policy_loss / steps, "value_loss": self.value_loss / steps,
                 "clip_frac": self.clip_sum / tokens, "approx_kl": self.approx_kl_sum / tokens}
@@ -77,3 +79,21 @@ class UpdateStats:
             out["ppo/kl_loss"] = kl_loss / steps
             out["ppo/kl_loss_token_mean"] = kl_in_loss / tokens
         return out
+
+
+def merge_rank_metrics(per_rank: list[dict]) -> dict:
+    """One metrics dict from the ranks' train(): they all-reduce already, so values agree; the
+    mean for safety, lr from rank 0, the slowest rank's time, and each rank's own transfer/*
+    (bytes, seconds of taking its shard) summed."""
+    out = {}
+    for key in per_rank[0]:
+        values = [m[key] for m in per_rank]
+        if key == "ppo/lr":
+            out[key] = values[0]
+        elif key == "perf/learner_seconds":
+            out[key] = max(values)
+        elif key.startswith("transfer/"):
+            out[key] = sum(values)
+        else:
+            out[key] = float(np.mean(values))
+    return out

@@ -25,32 +25,39 @@ from core.layout import position_ids
 from core.masked import explained_variance
 from core.rollout import ScoredRollout
 from learner.batch import Batch, collate, collate_lm
-from learner.collectives import Collectives
 from learner.config import LearnerConfig
-from learner.minibatches import minibatch_plan, visit_order
-from learner.stats import UpdateStats
+from learner.minibatches import minibatch_plan, split_rows, visit_order
+from learner.objective import Objective
+from learner.policy import PolicyWithValueHead
+from learner.stats import UpdateStats, merge_rank_metrics
 
 
-class PPOUpdate:
+class PPOObjective(Objective):
     """Scores the shard, computes its advantages (``ppo.advantage``), then runs the clipped-loss epochs."""
 
-    def __init__(self, *, engine, config: LearnerConfig, rank: int, world_size: int,
-                 collectives: Collectives, device: torch.device, pad_id: int) -> None:
-        self.engine, self.config = engine, config
-        self.rank, self.world_size = rank, world_size
-        self.comm, self.device, self.pad_id = collectives, device, pad_id
-        self.step = 0  # completed train() calls; seeds the shuffle so a resumed run replays it
+    name = "ppo"
+
+    def __init__(self, **parts) -> None:
+        super().__init__(**parts)
         self.epoch_history: list[dict] = []  # this rank's per-epoch losses of the last train()
         self.last_ptx_rows: Optional[np.ndarray] = None  # [n, T] PTX rows of the last train()
         self.kl_coef = 0.0  # beta of the KL loss term in the current train()
-        self.critic = config.value_model != "none"  # a value model to train (gae), or none
+        self.critic = self.config.value_model != "none"  # a value model to train (gae), or none
         self.row_offset = 0  # this rank's first row in the global batch (the shards in rank order)
 
+    @classmethod
+    def load_module(cls, model: str, config: LearnerConfig) -> tuple:
+        policy = PolicyWithValueHead.from_pretrained(model, critic=config.value_model,
+                                                     critic_model=config.critic_model)
+        return policy, policy.lm
+
     def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None,
-              kl_coef: float = 0.0) -> dict:
+              kl_coef: float = 0.0, *, step: int = 0) -> dict:
         """``ppo_epochs`` passes over this rank's shard; every rank must call it. ``ptx_rows``
         [n, T]: this rank's PTX text, spread evenly over the update's optimizer steps.
-        ``kl_coef``: beta of the KL loss term when ``config.kl_loss_estimator`` is set."""
+        ``kl_coef``: beta of the KL loss term when ``config.kl_loss_estimator`` is set.
+        ``step``: the updates done before this one, which seeds the shuffle (a resumed run
+        replays it)."""
         t0 = time.perf_counter()
         self.kl_coef = float(kl_coef) if self.config.kl_loss_estimator else 0.0
         global_tokens, counts = self._check_shard(shard)
@@ -58,7 +65,7 @@ class PPOUpdate:
         batch = collate(shard, self.pad_id).to(self.device)
         metrics = self._prepare(batch, shard)
         stats = UpdateStats()
-        epochs = [self._minibatches(counts, e) for e in range(self.config.ppo.ppo_epochs)]
+        epochs = [self._minibatches(counts, step, e) for e in range(self.config.ppo.ppo_epochs)]
         # What a rank short of rows trains: a row with no valid token (zero loss, whole graph).
         blank = dataclasses.replace(batch[:1], response_mask=torch.zeros_like(batch.response_mask[:1])).trimmed()
         ptx = self._ptx_slices(ptx_rows, sum(map(len, epochs)))
@@ -74,7 +81,6 @@ class PPOUpdate:
                     metrics.update(self._agreement_metrics(probe))
                     probe = None
             self.epoch_history.append(stats.since(before).epoch_summary())
-        self.step += 1
         seconds = time.perf_counter() - t0
         metrics.update(stats.metrics(self.comm.sum, world_size=self.world_size,
                                      with_ptx=bool(self.config.ppo.ptx_coef),
@@ -84,15 +90,29 @@ class PPOUpdate:
             metrics["ppo/kl_loss_coef"] = self.kl_coef
         metrics.update({"perf/learner_seconds": seconds,
                         "perf/learner_tokens_per_s": global_tokens / seconds,
-                        "learner/step": self.step, "learner/optimizer_steps": self.engine.global_steps,
+                        "learner/step": step + 1, "learner/optimizer_steps": self.engine.global_steps,
                         "learner/tokens": global_tokens})
         return metrics
 
     @torch.no_grad()
-    def policy_logprobs(self, rollouts: list) -> list[np.ndarray]:
+    def evaluate(self, rollouts: list) -> list[np.ndarray]:
         """[R] logprobs of each rollout's response under the current weights (all ranks call)."""
         lp = self._score(collate(rollouts, self.pad_id).to(self.device))[0].cpu().numpy()
         return [lp[i, :r.response_ids.size].copy() for i, r in enumerate(rollouts)]
+
+    @classmethod
+    def rank_options(cls, world_size: int, ptx_rows: Optional[np.ndarray] = None, kl_coef: float = 0.0) -> list:
+        """Rank r trains the r-th of W equal blocks of the PTX rows, and every rank with beta ``kl_coef``."""
+        return [{"ptx_rows": rows, "kl_coef": kl_coef} for rows in split_rows(ptx_rows, world_size)]
+
+    @classmethod
+    def merge_train(cls, per_rank: list[dict]) -> dict:
+        return merge_rank_metrics(per_rank)
+
+    @classmethod
+    def merge_evaluate(cls, per_rank: list) -> list:
+        """The ranks' log-probs in rank order: the rollouts' order when the shards were cut in it."""
+        return [lp for rank in per_rank for lp in rank]
 
     def _check_shard(self, shard: list[ScoredRollout]) -> tuple[int, list[int]]:
         """Agree across ranks on sizes before any collective that depends on them:
@@ -231,10 +251,10 @@ class PPOUpdate:
                 "off_policy/behaviour_kl": s_kl / n, "off_policy/is_weight_mean": s_w / n,
                 "off_policy/is_weight_max": w_max, "off_policy/capped_frac": s_capped / n}
 
-    def _minibatches(self, counts: list[int], epoch: int) -> list[tuple[np.ndarray, int]]:
+    def _minibatches(self, counts: list[int], step: int, epoch: int) -> list[tuple[np.ndarray, int]]:
         """(this rank's rows, micro-batches) per minibatch of an epoch: learner/minibatches.py."""
         cfg = self.config.ppo
-        order = visit_order(sum(counts), seed=self.config.seed, step=self.step, epoch=epoch, shuffle=cfg.shuffle)
+        order = visit_order(sum(counts), seed=self.config.seed, step=step, epoch=epoch, shuffle=cfg.shuffle)
         return minibatch_plan(counts, self.rank, order, cfg.minibatch_size, cfg.micro_batch_size)
 
     def _minibatch_step(self, mb: Batch, n_micro: int, blank: Batch, horizon: int, ptx, stats: UpdateStats,

@@ -14,7 +14,7 @@ from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.ppo import BUILTIN_POLICY, LearnerPoolConfig, ResourcesConfig, check_run_name
 from core.schema import config_class, setting
-from learner.config import LearnerConfig, PPOConfig, TrainerConfig
+from learner.config import SupervisedConfig, TrainerConfig
 
 
 @config_class
@@ -84,14 +84,13 @@ class StageConfig(RootConfig):
     run: StageRunConfig
     resources: ResourcesConfig
 
-    def learner_config(self) -> LearnerConfig:
-        """The engine's settings: the learner section; the stage's batch sizes are the DeepSpeed
-        batch sizes, which LearnerConfig keeps in its ppo part."""
+    def learner_config(self) -> SupervisedConfig:
+        """The engine's settings: the learner section, with the train section's batch sizes
+        (the DeepSpeed batch sizes) and the run's seed."""
         trainer = {f.name: getattr(self.learner, f.name) for f in fields(TrainerConfig)}
         t = self.train
-        return LearnerConfig(**{**trainer, "critic": "shared", "critic_model": None},
-                             ppo=PPOConfig(minibatch_size=t.batch_size, micro_batch_size=t.micro_batch_size),
-                             seed=self.run.seed)
+        return SupervisedConfig(**{**trainer, "critic": "shared", "critic_model": None},
+                                batch_size=t.batch_size, micro_batch_size=t.micro_batch_size, seed=self.run.seed)
 
     def validate(self) -> None:
         t, d, lp = self.train, self.data, self.learner

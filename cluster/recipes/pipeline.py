@@ -125,7 +125,7 @@ def run_stages(cfg: PipelineConfig, root: Path, seconds: dict, summary: dict) ->
     dirs = stage_dirs(root)
     with timed(seconds, "sft"):
         sft_final = run_stage(replace(cfg.sft, run=replace(cfg.sft.run, dir=str(root), name="sft")),
-                              kind="policy", prepare=sft.prepare, train=sft.train)
+                              objective=sft.OBJECTIVE, prepare=sft.prepare, train=sft.train)
     write_status(root, "running", stage="pairs", seconds=seconds)
     with timed(seconds, "pairs"):
         summary["pairs"] = sample_pairs(cfg, sft_final["checkpoint"], dirs["pairs"])
@@ -137,7 +137,8 @@ def run_stages(cfg: PipelineConfig, root: Path, seconds: dict, summary: dict) ->
         rm_cfg = replace(cfg.rm, model=replace(cfg.rm.model, base=str(dirs["sft"])),
                          data=replace(cfg.rm.data, path=str(dirs["pairs"])),
                          run=replace(cfg.rm.run, dir=str(root), name="rm"))
-        rm_final = run_stage(rm_cfg, kind="reward", prepare=reward_model.prepare, train=reward_model.train)
+        rm_final = run_stage(rm_cfg, objective=reward_model.OBJECTIVE, prepare=reward_model.prepare,
+                             train=reward_model.train)
     summary["rm"] = {k: rm_final[k] for k in ("first_eval_accuracy", "eval_accuracy")}
     write_status(root, "running", stage="ppo", seconds=seconds)
     with timed(seconds, "ppo"):

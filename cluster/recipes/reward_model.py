@@ -21,8 +21,11 @@ from cluster.config.stages import RMConfig
 from cluster.data.rows import epoch_shards, rank_shards
 from cluster.recipes.stage import log_epoch, prepare_rows, run_stage, save_final
 from cluster.runtime.lineage import STAGE_FILE, read_stage
+from learner.preference import PreferenceObjective
 
 log = logging.getLogger("tether")
+
+OBJECTIVE = PreferenceObjective  # what the learner ranks train in this stage
 
 
 def prepare(cfg: RMConfig) -> dict:
@@ -40,18 +43,18 @@ def train(group, p: dict, metrics, run_dir) -> dict:
     cfg = p["cfg"]
     W, t = cfg.learner.replicas, cfg.train
     eval_shards = rank_shards(p["eval"], W)
-    ev = first = group.rm_evaluate(eval_shards, t.margin)
+    ev = first = group.evaluate(eval_shards, margin=t.margin)
     metrics.log(0, {"rm/eval_loss": ev["loss"], "rm/eval_accuracy": ev["accuracy"], "rm/epoch": 0})
     step = 0
     for epoch in range(1, t.epochs + 1):
         t0 = time.perf_counter()
         idx = epoch_shards(len(p["train"]), t.batch_size, W, cfg.data.seed, epoch)
-        out = group.rm_train([[p["train"][i] for i in rank] for rank in idx], t.margin)
+        out = group.train([[p["train"][i] for i in rank] for rank in idx], margin=t.margin)
         for row in zip(out["loss"], out["accuracy"], out["gap"], out["grad_norm"], out["lr"]):
             step += 1
             metrics.log(step, {**dict(zip(("rm/loss", "rm/accuracy", "rm/score_gap", "rm/grad_norm", "rm/lr"), row)),
                                "rm/epoch": epoch})
-        ev = group.rm_evaluate(eval_shards, t.margin)
+        ev = group.evaluate(eval_shards, margin=t.margin)
         seconds = time.perf_counter() - t0
         metrics.log(step, {"rm/eval_loss": ev["loss"], "rm/eval_accuracy": ev["accuracy"], "rm/epoch": epoch,
                            "rm/epoch_loss": float(np.mean(out["loss"])), "rm/epoch_seconds": seconds})
@@ -70,12 +73,13 @@ def score_stats(group, pairs: list, world_size: int) -> dict:
     """Mean and std of the trained model's scores over every training response, chosen and
     rejected alike: the spread the policy's responses are expected to fall in."""
     responses = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
-    scores = np.concatenate(group.rm_scores(rank_shards(responses, world_size))).astype(np.float64)
+    per_rank = group.apply(PreferenceObjective.scores, rank_shards(responses, world_size))
+    scores = np.concatenate(per_rank).astype(np.float64)
     return {"mean": float(scores.mean()), "std": float(scores.std()), "count": int(scores.size),
             "over": "chosen and rejected responses of the training pairs"}
 
 
 def run(cfg: RMConfig) -> str:
-    final = run_stage(cfg, kind="reward", prepare=prepare, train=train)
+    final = run_stage(cfg, objective=OBJECTIVE, prepare=prepare, train=train)
     return (f"rm/eval_accuracy {final['first_eval_accuracy']:.3f} -> {final['eval_accuracy']:.3f}; "
             f"checkpoint {final['checkpoint']}")

@@ -16,8 +16,11 @@ import numpy as np
 from cluster.config.stages import SFTConfig
 from cluster.data.rows import epoch_shards, rank_shards
 from cluster.recipes.stage import log_epoch, prepare_rows, run_stage, save_final
+from learner.sft import SFTObjective
 
 log = logging.getLogger("tether")
+
+OBJECTIVE = SFTObjective  # what the learner ranks train in this stage
 
 
 def prepare(cfg: SFTConfig) -> dict:
@@ -30,18 +33,18 @@ def train(group, p: dict, metrics, run_dir) -> dict:
     cfg = p["cfg"]
     W, t = cfg.learner.replicas, cfg.train
     eval_shards = rank_shards(p["eval"], W)
-    first_eval = group.sft_evaluate(eval_shards)["loss"]
+    first_eval = group.evaluate(eval_shards)["loss"]
     metrics.log(0, {"sft/eval_loss": first_eval, "sft/epoch": 0})
     step, losses, eval_loss = 0, [], first_eval
     for epoch in range(1, t.epochs + 1):
         t0 = time.perf_counter()
         idx = epoch_shards(len(p["train"]), t.batch_size, W, cfg.data.seed, epoch)
-        out = group.sft_train([[p["train"][i] for i in rank] for rank in idx])
+        out = group.train([[p["train"][i] for i in rank] for rank in idx])
         for loss, norm, lr in zip(out["loss"], out["grad_norm"], out["lr"]):
             step += 1
             metrics.log(step, {"sft/loss": loss, "sft/grad_norm": norm, "sft/lr": lr, "sft/epoch": epoch})
         losses += out["loss"]
-        eval_loss = group.sft_evaluate(eval_shards)["loss"]
+        eval_loss = group.evaluate(eval_shards)["loss"]
         seconds = time.perf_counter() - t0
         metrics.log(step, {"sft/eval_loss": eval_loss, "sft/epoch": epoch,
                            "sft/epoch_loss": float(np.mean(out["loss"])),
@@ -53,6 +56,6 @@ def train(group, p: dict, metrics, run_dir) -> dict:
 
 
 def run(cfg: SFTConfig) -> str:
-    final = run_stage(cfg, kind="policy", prepare=prepare, train=train)
+    final = run_stage(cfg, objective=OBJECTIVE, prepare=prepare, train=train)
     return (f"sft/eval_loss {final['first_eval_loss']:.3f} -> {final['eval_loss']:.3f}; "
             f"checkpoint {final['checkpoint']}")

@@ -112,9 +112,10 @@ class StageMetrics:
         self._f.close()
 
 
-def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
+def run_stage(cfg, *, objective: type, prepare: Callable, train: Callable) -> dict:
     """``prepare(cfg)`` (user input; its ValueErrors are the user's), a run folder, a
-    learner group of ``kind``, then ``train(group, prepared, metrics, run_dir) -> final``."""
+    learner group training ``objective`` (learner/objective.py), then
+    ``train(group, prepared, metrics, run_dir) -> final``."""
     from cluster.runtime.pools import quiet_libraries
 
     if not cfg.run.library_logs:
@@ -132,7 +133,7 @@ def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
             log.info("library logs: the learner ranks' in Ray's worker logs under %s (run.library_logs=true shows "
                      "them here)", ray_logs)
         metrics = StageMetrics(run_dir)
-        group = learner_group(cfg, kind, prepared["base"], cleanup)
+        group = learner_group(cfg, objective, prepared["base"], cleanup)
         final = train(group, prepared, metrics, run_dir)
         metrics.close()
         write_status(run_dir, "succeeded", checkpoint=final["checkpoint"],
@@ -140,7 +141,7 @@ def run_stage(cfg, *, kind: str, prepare: Callable, train: Callable) -> dict:
         return final
 
 
-def learner_group(cfg, kind: str, base: str, cleanup: ExitStack):
+def learner_group(cfg, objective: type, base: str, cleanup: ExitStack):
     """The stage's learner ranks in a placement group of their own; ``cleanup`` releases both."""
     from ray.util.placement_group import remove_placement_group
 
@@ -157,7 +158,7 @@ def learner_group(cfg, kind: str, base: str, cleanup: ExitStack):
     cleanup.callback(remove_placement_group, pg)
     group = LearnerGroup(model=base, config=cfg.learner_config(), world_size=lp.replicas,
                          num_cpus_per_rank=lp.num_cpus, num_gpus_per_rank=lp.num_gpus, placement_group=pg,
-                         env={**actor_env(cfg), **stage_threads(lp)}, kind=kind)
+                         env={**actor_env(cfg), **stage_threads(lp)}, objective=objective)
     cleanup.callback(group.shutdown)
     return group
 

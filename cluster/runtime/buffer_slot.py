@@ -38,11 +38,11 @@ class BufferSlot:
                                                    runtime_env={"env_vars": self._env},
                                                    **({"label_selector": selector} if selector else {})).remote(
             capacity=self._capacity)
-        self._wait_placed(handle)
+        self._wait_started(handle)
         ray.get(handle.health.remote())
         return rid, handle
 
-    def _wait_placed(self, handle) -> None:
+    def _wait_started(self, handle) -> None:
         """With node labels: PlacementError if no alive node carries them after the timeout
         (a matching node that is merely slow to start the buffer is waited for)."""
         if not self._labels:

@@ -21,7 +21,6 @@ from typing import Callable
 import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.generator import engine_process_env
 from cluster.config.labels import parse_labels
@@ -30,6 +29,7 @@ from cluster.runtime.buffer_slot import BufferSlot
 from cluster.runtime.placement import PlacementError, cannot_place, group_nodes, pack_target, spread_target
 from cluster.runtime.threads import thread_env
 from core.node_loss import off_nodes, start_placed
+from core.placement import on_bundle, wait_placed
 from learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
@@ -91,16 +91,10 @@ def reserve(pool: str, bundles: int, num_cpus: float, num_gpus: float, timeout_s
         # only): Ray places on the target when it has room, else on any other node that fits, at once.
         options.update(strategy="STRICT_PACK", _soft_target_node_id=target)
     pg = placement_group([dict(bundle) for _ in range(bundles)], name=f"tether-{name or pool}", **options)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
+    if wait_placed(pg, timeout_s, avoid) is not None:
         remove_placement_group(pg)
         raise PlacementError(cannot_place(pool, bundles, bundle, timeout_s, labels))
     return pg
-
-
-def on_bundle(pg, index: int = 0) -> dict:
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=index)}
 
 
 @dataclass

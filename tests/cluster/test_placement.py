@@ -9,7 +9,8 @@ import pytest
 import ray
 
 from cluster.runtime.placement import actor_nodes, actors_line, ask_nodes, group_nodes
-from cluster.runtime.pools import BufferSlot, PlacementError, Pool, Pools, free_placement, on_bundle, reserve
+from cluster.runtime.pools import BufferSlot, PlacementError, Pool, Pools, free_placement, reserve
+from core.placement import on_bundle
 
 pytestmark = pytest.mark.integration
 GEN = {"tether.pool": "gen"}

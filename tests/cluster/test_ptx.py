@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cluster.data.ptx import PTXData, pack
-from learner.group import split_rows
+from learner.minibatches import split_rows
 
 pytestmark = pytest.mark.unit
 

@@ -98,4 +98,4 @@ def test_shipped_stage_configs_validate(name, cls):
     import cluster.config.stages as sc
 
     cfg = sc.load_stage_config(getattr(sc, cls), REPO / "configs" / name)
-    assert cfg.train.epochs >= 1 and cfg.learner_config().ppo.minibatch_size == cfg.train.batch_size
+    assert cfg.train.epochs >= 1 and cfg.learner_config().batch_size == cfg.train.batch_size

@@ -80,11 +80,11 @@ def test_pushed_weights_serve_the_learners_policy(ray_local, family):
             learner = learners[stage]
             ray.get(learner.train.remote(make_rollouts(policy, 8, seed=10 + stage)))
             stale = ray.get(gen.generate.remote(prompts)).rollouts
-            stale_gap = max_gap(ray.get(learner.policy_logprobs.remote(stale)), stale)
+            stale_gap = max_gap(ray.get(learner.evaluate.remote(stale)), stale)
 
             report = ray.get(learner.push_weights.remote({"generator-0": gen}, version=version))
             fresh = ray.get(gen.generate.remote(prompts)).rollouts
-            learner_gap = max_gap(ray.get(learner.policy_logprobs.remote(fresh)), fresh)
+            learner_gap = max_gap(ray.get(learner.evaluate.remote(fresh)), fresh)
             hf = learner_as_hf(policy, ray.get(learner.full_state_dict.remote()), tied)
             hf_gap = max_gap(model_logprobs(hf, [r.prompt_ids for r in fresh], [r.response_ids for r in fresh]),
                              fresh)

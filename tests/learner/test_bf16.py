@@ -52,7 +52,7 @@ def test_bf16_gradients_accumulate_in_fp32(policy_path, pad_id, stage):
     (the bf16 rounding of every partial sum); in fp32, ~2e-9."""
     cfg = dataclasses.replace(sgd_config(zero_stage=stage), dtype="bfloat16")
     worker = LearnerWorker(rank=0, world_size=1, model=policy_path, config=cfg)
-    engine = worker.update.engine
+    engine = worker.engine
     micros = collate(make_rollouts(policy_path, 16, seed=1), pad_id).split(2)
     error = accumulated_error(engine, micros, engine.module)
     print(f"ZeRO-{stage} bf16: accumulated gradient relative error {error:.2e}")

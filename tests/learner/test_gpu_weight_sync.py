@@ -89,7 +89,7 @@ def test_push_matches_learner_logprobs(gpu_actors, policy_path, stage):
 
     def gap():
         rollouts = ray.get(generator.generate.remote(prompts)).rollouts
-        learner_lp = ray.get(learner.policy_logprobs.remote(rollouts))
+        learner_lp = ray.get(learner.evaluate.remote(rollouts))
         return max(float(np.abs(a - r.behaviour_logprobs).max()) for a, r in zip(learner_lp, rollouts)), rollouts
 
     stale_gap, _ = gap()

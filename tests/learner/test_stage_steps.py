@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
+from learner.preference import PreferenceObjective
+from learner.sft import SFTObjective
 from learner.worker import LearnerWorker
 
 pytestmark = pytest.mark.integration
@@ -38,7 +40,7 @@ def _response_nll_by_hand(lm, rows):
 
 @pytest.fixture(scope="module")
 def sft_worker(policy_path):
-    return LearnerWorker(rank=0, world_size=1, model=policy_path, config=_config())
+    return LearnerWorker(rank=0, world_size=1, model=policy_path, config=_config(), objective=SFTObjective)
 
 
 def test_sft_loss_is_response_only_and_falls(sft_worker, policy_path):
@@ -47,32 +49,31 @@ def test_sft_loss_is_response_only_and_falls(sft_worker, policy_path):
     rows = _rows(6, seed=3)
     lm = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).eval()
     by_hand = _response_nll_by_hand(lm, rows)
-    got = sft_worker.sft_evaluate(rows)
+    got = sft_worker.evaluate(rows)
     # had the prompt tokens counted too, the two would differ by far more than float noise
     assert got["loss"] == pytest.approx(by_hand, abs=1e-4)
     assert got["tokens"] == sum(len(r) for _, r in rows)
     train = _rows(8, seed=4)
-    first = sft_worker.sft_train(train)
+    first = sft_worker.train(train)
     for _ in range(4):
-        last = sft_worker.sft_train(train)
+        last = sft_worker.train(train)
     print(f"sft loss {first['loss'][0]:.3f} -> {last['loss'][-1]:.3f}")
     assert len(first["loss"]) == 2  # 8 rows / 4 per optimizer step
     assert last["loss"][-1] < first["loss"][0] - 0.5
-    with pytest.raises(ValueError, match="kind='policy'"):
-        sft_worker.rm_train(_rows(4, seed=5, parts=3))
 
 
 def test_reward_step_scores_last_token_and_learns(policy_path, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    w = LearnerWorker(rank=0, world_size=1, model=policy_path, config=_config(lr=3e-3), kind="reward")
+    w = LearnerWorker(rank=0, world_size=1, model=policy_path, config=_config(lr=3e-3),
+                      objective=PreferenceObjective)
     pairs = _rows(8, seed=6, parts=3)
     # Learnable preference: the chosen response repeats token 7, the rejected token 9.
     pairs = [(p, np.concatenate([c, [7, 7]]), np.concatenate([r, [9, 9]])) for p, c, r in pairs]
-    before = w.rm_evaluate(pairs)
+    before = w.evaluate(pairs)
     for _ in range(6):
-        out = w.rm_train(pairs)
-    after = w.rm_evaluate(pairs)
+        out = w.train(pairs)
+    after = w.evaluate(pairs)
     print(f"rm loss {before['loss']:.3f} -> {after['loss']:.3f}, accuracy {before['accuracy']} -> {after['accuracy']}")
     assert after["loss"] < before["loss"] and after["accuracy"] == 1.0 and out["accuracy"][-1] == 1.0
     # The saved checkpoint is a plain HF sequence classifier scoring as the step does.
@@ -81,4 +82,4 @@ def test_reward_step_scores_last_token_and_learns(policy_path, tmp_path):
     seqs = [(p, c) for p, c, _ in pairs[:3]]
     with torch.no_grad():
         by_hf = [float(hf(torch.as_tensor(np.concatenate(s))[None]).logits[0, 0]) for s in seqs]
-    assert w.rm_scores(seqs) == pytest.approx(by_hf, abs=1e-4)
+    assert w.apply(PreferenceObjective.scores, seqs) == pytest.approx(by_hf, abs=1e-4)

@@ -44,7 +44,7 @@ def push(learner, generator, version, bucket_bytes=DEFAULT_BUCKET_BYTES) -> tupl
 
 
 def gap(learner, rollouts) -> float:
-    learner_lp = learner.policy_logprobs(rollouts)
+    learner_lp = learner.evaluate(rollouts)
     return max(float(np.abs(lp - r.behaviour_logprobs).max()) for lp, r in zip(learner_lp, rollouts))
 
 

@@ -80,7 +80,7 @@ def test_one_rank_update_matches_plain_torch(policy_path, rollouts, initial, ref
     assert "ppo/score_mean" not in metrics  # the driver reports reward/mean
     # Alone, a stage-0 rank skips DeepSpeed's gradient all-reduce (nothing to average); the
     # match with the reference shows gradients still accumulate over micro-batches.
-    assert w.update.engine.enable_backward_allreduce is (stage != 0)
+    assert w.engine.enable_backward_allreduce is (stage != 0)
     assert w.health() == {**w.health(), "ok": True, "built": True, "step": 1, "optimizer_steps": 4}
 
 
@@ -252,7 +252,7 @@ def test_behaviour_old_logprobs_skip_the_policy_body_with_a_separate_critic(poli
                             ppo=PPOConfig(ppo_epochs=1, minibatch_size=8, micro_batch_size=4, old_logprobs=mode))
         w = worker(policy_path, cfg)
         calls = []
-        w.update.engine.module.lm.model.register_forward_hook(lambda *a: calls.append(1))
+        w.engine.module.lm.model.register_forward_hook(lambda *a: calls.append(1))
         return w.train(rollouts), len(calls)
 
     recomputed, recompute_calls = run("recompute")
@@ -268,7 +268,7 @@ def test_loss_falls_and_clip_fraction_rises_over_epochs(policy_path, rollouts):
                                                                   micro_batch_size=4, vf_coef=0.5))
     w = worker(policy_path, cfg)
     w.train(rollouts)
-    hist = w.epoch_history
+    hist = w.objective.epoch_history
     total = [h["policy_loss"] + 0.5 * h["value_loss"] for h in hist]
     clip = [h["clip_frac"] for h in hist]
     print("loss per epoch", np.round(total, 4), "clip frac per epoch", np.round(clip, 3))
@@ -295,7 +295,7 @@ def test_ptx_loss_falls(policy_path, rollouts):
     w = worker(policy_path, cfg)
     losses = [w.train(rollouts, ptx_rows=rows)["ppo/ptx_loss"] for _ in range(4)]
     print("ptx LM loss per update", np.round(losses, 3))
-    assert np.array_equal(w.ptx_rows(), rows)  # the rows arrived as rows, not flattened or transposed
+    assert np.array_equal(w.objective.last_ptx_rows, rows)  # the rows arrived as rows, not flattened or transposed
     assert losses[-1] < losses[0] - 0.1
 
 
@@ -306,10 +306,10 @@ def test_reference_logprobs_bit_identical_across_a_learner_step(policy_path, rol
     prompts, responses = [r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts]
     before = ref.logprobs(prompts, responses)
     w = worker(policy_path, sgd_config(lr=1.0))
-    policy_before = w.policy_logprobs(rollouts)
+    policy_before = w.evaluate(rollouts)
     w.train(rollouts)
     after = ref.logprobs(prompts, responses)
-    moved = max(float(np.abs(a - b).max()) for a, b in zip(w.policy_logprobs(rollouts), policy_before))
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(w.evaluate(rollouts), policy_before))
     assert moved > 1e-2  # the policy did change ...
     for a, b in zip(before, after):
         assert np.array_equal(a, b)  # ... the reference did not, to the bit
@@ -329,7 +329,7 @@ def test_save_load_continue_equals_never_stopping(policy_path, rollouts, tmp_pat
     # The HF export written with the checkpoint (gathered from ZeRO-3) is the restored policy.
     hf = model_logprobs(str(tmp_path / "ckpt" / "policy"), [r.prompt_ids for r in second],
                         [r.response_ids for r in second])
-    assert max(float(np.abs(x - y).max()) for x, y in zip(hf, b.policy_logprobs(second))) < 1e-5
+    assert max(float(np.abs(x - y).max()) for x, y in zip(hf, b.evaluate(second))) < 1e-5
     got = b.train(second)
     diff = max_abs_diff(a.full_state_dict(), b.full_state_dict())
     print(f"resume vs uninterrupted: max abs weight diff {diff:.1e}")
