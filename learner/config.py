@@ -15,7 +15,7 @@ from dataclasses import asdict, fields
 from typing import Optional
 
 from core.choices import (
-    CRITIC_FREE,
+    ESTIMATOR_HELP,
     AdvantageEstimator,
     Critic,
     KLEstimator,
@@ -26,6 +26,8 @@ from core.choices import (
     Optimizer,
     TrainableDType,
     WeightSync,
+    critic_free_names,
+    estimator_row,
     kl_placement_error,
 )
 from core.schema import check_choices, config_class, setting
@@ -123,9 +125,7 @@ class PPOConfig:
     entropy_coef: float = setting(0.0, "weight of the entropy bonus (subtracted from the loss)")
     ptx_coef: float = setting(0.0, "gamma of InstructGPT's PPO-ptx: weight of the pretraining LM loss "
                                    "(text: ptx.*)")
-    advantage: AdvantageEstimator = setting(
-        "gae", "advantage estimator: gae (the critic's values) | grpo | rloo | reinforce_pp | "
-               "reinforce_pp_baseline (critic-free; core/estimators.py)")
+    advantage: AdvantageEstimator = setting("gae", ESTIMATOR_HELP)
     group_std: bool = setting(True, "grpo: divide each advantage by its group's score std; false: Dr. GRPO "
                                     "(the group mean is taken off, nothing divided)")
     gamma: float = setting(1.0, "discount of GAE and REINFORCE++'s returns")
@@ -249,16 +249,17 @@ class LearnerConfig(TrainerConfig):
         """The critic this run trains: ``critic``, or what ``ppo.advantage`` implies when null."""
         if self.critic is not None:
             return self.critic
-        return "none" if self.ppo.advantage in CRITIC_FREE else "shared"
+        return "shared" if estimator_row(self.ppo.advantage).needs_critic else "none"
 
     def _check_critic(self) -> None:
         name = self.ppo.advantage
-        if name in CRITIC_FREE and self.critic in ("shared", "separate"):
+        needs_critic = estimator_row(name).needs_critic
+        if not needs_critic and self.critic in ("shared", "separate"):
             _fail(f"learner.critic={self.critic} trains a value model that ppo.advantage={name} never reads; "
                   "set learner.critic=none (or leave it null)")
-        if name not in CRITIC_FREE and self.critic == "none":
+        if needs_critic and self.critic == "none":
             _fail(f"learner.critic=none leaves ppo.advantage={name} without values; use critic shared or "
-                  f"separate, or a critic-free estimator ({' | '.join(CRITIC_FREE)})")
+                  f"separate, or a critic-free estimator ({critic_free_names()})")
 
     def check_device(self, has_cuda: bool) -> None:
         """Checks that depend on the rank's hardware. Called by each LearnerWorker, not by
