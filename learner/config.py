@@ -141,8 +141,9 @@ class PPOConfig:
     old_logprobs: OldLogprobs = setting("recompute", "the ratio's pi_old: recompute (a learner forward) | "
                                                      "behaviour (the sampler's log-probs; sync mode only)")
 
-    def validate(self, world_size: int = 1) -> None:
-        p = "learner.ppo"
+    def validate(self, world_size: int = 1, at: str = "learner.ppo") -> None:
+        """``at``: where the user writes this section (a PPO job's is ``ppo``), for the messages."""
+        p = at
         check_choices(self, p)
         for name in ("ppo_epochs", "minibatch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
@@ -225,7 +226,7 @@ class LearnerConfig(TrainerConfig):
         None, "ppo.kl.placement=loss: the KL estimator (k2 | k3) added to the loss as beta x its aggregate, "
               "the gradient flowing through the policy's log-probs; None: the KL is in the reward")
 
-    def validate(self, world_size: int = 1) -> None:
+    def validate(self, world_size: int = 1, *, ppo_at: str = "learner.ppo") -> None:
         super().validate(world_size)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             _fail(f"learner.temperature={self.temperature} must be a finite number > 0 (the sampling temperature)")
@@ -241,7 +242,7 @@ class LearnerConfig(TrainerConfig):
             problem = kl_placement_error("loss", self.kl_loss_estimator)
             if problem:
                 _fail(f"learner: {problem}")
-        self.ppo.validate(world_size)
+        self.ppo.validate(world_size, at=ppo_at)
         self._check_critic()
 
     @property
