@@ -92,8 +92,8 @@ def prepare_rows(cfg, *, fields: dict, builtin: str, noun: str) -> dict:
     train_rows, eval_rows = data.split(d.eval_examples, d.seed)
     if len(train_rows) < cfg.train.batch_size:
         raise UserError(f"data: {len(train_rows)} training {noun} in {data.source} (after holding out "
-                         f"data.eval_examples={d.eval_examples}) are fewer than "
-                         f"train.batch_size={cfg.train.batch_size}")
+                        f"data.eval_examples={d.eval_examples}) are fewer than "
+                        f"train.batch_size={cfg.train.batch_size}")
     log.info("%s: %d training %s, %d held out, from %s; base %s", builtin, len(train_rows), noun, len(eval_rows),
              data.source, base)
     return {"base": base, "tokenizer": tokenizer, "train": train_rows, "eval": eval_rows, "cfg": cfg}
