@@ -2,8 +2,9 @@
 aggregations, off-policy corrections, where pi_old comes from, advantage estimators), the learner's (optimizer, lr
 decay, dtype, critic, weight transport) and the run's (mode, CPU threads, placement, pair labels), with
 the tuples of PPO's names and the one cross-check between them. The advantage estimators are a
-table (``ESTIMATOR_TABLE``, one row each) that their Literal, help and checks derive from. A config key typed with one of
-these is checked against it by the loader (core/schema.py), never by a hand-written test.
+table (``ESTIMATOR_TABLE``, one row each) that their Literal, help and checks derive from. A config
+key typed with one of these is checked against it by the loader (core/schema.py), never by a
+hand-written test.
 
 No torch here: the run's config validates against these without importing the math.
 """
