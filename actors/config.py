@@ -20,14 +20,16 @@ class SamplingConfig:
     ignore_eos: bool = setting(False, "every response runs to max_new_tokens (fixed-length benchmarks); "
                                       "EOS is samplable")
 
-    def __post_init__(self) -> None:
+    def check(self, at: str) -> None:
+        """ValueError naming the key as the user wrote it: ``at`` is this section's dotted path
+        (generator.sampling in a PPO job). The config loader calls it on every section it builds."""
         if self.temperature <= 0:
-            raise ValueError(f"sampling.temperature must be > 0 (got {self.temperature}); "
+            raise ValueError(f"{at}.temperature must be > 0 (got {self.temperature}); "
                              "PPO needs a stochastic behaviour policy")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1] (got {self.top_p})")
+            raise ValueError(f"{at}.top_p must be in (0, 1] (got {self.top_p})")
         if self.max_new_tokens < 1 or self.n < 1 or self.top_k < 0:
-            raise ValueError("sampling.max_new_tokens and sampling.n must be >= 1, top_k >= 0")
+            raise ValueError(f"{at}.max_new_tokens and {at}.n must be >= 1, {at}.top_k >= 0")
 
 
 @config_class
@@ -42,10 +44,12 @@ class EngineConfig:
     enforce_eager: bool = setting(True, "no torch.compile: engine start dominates at tiny sizes")
     gpu_memory_utilization: float = setting(0.5, "GPU only: fraction of the device vLLM may take")
 
-    def __post_init__(self) -> None:
+    def check(self, at: str) -> None:
+        """As SamplingConfig.check: ``at`` is this section's dotted path (generator.engine,
+        reward.judge.engine)."""
         if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"generator.engine.dtype={self.dtype!r} is not one of {list(DTYPES)} "
+            raise ValueError(f"{at}.dtype={self.dtype!r} is not one of {list(DTYPES)} "
                              "(or null to follow model.dtype)")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"generator.engine.gpu_memory_utilization={self.gpu_memory_utilization} "
+            raise ValueError(f"{at}.gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")

@@ -170,9 +170,9 @@ def _torch_step(forward, mic, old_lp, old_v, adv, ret, n_tok: float, mb: int) ->
     lp, v, _ = forward(mic, with_entropy=True)
     mm = mic.response_mask
     R = mm.shape[1]
-    kw = dict(agg="token-mean", global_tokens=n_tok, global_seqs=float(mb), horizon=R)
-    pg, _, _ = ppo.policy_loss(lp, old_lp[:, :R], adv[:, :R], mm, 0.2, 0.2, None, **kw)
-    vf, _ = ppo.value_loss(v, old_v[:, :R], ret[:, :R], mm, 0.2, **kw)
+    agg = ppo.Aggregation(mode="token-mean", global_tokens=n_tok, global_seqs=float(mb), horizon=R)
+    pg, _, _ = ppo.policy_loss(lp, old_lp[:, :R], adv[:, :R], mm, 0.2, 0.2, None, agg)
+    vf, _ = ppo.value_loss(v, old_v[:, :R], ret[:, :R], mm, 0.2, agg)
     (pg + 0.1 * vf).backward()
 
 

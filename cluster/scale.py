@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.job.errors import EXIT_DONE, EXIT_FAILED, UserError, report, user_error
+from cluster.job.errors import EXIT_DONE, EXIT_FAILED, UserError, report, report_error
 from core.errors import one_line
 
 
@@ -92,8 +92,8 @@ def main(argv=None, *, prog: str = "python -m cluster.scale") -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         sizes = scale(Path(args.run), parse_targets(args.targets), args.timeout)
-    except ScaleError as e:
-        return user_error(str(e))
+    except UserError as e:
+        return report_error(e)
     except Exception as e:  # noqa: BLE001 - a Ray or timeout failure, in one line
         return report(f"scale failed: {one_line(e)}", EXIT_FAILED)
     print(f"tether: pools now {', '.join(f'{p}={n}' for p, n in sizes.items())}")

@@ -7,7 +7,7 @@ import sys
 from functools import partial
 
 from cluster.config.pipeline import PipelineConfig
-from cluster.job.errors import UserError, user_error
+from cluster.job.errors import UserError, report_error
 from cluster.recipes.stage import stage_main
 from cluster.recipes.sweep import split_betas, sweep
 
@@ -16,7 +16,7 @@ def main(argv=None, *, prog: str = "python -m cluster.sweep") -> int:
     try:  # --betas first: the rest is a pipeline's command line
         betas, rest = split_betas(list(sys.argv[1:] if argv is None else argv))
     except UserError as e:
-        return user_error(str(e))
+        return report_error(e)
     return stage_main(rest, name="sweep", config_cls=PipelineConfig, default_config="pipeline-cpu.yaml",
                       run=partial(sweep, betas=betas), prog=prog)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 
 from cluster.job.command import job_main
-from cluster.runtime.reward_check import InvalidScores  # imports nothing: safe before the dependency check
 
 
 def _config_cls():
@@ -30,7 +29,7 @@ def _run(args) -> str:
 
 def main(argv=None, *, prog: str = "python -m cluster.train") -> int:
     return job_main(argv, prog=prog, description=__doc__.split("\n")[0],
-                    config_cls=_config_cls, run=_run, user_errors=(InvalidScores,))
+                    config_cls=_config_cls, run=_run)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from core.errors import InputError
 
-class UnsupportedModel(ValueError):
+
+class UnsupportedModel(InputError):
     """A model tether cannot train or serve; the driver reports it as a one-line user error,
     whether it was raised there or in an actor's constructor (``unsupported_model``)."""
 

@@ -1,16 +1,48 @@
 """The named choices of the configs as Literal types: PPO's (KL estimators and placements, loss
 aggregations, off-policy corrections, where pi_old comes from, advantage estimators), the learner's (optimizer, lr
 decay, dtype, critic, weight transport) and the run's (mode, CPU threads, placement, pair labels), with
-the tuples of PPO's names and the one cross-check between them. A config key typed with one of
-these is checked against it by the loader (core/schema.py), never by a hand-written test.
+the tuples of PPO's names and the one cross-check between them. The advantage estimators are a
+table (``ESTIMATOR_TABLE``, one row each) that their Literal, help and checks derive from. A config
+key typed with one of these is checked against it by the loader (core/schema.py), never by a
+hand-written test.
 
 No torch here: the run's config validates against these without importing the math.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
 from core.schema import choice_error
+
+
+@dataclass(frozen=True)
+class EstimatorRow:
+    """One advantage estimator: its config name (``ppo.advantage``), whether it reads a critic's
+    values, whether it baselines a sample against the other samples of its prompt (its group), the
+    name of its function in core/estimators.py and its help. The function goes by name so that
+    this table, and the configs checked against it, import no torch."""
+    name: str
+    needs_critic: bool
+    uses_groups: bool
+    function: str
+    help: str
+
+
+# Every advantage estimator, one row each: the config's choices, its help text and the checks on
+# critics and groups all derive from here (docs/extending.md: adding an estimator).
+ESTIMATOR_TABLE: tuple[EstimatorRow, ...] = (
+    EstimatorRow(name="gae", needs_critic=True, uses_groups=False, function="gae_advantages",
+                 help="the critic's values"),
+    EstimatorRow(name="grpo", needs_critic=False, uses_groups=True, function="grpo_advantages",
+                 help="the group's mean and std"),
+    EstimatorRow(name="rloo", needs_critic=False, uses_groups=True, function="rloo_advantages",
+                 help="the mean of the group's other samples"),
+    EstimatorRow(name="reinforce_pp", needs_critic=False, uses_groups=False, function="reinforce_pp_advantages",
+                 help="returns whitened over the batch"),
+    EstimatorRow(name="reinforce_pp_baseline", needs_critic=False, uses_groups=True,
+                 function="reinforce_pp_baseline_advantages", help="the group's mean, then whitened"),
+)
 
 KLEstimator = Literal["k1", "k2", "k3"]
 KLPlacement = Literal["reward", "loss"]
@@ -22,8 +54,7 @@ LRDecay = Literal["linear", "cosine", "constant"]
 TrainableDType = Literal["float32", "bfloat16"]  # the learner's: fp16 would need loss scaling
 Precision = Literal["auto", "float32", "bfloat16"]  # the job's model.dtype (core/dtypes.py resolves auto)
 Critic = Literal["shared", "separate", "none"]
-# The advantage estimators (core/estimators.py holds the math); the critic-free ones train no value model.
-AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AdvantageEstimator = Literal[tuple(row.name for row in ESTIMATOR_TABLE)]
 WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/weight_sync.py, *_sync.py)
 RunMode = Literal["sync", "async"]
 CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/threads.py
@@ -35,8 +66,22 @@ KL_PLACEMENTS: tuple[str, ...] = get_args(KLPlacement)
 AGG_MODES: tuple[str, ...] = get_args(LossAggregation)
 OFF_POLICY_MODES: tuple[str, ...] = get_args(OffPolicyCorrection)
 ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimator)
-CRITIC_FREE: tuple[str, ...] = ESTIMATOR_NAMES[1:]   # every estimator but gae
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_pp_baseline")  # baseline from a prompt's samples
+ESTIMATOR_HELP = ("advantage estimator (core/estimators.py): "
+                  + " | ".join(f"{row.name} ({row.help}{'' if row.needs_critic else '; critic-free'})"
+                               for row in ESTIMATOR_TABLE))
+
+
+def estimator_row(name: str) -> EstimatorRow:
+    """The row of the estimator called ``name``; a one-line error listing the valid names otherwise."""
+    for row in ESTIMATOR_TABLE:
+        if row.name == name:
+            return row
+    raise ValueError(f"advantage estimator {name!r} is unknown; use one of {', '.join(ESTIMATOR_NAMES)}")
+
+
+def critic_free_names() -> str:
+    """The estimators that train no value model, as a config's help lists choices."""
+    return " | ".join(row.name for row in ESTIMATOR_TABLE if not row.needs_critic)
 
 
 def kl_placement_error(placement: str, estimator: str) -> Optional[str]:

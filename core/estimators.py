@@ -3,8 +3,9 @@ baselines each sample against the other samples of its prompt (its group) or the
 
 Every estimator takes one ``AdvantageInputs`` and returns ``(advantages, returns)``, both
 [B, T], detached, 0 on padding; ``returns`` is None for the critic-free ones (there is no
-value to regress). Conventions as in core.masked. ``ESTIMATORS`` maps a config name to its
-``Estimator``; ``estimator(name)`` refuses an unknown one listing the valid names.
+value to regress). Conventions as in core.masked. Which estimators exist, and what each needs,
+is core.choices.ESTIMATOR_TABLE; ``ESTIMATORS`` maps each name to its row and function, and
+``estimator(name)`` refuses an unknown one listing the valid names.
 
 A group is the samples of one prompt (``generator.sampling.n`` of them); ``group`` [B]
 holds each row's group id. A group of one sample has no baseline to compare with: its
@@ -20,6 +21,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from core.advantages import gae
+from core.choices import ESTIMATOR_TABLE, EstimatorRow, estimator_row
 from core.layout import last_token_index
 from core.masked import check_masked, check_shapes, local_sums, require, whiten, zero_pad
 
@@ -194,21 +196,22 @@ def reinforce_pp_baseline_advantages(x: AdvantageInputs, opt: EstimatorOptions, 
 
 @dataclass(frozen=True)
 class Estimator:
+    """A row of core.choices.ESTIMATOR_TABLE with its function."""
+    row: EstimatorRow
     fn: Callable[..., Result]
-    needs_critic: bool
-    uses_groups: bool
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.row.needs_critic
+
+    @property
+    def uses_groups(self) -> bool:
+        return self.row.uses_groups
 
 
-ESTIMATORS = {
-    "gae": Estimator(gae_advantages, needs_critic=True, uses_groups=False),
-    "grpo": Estimator(grpo_advantages, needs_critic=False, uses_groups=True),
-    "rloo": Estimator(rloo_advantages, needs_critic=False, uses_groups=True),
-    "reinforce_pp": Estimator(reinforce_pp_advantages, needs_critic=False, uses_groups=False),
-    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_advantages, needs_critic=False, uses_groups=True),
-}
+ESTIMATORS = {row.name: Estimator(row=row, fn=globals()[row.function]) for row in ESTIMATOR_TABLE}
 
 
 def estimator(name: str) -> Estimator:
     """The estimator called ``name``; a one-line error listing the valid names otherwise."""
-    require(name in ESTIMATORS, f"advantage estimator {name!r} is unknown; use one of {', '.join(ESTIMATORS)}")
-    return ESTIMATORS[name]
+    return ESTIMATORS[estimator_row(name).name]

@@ -6,6 +6,7 @@ functions, no model or distributed state; conventions as in core.masked.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -18,49 +19,59 @@ from core.masked import check_masked, check_shapes, masked_mean, require, zero_p
 Tensor = torch.Tensor
 
 
-def aggregate_loss(
-    loss_mat: Tensor, mask: Tensor, mode: str = "token-mean",
-    global_tokens: Optional[float] = None, global_seqs: Optional[float] = None, horizon: Optional[int] = None,
-) -> Tensor:
-    """Reduce a per-token loss [B, T] to a scalar.
+@dataclass(frozen=True)
+class Aggregation:
+    """How a per-token loss [B, T] becomes a scalar: every loss term of one update takes the same.
 
-    token-mean:               sum(loss * mask) / num_valid_tokens.
-    seq-mean-token-mean:      mean over sequences of each sequence's token mean.
-    seq-mean-token-sum-norm:  each sequence's token sum / horizon, then mean over
-                              sequences. Dr. GRPO's horizon is a constant, the generation
-                              budget (the learner passes max_new_tokens), so a row weighs
-                              the same in any batch; the default T (the padded length) is
-                              for callers without one.
-    Sequences with no valid token are not counted. For data parallelism, pass
+    mode (``ppo.agg``):
+      token-mean:               sum(loss * mask) / num_valid_tokens.
+      seq-mean-token-mean:      mean over sequences of each sequence's token mean.
+      seq-mean-token-sum-norm:  each sequence's token sum / horizon, then mean over
+                                sequences. Dr. GRPO's horizon is a constant, the generation
+                                budget (the learner passes max_new_tokens), so a row weighs
+                                the same in any batch; the default T (the padded length) is
+                                for callers without one.
+    Sequences with no valid token are not counted. For data parallelism, set
     ``global_tokens`` (token-mean) or ``global_seqs`` (seq modes): the count over
     all ranks is then the divisor instead of the local one, so the per-rank losses
     SUM to the global-batch loss. Gradients must then be summed over ranks; if the
     framework averages them (DDP, DeepSpeed), scale the loss by the world size.
-    Arguments irrelevant to ``mode`` are ignored so callers can always pass both.
+    Values irrelevant to ``mode`` are ignored so callers can always set both.
     """
+    mode: str = "token-mean"
+    global_tokens: Optional[float] = None
+    global_seqs: Optional[float] = None
+    horizon: Optional[int] = None
+
+
+TOKEN_MEAN = Aggregation()
+
+
+def aggregate_loss(loss_mat: Tensor, mask: Tensor, agg: Aggregation = TOKEN_MEAN) -> Tensor:
+    """Reduce a per-token loss [B, T] to a scalar as ``agg`` says."""
     fn = "aggregate_loss"
-    if mode not in AGG_MODES:
-        raise ValueError(f"{fn}: unknown mode {mode!r}; valid: {', '.join(AGG_MODES)}")
+    if agg.mode not in AGG_MODES:
+        raise ValueError(f"{fn}: unknown mode {agg.mode!r}; valid: {', '.join(AGG_MODES)}")
     check_masked(fn, mask, loss_mat=loss_mat)
-    for name, val in (("global_tokens", global_tokens), ("global_seqs", global_seqs), ("horizon", horizon)):
+    for name in ("global_tokens", "global_seqs", "horizon"):
+        val = getattr(agg, name)
         require(val is None or val > 0, f"{fn}: {name} must be > 0, got {val}")
     m = mask.to(loss_mat.dtype)
     weighted = zero_pad(loss_mat, mask) * m
-    if mode == "token-mean":
-        return weighted.sum() / (global_tokens if global_tokens is not None else m.sum())
+    if agg.mode == "token-mean":
+        return weighted.sum() / (agg.global_tokens if agg.global_tokens is not None else m.sum())
 
     seq_tokens = m.sum(dim=1)
-    if mode == "seq-mean-token-mean":
+    if agg.mode == "seq-mean-token-mean":
         per_seq = torch.where(seq_tokens != 0, weighted.sum(1) / seq_tokens.clamp_min(1e-12), 0.0)
     else:
-        per_seq = weighted.sum(1) / (horizon if horizon is not None else mask.shape[1])
-    n_seqs = global_seqs if global_seqs is not None else (seq_tokens != 0).sum()
+        per_seq = weighted.sum(1) / (agg.horizon if agg.horizon is not None else mask.shape[1])
+    n_seqs = agg.global_seqs if agg.global_seqs is not None else (seq_tokens != 0).sum()
     return per_seq.sum() / n_seqs
 
 
 def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k3",
-            agg: str = "token-mean", *, global_tokens: Optional[float] = None,
-            global_seqs: Optional[float] = None, horizon: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+            agg: Aggregation = TOKEN_MEAN) -> Tuple[Tensor, Tensor]:
     """The KL to the reference as a loss term (``ppo.kl.placement: loss``); all [B, T].
 
     ``bounded_kl(logprobs, ref_logprobs, estimator)`` aggregated like the policy loss, with
@@ -73,7 +84,7 @@ def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str
     check_masked(fn, mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     # Masked before the estimate: exp of padding garbage could overflow into inf * 0 = NaN.
     kl = bounded_kl(zero_pad(logprobs, mask), zero_pad(ref_logprobs.detach(), mask), estimator)
-    loss = aggregate_loss(kl, mask, agg, global_tokens, global_seqs, horizon)
+    loss = aggregate_loss(kl, mask, agg)
     with torch.no_grad():
         return loss, masked_mean(kl, mask)
 
@@ -120,8 +131,7 @@ def behaviour_weights(
 def policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
     clip_low: float = 0.2, clip_high: Optional[float] = None, dual_clip: Optional[float] = None,
-    agg: str = "token-mean", *, weights: Optional[Tensor] = None,
-    global_tokens: Optional[float] = None, global_seqs: Optional[float] = None, horizon: Optional[int] = None,
+    agg: Aggregation = TOKEN_MEAN, *, weights: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Clipped PPO surrogate. All tensors [B, T]; returns (loss, clip_frac, approx_kl).
 
@@ -161,7 +171,7 @@ def policy_loss(
     if weights is not None:
         pg = pg * zero_pad(weights.detach(), mask)
 
-    loss = aggregate_loss(pg, mask, agg, global_tokens, global_seqs, horizon)
+    loss = aggregate_loss(pg, mask, agg)
     with torch.no_grad():
         clip_frac = masked_mean(is_clipped.to(pg.dtype), mask)
         approx_kl = masked_mean(0.5 * log_ratio**2, mask)
@@ -170,8 +180,7 @@ def policy_loss(
 
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-    clip: Optional[float] = 0.2, agg: str = "token-mean", *,
-    global_tokens: Optional[float] = None, global_seqs: Optional[float] = None, horizon: Optional[int] = None,
+    clip: Optional[float] = 0.2, agg: Aggregation = TOKEN_MEAN,
 ) -> Tuple[Tensor, Tensor]:
     """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2).
 
@@ -192,7 +201,7 @@ def value_loss(
         v_clipped = old + (v - old).clamp(-clip, clip)
         err_clipped = (v_clipped - ret) ** 2
         loss_mat, is_clipped = 0.5 * torch.maximum(err, err_clipped), err_clipped > err
-    loss = aggregate_loss(loss_mat, mask, agg, global_tokens, global_seqs, horizon)
+    loss = aggregate_loss(loss_mat, mask, agg)
     with torch.no_grad():
         clip_frac = masked_mean(is_clipped.to(err.dtype), mask)
     return loss, clip_frac
@@ -209,4 +218,4 @@ def ptx_loss(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
     check_masked(fn, mask, labels=labels)
     safe_labels = torch.where(mask != 0, labels.long(), 0)
     nll = -logprobs_from_logits(logits, safe_labels)
-    return aggregate_loss(nll, mask, "token-mean")
+    return aggregate_loss(nll, mask)

@@ -15,7 +15,7 @@ from dataclasses import asdict, fields
 from typing import Optional
 
 from core.choices import (
-    CRITIC_FREE,
+    ESTIMATOR_HELP,
     AdvantageEstimator,
     Critic,
     KLEstimator,
@@ -26,6 +26,8 @@ from core.choices import (
     Optimizer,
     TrainableDType,
     WeightSync,
+    critic_free_names,
+    estimator_row,
     kl_placement_error,
 )
 from core.schema import check_choices, config_class, setting
@@ -123,9 +125,7 @@ class PPOConfig:
     entropy_coef: float = setting(0.0, "weight of the entropy bonus (subtracted from the loss)")
     ptx_coef: float = setting(0.0, "gamma of InstructGPT's PPO-ptx: weight of the pretraining LM loss "
                                    "(text: ptx.*)")
-    advantage: AdvantageEstimator = setting(
-        "gae", "advantage estimator: gae (the critic's values) | grpo | rloo | reinforce_pp | "
-               "reinforce_pp_baseline (critic-free; core/estimators.py)")
+    advantage: AdvantageEstimator = setting("gae", ESTIMATOR_HELP)
     group_std: bool = setting(True, "grpo: divide each advantage by its group's score std; false: Dr. GRPO "
                                     "(the group mean is taken off, nothing divided)")
     gamma: float = setting(1.0, "discount of GAE and REINFORCE++'s returns")
@@ -141,8 +141,9 @@ class PPOConfig:
     old_logprobs: OldLogprobs = setting("recompute", "the ratio's pi_old: recompute (a learner forward) | "
                                                      "behaviour (the sampler's log-probs; sync mode only)")
 
-    def validate(self, world_size: int = 1) -> None:
-        p = "learner.ppo"
+    def validate(self, world_size: int = 1, at: str = "learner.ppo") -> None:
+        """``at``: where the user writes this section (a PPO job's is ``ppo``), for the messages."""
+        p = at
         check_choices(self, p)
         for name in ("ppo_epochs", "minibatch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
@@ -288,7 +289,7 @@ class LearnerConfig(RankConfig):
         None, "ppo.kl.placement=loss: the KL estimator (k2 | k3) added to the loss as beta x its aggregate, "
               "the gradient flowing through the policy's log-probs; None: the KL is in the reward")
 
-    def validate(self, world_size: int = 1) -> None:
+    def validate(self, world_size: int = 1, *, ppo_at: str = "learner.ppo") -> None:
         super().validate(world_size)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             _fail(f"learner.temperature={self.temperature} must be a finite number > 0 (the sampling temperature)")
@@ -304,7 +305,7 @@ class LearnerConfig(RankConfig):
             problem = kl_placement_error("loss", self.kl_loss_estimator)
             if problem:
                 _fail(f"learner: {problem}")
-        self.ppo.validate(world_size)
+        self.ppo.validate(world_size, at=ppo_at)
         self._check_critic()
 
     def batch_sizes(self) -> tuple[int, int]:
@@ -315,16 +316,17 @@ class LearnerConfig(RankConfig):
         """The critic this run trains: ``critic``, or what ``ppo.advantage`` implies when null."""
         if self.critic is not None:
             return self.critic
-        return "none" if self.ppo.advantage in CRITIC_FREE else "shared"
+        return "shared" if estimator_row(self.ppo.advantage).needs_critic else "none"
 
     def _check_critic(self) -> None:
         name = self.ppo.advantage
-        if name in CRITIC_FREE and self.critic in ("shared", "separate"):
+        needs_critic = estimator_row(name).needs_critic
+        if not needs_critic and self.critic in ("shared", "separate"):
             _fail(f"learner.critic={self.critic} trains a value model that ppo.advantage={name} never reads; "
                   "set learner.critic=none (or leave it null)")
-        if name not in CRITIC_FREE and self.critic == "none":
+        if needs_critic and self.critic == "none":
             _fail(f"learner.critic=none leaves ppo.advantage={name} without values; use critic shared or "
-                  f"separate, or a critic-free estimator ({' | '.join(CRITIC_FREE)})")
+                  f"separate, or a critic-free estimator ({critic_free_names()})")
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "LearnerConfig":

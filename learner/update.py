@@ -299,20 +299,20 @@ class PPOObjective(Objective):
         local = float(m.sum())
         if local == 0:  # keep every parameter in the graph so ZeRO's reductions line up
             return (lp.sum() + v.sum()) * 0.0
-        kw = dict(agg=cfg.agg, global_tokens=n_tok, global_seqs=n_seq, horizon=horizon)
+        agg = ppo.Aggregation(mode=cfg.agg, global_tokens=n_tok, global_seqs=n_seq, horizon=horizon)
         pg, clip_frac, approx_kl = ppo.policy_loss(lp, mic.old_logprobs, mic.advantages, m, cfg.clip_low,
-                                                   cfg.clip_high, cfg.dual_clip, weights=mic.is_weights, **kw)
+                                                   cfg.clip_high, cfg.dual_clip, agg, weights=mic.is_weights)
         loss, vf, vf_clip = pg, torch.zeros(()), torch.zeros(())
         if self.critic:
-            vf, vf_clip = ppo.value_loss(v, mic.old_values, mic.returns, m, cfg.value_clip, **kw)
+            vf, vf_clip = ppo.value_loss(v, mic.old_values, mic.returns, m, cfg.value_clip, agg)
             loss = loss + cfg.vf_coef * vf
         if self.config.kl_loss_estimator is not None:  # the KL to the reference, with its gradient
-            kl, kl_mean = ppo.kl_loss(lp, mic.reference_logprobs, m, self.config.kl_loss_estimator, **kw)
+            kl, kl_mean = ppo.kl_loss(lp, mic.reference_logprobs, m, self.config.kl_loss_estimator, agg)
             loss = loss + self.kl_coef * kl
             stats.kl_loss += kl.item()
             stats.kl_sum += kl_mean.item() * local
         if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * ppo.aggregate_loss(ent, m, cfg.agg, n_tok, n_seq, horizon)
+            loss = loss - cfg.entropy_coef * ppo.aggregate_loss(ent, m, agg)
         stats.add_micro_batch(policy_loss=pg.item(), value_loss=vf.item(),
                               entropy_sum=float((ent.detach() * m).sum()), approx_kl=approx_kl.item(),
                               clip_frac=clip_frac.item(), vf_clip_frac=vf_clip.item(), tokens=local)

@@ -9,7 +9,7 @@ module imports another's private (_underscore) names.
     cluster.job       the job lifecycle every entrypoint shares
     cluster.runtime   the PPO service: pools, driver, rollouts, ledger, checkpoints, metrics
     cluster.recipes   SFT, reward model, pipeline, sweep
-    cluster.*         the entrypoints (cluster.train, cluster.sft, ...): nothing imports them
+    cluster.*         the entrypoints (cluster.train, cluster.sft, ...): imported by cluster.cli alone
     bench             benchmarks
 
 A module's layer is that of the longest prefix listed in LAYER. Imports inside functions
@@ -154,3 +154,12 @@ def test_every_cluster_module_has_a_layer():
     unplaced = [p.relative_to(ROOT).as_posix() for p in (ROOT / "cluster").iterdir()
                 if p.is_dir() and (p / "__init__.py").exists() and f"cluster.{p.name}" not in LAYER]
     assert unplaced == []
+
+
+def test_the_tether_command_imports_every_entrypoint_it_runs():
+    """cluster.cli's table holds functions whose (lazy) imports this graph sees, not module names."""
+    from cluster.cli import SUBCOMMANDS
+
+    graph = import_graph()
+    assert len(SUBCOMMANDS) == 7 and {"cluster.train", "cluster.sft", "cluster.reward_model", "cluster.pipeline",
+                                      "cluster.sweep", "cluster.scale", "cluster.local_cluster"} <= graph["cluster.cli"]

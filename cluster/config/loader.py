@@ -16,10 +16,11 @@ from typing import Iterator
 
 import yaml
 
+from core.errors import InputError
 from core.schema import choice_error, help_of, literal_choices
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A user mistake in the config: the message is one line naming the key and the fix."""
 
 
@@ -101,9 +102,15 @@ def build_section(cls, data, prefix: str, root=None):
         else:
             kwargs[key] = _coerce(value, tp, full)
     try:
-        return cls(**kwargs)
+        section = cls(**kwargs)
     except ValueError as e:  # component dataclasses validate in __post_init__
         raise ConfigError(f"config: {prefix}: {e}") from None
+    if hasattr(section, "check"):  # a section whose checks name its keys by the path it is given
+        try:
+            section.check(prefix)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
+    return section
 
 
 def walk(cls, prefix: str = "", stop: tuple = ()) -> Iterator[tuple[str, dataclasses.Field, object]]:

@@ -285,9 +285,9 @@ def validate(cfg: TetherConfig) -> None:
     _check_kl(cfg.ppo.kl)
     check_step(cfg)
     try:
-        cfg.learner_config().validate(world_size=cfg.learner.replicas)
+        cfg.learner_config().validate(world_size=cfg.learner.replicas, ppo_at="ppo")
     except ValueError as e:
-        raise ConfigError(f"config: {str(e).replace('learner.ppo.', 'ppo.')}") from None
+        raise ConfigError(f"config: {e}") from None
     _check_ptx(cfg)
     # Every learner rank trains on whole prompt groups (core.rollout.shard_rollouts): one at least.
     if cfg.data.prompts_per_step < cfg.learner.replicas:

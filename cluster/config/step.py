@@ -3,7 +3,7 @@ prompt groups the estimators and dynamic sampling compare (``cfg``: a TetherConf
 from __future__ import annotations
 
 from cluster.config.loader import ConfigError
-from core.choices import GROUP_ESTIMATORS
+from core.choices import estimator_row
 
 
 def check_step(cfg) -> None:
@@ -16,7 +16,7 @@ def check_step(cfg) -> None:
     n = cfg.generator.sampling.n
     if cfg.ppo.filter_groups:
         _check_filter(cfg)
-    if cfg.ppo.advantage in GROUP_ESTIMATORS and n < 2:
+    if estimator_row(cfg.ppo.advantage).uses_groups and n < 2:
         raise ConfigError(f"config: ppo.advantage={cfg.ppo.advantage} compares each sample with the other samples "
                           f"of its prompt, but generator.sampling.n={n}; set generator.sampling.n >= 2 "
                           "(4 to 16 is usual) or use ppo.advantage=reinforce_pp")

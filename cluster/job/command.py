@@ -8,16 +8,7 @@ import logging
 import sys
 from typing import Callable
 
-from cluster.job.errors import (
-    EXIT_DONE,
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    Stopped,
-    UserError,
-    report,
-    user_error,
-)
-from core.errors import one_line
+from cluster.job.errors import EXIT_DONE, report_error, user_error
 
 # What the job needs importable in the Python that runs it: import name -> pip name.
 REQUIRED_MODULES = {"torch": "torch", "ray": "ray", "vllm": "vllm", "transformers": "transformers",
@@ -52,31 +43,25 @@ def parse_args(argv, *, prog: str, description: str):
 
 
 def job_main(argv, *, prog: str, description: str, config_cls: Callable[[], type],
-             run: Callable[[argparse.Namespace], str], user_errors: tuple[type, ...] = ()) -> int:
+             run: Callable[[argparse.Namespace], str]) -> int:
     """Parse ``argv`` (sys.argv's when None), check the dependencies, answer --help-config
     (the keys of ``config_cls()``), then ``run(args)``: load the config and run the job, returning
     the summary after ``tether: done;``. Both callables run after the dependency check, so they
-    may import the stack. Every failure ends in one line on stderr and its exit code: 2 for
-    ConfigError, UserError, FileNotFoundError and ``user_errors``, 1 for any other error."""
+    may import the stack. Every failure ends in one line on stderr and its exit code
+    (cluster.job.errors.exit_status: 2 for a user mistake, 1 for any other error)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(sys.argv[1:] if argv is None else argv, prog=prog, description=description)
     missing = missing_dependencies()  # --help above needs none
     if missing:  # e.g. `ray job submit` to a Ray started outside the venv: one line, not a traceback
         return user_error(dependency_error(missing))
-    from cluster.config.ppo import ConfigError, describe
+    from cluster.config.ppo import describe
 
     if args.help_config:
         print(describe(config_cls()))
         return EXIT_DONE
     try:
         summary = run(args)
-    except (ConfigError, UserError, FileNotFoundError, *user_errors) as e:
-        return user_error(one_line(e))
-    except Stopped as e:
-        return report(str(e), e.exit_code)
-    except KeyboardInterrupt:
-        return report("interrupted", EXIT_INTERRUPTED)
-    except Exception as e:  # noqa: BLE001 - a failed run ends in one line, details in the log
-        return report(f"run failed: {one_line(e)} (traceback in the run folder's error.log)", EXIT_FAILED)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every end is one line and its code
+        return report_error(e)
     print(f"tether: done; {summary}")
     return EXIT_DONE

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from cluster.job.errors import Stopped, UserError
+from cluster.job.errors import ERROR_LOG, Stopped, UserError
 from core.errors import one_line
 from core.files import write_atomic
 
@@ -58,7 +58,12 @@ def running(run_dir: Path, *, failed: Optional[dict] = None,
 
 
 def _error_log(run_dir: Path, e: BaseException) -> None:
-    (run_dir / "error.log").write_text("".join(traceback.format_exception(e)))
+    path = run_dir / ERROR_LOG
+    path.write_text("".join(traceback.format_exception(e)))
+    try:  # where the job's last line sends the reader (cluster.job.errors.exit_status)
+        e.error_log = path
+    except AttributeError:  # an exception type that takes no attributes: its line says "above"
+        pass
 
 
 def _failed(run_dir: Path, e: BaseException, fields: Optional[dict]) -> None:

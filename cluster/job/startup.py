@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 import cluster
+from core.errors import InputError
 
 GIB = 1 << 30
 POOLS = ("generator", "reference", "reward", "learner")
@@ -176,8 +177,8 @@ def fit_problem(cfg, machine: Machine, policy: Optional[str] = None) -> Optional
 
 
 def check_fits(cfg, policy: Optional[str]) -> None:
-    """Refuse (ValueError, one line) a run whose local Ray could not hold its pools."""
+    """Refuse (InputError, one line) a run whose local Ray could not hold its pools."""
     if starts_local_ray(cfg):
         problem = fit_problem(cfg, this_machine(), policy)
         if problem:
-            raise ValueError(problem)
+            raise InputError(problem)

@@ -21,7 +21,7 @@ from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.startup import connect_ray
 from cluster.runtime.prepare import resolve_model
 from cluster.runtime.threads import node_cores, thread_env
-from core.errors import one_line
+from core.errors import user_input
 
 log = logging.getLogger("tether")
 
@@ -69,7 +69,8 @@ def prepare_model(cfg):
 
     base = resolve_base(cfg.model.base)
     tokenizer_path = cfg.model.tokenizer or base
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    with user_input():
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     check_vocabulary(tokenizer, tokenizer_path, base, "model.base")
     return base, tokenizer_path, tokenizer
 
@@ -81,17 +82,18 @@ def prepare_rows(cfg, *, fields: dict, builtin: str, noun: str) -> dict:
 
     base, tokenizer_path, tokenizer = prepare_model(cfg)
     d = cfg.data
-    data = load_rows(path=d.path, fields=fields, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
-                     chat_template=d.chat_template, append_eos=d.append_eos, max_seq_len=d.max_seq_len,
-                     builtin=builtin, split=d.split, config_name=d.config_name)
+    with user_input():
+        data = load_rows(path=d.path, fields=fields, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
+                         chat_template=d.chat_template, append_eos=d.append_eos, max_seq_len=d.max_seq_len,
+                         builtin=builtin, split=d.split, config_name=d.config_name)
     if data.skip_counts:
         log.warning("data: skipped %d rows %s, e.g. %s", sum(data.skip_counts.values()), data.skip_counts,
                     data.skipped[0])
     train_rows, eval_rows = data.split(d.eval_examples, d.seed)
     if len(train_rows) < cfg.train.batch_size:
-        raise ValueError(f"data: {len(train_rows)} training {noun} in {data.source} (after holding out "
-                         f"data.eval_examples={d.eval_examples}) are fewer than "
-                         f"train.batch_size={cfg.train.batch_size}")
+        raise UserError(f"data: {len(train_rows)} training {noun} in {data.source} (after holding out "
+                        f"data.eval_examples={d.eval_examples}) are fewer than "
+                        f"train.batch_size={cfg.train.batch_size}")
     log.info("%s: %d training %s, %d held out, from %s; base %s", builtin, len(train_rows), noun, len(eval_rows),
              data.source, base)
     return {"base": base, "tokenizer": tokenizer, "train": train_rows, "eval": eval_rows, "cfg": cfg}
@@ -113,17 +115,13 @@ class StageMetrics:
 
 
 def run_stage(cfg, *, objective: type, prepare: Callable, train: Callable) -> dict:
-    """``prepare(cfg)`` (user input; its ValueErrors are the user's), a run folder, a
-    learner group training ``objective`` (learner/objective.py), then
-    ``train(group, prepared, metrics, run_dir) -> final``."""
+    """``prepare(cfg)`` (refusing user input with UserErrors), a run folder, a learner group
+    training ``objective`` (learner/objective.py), then ``train(group, prepared, metrics, run_dir) -> final``."""
     from cluster.runtime.pools import quiet_libraries
 
     if not cfg.run.library_logs:
         quiet_libraries()
-    try:
-        prepared = prepare(cfg)
-    except (ValueError, OSError, ImportError) as e:
-        raise UserError(one_line(e)) from None
+    prepared = prepare(cfg)
     run_dir = make_run_dir(cfg)
     log.info("run folder: %s (resolved config in config.yaml)", run_dir)
     # ExitStack first: the status is written before the group and its reservation go

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from core.errors import InputError
 from core.files import publish_dir
 
 RESUME_DIR = "checkpoints/resume"
@@ -30,7 +31,7 @@ RESOLVED = {"learner.dtype": lambda cfg: cfg.precision()["learner"][0],
             "learner.critic": lambda cfg: cfg.learner_config().value_model}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that cannot be resumed from: the message is one line naming why."""
 
 

@@ -1,5 +1,10 @@
 """Everything about a PPO job that can fail on user input, checked before any actor starts:
-the models and their vocabularies, the reward, the prompts and the PTX corpus."""
+the models and their vocabularies, the reward, the prompts and the PTX corpus.
+
+Each check refuses with a UserError; a call that reads the user's input through a library or a
+lower layer (a tokenizer, a model's config, a dataset, a reward function) sits in
+``user_input()``, which makes that call's ValueError or OSError the user's. Any other error here
+is a bug of tether's (exit 1, its traceback)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +13,7 @@ from pathlib import Path
 
 from cluster.job.errors import UserError
 from core.architectures import check_policy_config, check_reward_config
-from core.errors import type_and_first_line
+from core.errors import type_and_first_line, user_input
 
 log = logging.getLogger("tether")
 
@@ -35,7 +40,8 @@ def check_vocabulary(tokenizer, tokenizer_path: str, model_dir: str, key: str):
     """The model must have an embedding for every id the tokenizer makes; returns its config."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
+    with user_input():
+        config = AutoConfig.from_pretrained(model_dir)
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     if vocab_size and len(tokenizer) > vocab_size:
         raise UserError(f"the tokenizer at {tokenizer_path} has {len(tokenizer)} tokens but {key}={model_dir!r} "
@@ -53,7 +59,8 @@ def check_same_vocabulary(tokenizer, tokenizer_path: str, policy: str) -> None:
     if Path(tokenizer_path).resolve() == Path(policy).resolve() or \
             not any((Path(policy) / f).exists() for f in own_files):
         return
-    own, given = AutoTokenizer.from_pretrained(policy).get_vocab(), tokenizer.get_vocab()
+    with user_input():
+        own, given = AutoTokenizer.from_pretrained(policy).get_vocab(), tokenizer.get_vocab()
     moved = [t for t, i in own.items() if given.get(t) != i]
     if moved:
         t = moved[0]
@@ -133,21 +140,25 @@ def prepare(cfg):
     # Reward problems surface here, in the driver, not as a dead actor a minute later.
     from actors.reward import load_function
     from actors.scoring import ColumnBinding
-    functions = {key: load_function(spec, key) for key, spec in
-                 (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)) if spec}
-    required = {c for fn in functions.values() for c in ColumnBinding.of(fn).required}
+    with user_input(kinds=(ValueError, OSError, ImportError)):  # the user's module, run on import
+        functions = {key: load_function(spec, key) for key, spec in
+                     (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)) if spec}
+        required = {c for fn in functions.values() for c in ColumnBinding.of(fn).required}
     tokenizer_path = cfg.model.tokenizer or policy
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    with user_input():
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     check_same_vocabulary(tokenizer, tokenizer_path, policy)
     check_policy_config(check_vocabulary(tokenizer, tokenizer_path, policy, "model.policy"))
     if cfg.reward.model:
         check_reward_model(cfg.reward.model, tokenizer, tokenizer_path)
         if cfg.reward.normalize:  # the actors would fail on it one by one: refuse here, in one line
             from actors.reward import load_reward_stats
-            load_reward_stats(cfg.reward.model)
+            with user_input():
+                load_reward_stats(cfg.reward.model)
     if cfg.reference.model:
         from cluster.runtime.lineage import check_reference
-        check_reference(cfg.reference.model, tokenizer, tokenizer_path, policy)
+        with user_input():
+            check_reference(cfg.reference.model, tokenizer, tokenizer_path, policy)
     train_set, eval_set = prepare_prompts(cfg.data, tokenizer_path, required)
     if cfg.reward.judge.model:
         check_judge(cfg.reward.judge, train_set.columns.names)
@@ -160,10 +171,11 @@ def prepare_prompts(d, tokenizer_path: str, required_columns: set[str]):
     ``required_columns`` (what the reward functions require) are skipped and counted."""
     from cluster.data.prompts import PromptDataset
 
-    dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
-                                 chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
-                                 seed=d.seed, split=d.split, config_name=d.config_name, columns=d.columns,
-                                 required_columns=required_columns)
+    with user_input():
+        dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
+                                     chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                                     seed=d.seed, split=d.split, config_name=d.config_name, columns=d.columns,
+                                     required_columns=required_columns)
     if dataset.num_skipped:
         log.warning("data: skipped %d rows %s, e.g. %s", dataset.num_skipped, dataset.skip_counts,
                     dataset.skipped[0])
@@ -186,11 +198,13 @@ def probe_reward(reward, train_set) -> None:
     columns = train_set.columns.take(train_set.ids[:len(prompts)])  # the first rows' own fields
     for key, spec in (("reward.function", reward.function), ("reward.gold", reward.gold)):
         if spec:
-            probe_function(spec, prompts, responses, key, reward.timeout_s, columns=columns,
-                           sandbox=asdict(reward.sandbox))
+            with user_input():  # the user's function, scoring
+                probe_function(spec, prompts, responses, key, reward.timeout_s, columns=columns,
+                               sandbox=asdict(reward.sandbox))
     if reward.url:
         from actors.http_reward import probe_server
-        probe_server(reward.url, prompts, responses, columns=columns, **asdict(reward.http))
+        with user_input():  # the user's server, answering
+            probe_server(reward.url, prompts, responses, columns=columns, **asdict(reward.http))
 
 
 def prepare_ptx(cfg, tokenizer_path: str):
@@ -201,10 +215,11 @@ def prepare_ptx(cfg, tokenizer_path: str):
             log.warning("ptx.path is set but ppo.ptx_coef=0: the PTX loss is off (set ppo.ptx_coef > 0 to use it)")
         return None
     from cluster.data.ptx import PTXData
-    ptx = PTXData.load(path=p.path, field=p.field, tokenizer_path=tokenizer_path,
-                       seq_len=p.tokens_per_row(cfg.generator.engine.max_model_len),
-                       builtin_policy=cfg.model.policy.startswith("builtin:"), seed=cfg.run.seed,
-                       split=p.split, config_name=p.config_name)
+    with user_input():
+        ptx = PTXData.load(path=p.path, field=p.field, tokenizer_path=tokenizer_path,
+                           seq_len=p.tokens_per_row(cfg.generator.engine.max_model_len),
+                           builtin_policy=cfg.model.policy.startswith("builtin:"), seed=cfg.run.seed,
+                           split=p.split, config_name=p.config_name)
     log.info("ptx: %d rows of %d tokens from %s, %d per optimizer step, coefficient %g", len(ptx),
              ptx.rows.shape[1], ptx.source, p.batch_size, cfg.ppo.ptx_coef)
     return ptx

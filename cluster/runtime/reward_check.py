@@ -9,8 +9,10 @@ the start-up probe refuses a reward function that scores nothing finite before a
 """
 from __future__ import annotations
 
+from core.errors import InputError
 
-class InvalidScores(ValueError):
+
+class InvalidScores(InputError):
     """Too many of a step's scores were invalid: the user's to fix (cluster.train exits 2)."""
 
 

@@ -13,7 +13,6 @@ from cluster.job.signals import StopSignals
 from cluster.job.startup import StartupClock, check_fits, connect_ray
 from cluster.runtime.prepare import prepare, prepare_ptx
 from core.architectures import unsupported_model
-from core.errors import one_line
 
 log = logging.getLogger("tether")
 
@@ -60,19 +59,16 @@ def _run(cfg, overrides: Sequence[str], library_log) -> dict:
 
 def _prepare(cfg, overrides: Sequence[str]) -> tuple:
     """(cfg, the prepared inputs, the run folder to reuse, the checkpoint to resume from);
-    a problem with them is the user's to fix."""
+    each check refuses the user's input with a UserError; any other error is a bug of ours."""
     from cluster.runtime.resume import resume_source, resumed_config
 
-    try:
-        reused_dir, resume_from = resume_source(cfg)  # before loading anything it may refuse
-        if resume_from is not None:  # the pools as they were scaled, unless the command line says
-            cfg = resumed_config(cfg, resume_from, overrides)
-        policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
-        inputs = dict(policy=policy, tokenizer_path=tokenizer_path, tokenizer=tokenizer, dataset=train_set,
-                      eval_dataset=eval_set, ptx=prepare_ptx(cfg, tokenizer_path))
-        check_fits(cfg, policy)  # a local Ray that cannot hold the pools: refused before it starts
-    except (ValueError, OSError, ImportError) as e:  # bad data / model paths / checkpoint
-        raise UserError(one_line(e)) from None
+    reused_dir, resume_from = resume_source(cfg)  # before loading anything it may refuse
+    if resume_from is not None:  # the pools as they were scaled, unless the command line says
+        cfg = resumed_config(cfg, resume_from, overrides)
+    policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
+    inputs = dict(policy=policy, tokenizer_path=tokenizer_path, tokenizer=tokenizer, dataset=train_set,
+                  eval_dataset=eval_set, ptx=prepare_ptx(cfg, tokenizer_path))
+    check_fits(cfg, policy)  # a local Ray that cannot hold the pools: refused before it starts
     return cfg, inputs, reused_dir, resume_from
 
 

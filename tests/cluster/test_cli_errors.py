@@ -152,7 +152,8 @@ CASES = [
                  id="max-new-tokens-beyond-context"),
     pytest.param(["data.max_prompt_tokens=120"],
                  "data.max_prompt_tokens=120 + generator.sampling.max_new_tokens=16 exceed", id="prompt-plus-response"),
-    pytest.param(["generator.sampling.top_p=1.5"], "sampling.top_p must be in (0, 1] (got 1.5)", id="top-p-above-1"),
+    pytest.param(["generator.sampling.top_p=1.5"], "config: generator.sampling.top_p must be in (0, 1] (got 1.5)",
+                 id="top-p-above-1"),
     pytest.param(["generator.sampling.top_k=-5"], "top_k >= 0", id="top-k-negative"),
     pytest.param(["reward.gold=cluster.demo.sentiment:nothing"],
                  "reward.gold 'cluster.demo.sentiment:nothing': module 'cluster.demo.sentiment' has no callable",
@@ -315,3 +316,43 @@ def test_uncaught_exception_in_a_forked_entrypoint_shows_its_traceback(entrypoin
     (tmp_path / "crash.py").write_text("raise KeyError('boom')\n")
     result = entrypoints.run("crash", [], env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode == 1 and "Traceback" in result.stderr and "KeyError: 'boom'" in result.stderr
+
+
+# A bug of tether's own, planted where a run prepares (before its folder) and where it runs
+# (inside its folder): a plain ValueError from our code is a failure, never the user's mistake.
+PLANTED_BUG = '''
+import sys
+
+import cluster.runtime.service as service
+
+def bug(*args, **kwargs):
+    raise ValueError("a bug of tether's")
+
+setattr(service, sys.argv.pop(1), bug)
+from cluster.train import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_an_internal_value_error_in_a_run_exits_1_with_its_traceback_in_error_log(entrypoints, tmp_path):
+    (tmp_path / "planted_bug.py").write_text(PLANTED_BUG)
+    run_dir = tmp_path / "runs"
+    result = entrypoints.run("planted_bug", ["connect_ray", f"run.dir={run_dir}", "run.name=bug"],
+                             env={"RAY_ADDRESS": "", "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tether: run failed: a bug of tether's (traceback in ") and "error:" not in last
+    log = (run_dir / "bug" / "error.log").read_text()
+    assert "Traceback" in log and "ValueError: a bug of tether's" in log and "in bug" in log
+    assert json.loads((run_dir / "bug" / "status.json").read_text())["state"] == "failed"
+
+
+def test_an_internal_value_error_while_preparing_exits_1_with_its_traceback(entrypoints, tmp_path):
+    """Before the run folder exists: the traceback goes to stderr, as there is no error.log yet."""
+    (tmp_path / "planted_bug.py").write_text(PLANTED_BUG)
+    run_dir = tmp_path / "runs"
+    result = entrypoints.run("planted_bug", ["prepare", f"run.dir={run_dir}"],
+                             env={"RAY_ADDRESS": "", "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" in result.stderr and "tether: error:" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "tether: run failed: a bug of tether's (traceback above)"

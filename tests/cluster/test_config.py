@@ -67,6 +67,11 @@ def test_exponent_without_a_dot_is_a_number():
     (["ppo.minibatch_size=7"], "minibatch_size=7 is not divisible"),
     (["learner.replicas=3", "ppo.minibatch_size=8", "ppo.micro_batch_size=2"], "not divisible by world_size"),
     (["generator.sampling.temperature=0"], "temperature must be > 0"),
+    # each key named as the user wrote it, whichever section holds the setting
+    (["generator.sampling.top_p=0"], "config: generator.sampling.top_p must be in (0, 1] (got 0.0)"),
+    (["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.engine.dtype=fp8"],
+     "config: reward.judge.engine.dtype='fp8' is not one of"),
+    (["ppo.clip_low=1.5"], "config: ppo.clip_low=1.5 must be in (0, 1)"),
     (["reward.model=/x"], "exactly one of reward.model, reward.function, reward.url and reward.judge.model"),
     (["run.mode=fast"], "run.mode='fast' is unknown; use one of sync, async"),
     (["run.mode=1"], "run.mode must be str, got 1 (int)"),

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from core.choices import CRITIC_FREE, ESTIMATOR_NAMES, GROUP_ESTIMATORS
+from core.choices import ESTIMATOR_HELP, ESTIMATOR_NAMES, ESTIMATOR_TABLE, critic_free_names
 from core.estimators import ESTIMATORS, AdvantageInputs, EstimatorOptions, estimator, group_baseline, returns_to_go
 
 pytestmark = pytest.mark.unit
@@ -104,8 +104,11 @@ def test_registry_names_and_an_unknown_name():
     assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == ["gae"]
     # the config's names (no torch there) are the registry's
     assert tuple(ESTIMATORS) == ESTIMATOR_NAMES
-    assert tuple(n for n, e in ESTIMATORS.items() if not e.needs_critic) == CRITIC_FREE
-    assert tuple(n for n, e in ESTIMATORS.items() if e.uses_groups) == GROUP_ESTIMATORS
+    assert [n for n, e in ESTIMATORS.items() if e.uses_groups] == ["grpo", "rloo", "reinforce_pp_baseline"]
+    assert critic_free_names() == "grpo | rloo | reinforce_pp | reinforce_pp_baseline"
+    # one row each: its function, and its name in the config's help
+    assert all(ESTIMATORS[row.name].fn.__name__ == row.function and f"{row.name} (" in ESTIMATOR_HELP
+               for row in ESTIMATOR_TABLE)
     with pytest.raises(ValueError, match="advantage estimator 'ppo' is unknown; use one of gae, grpo, rloo"):
         estimator("ppo")
 

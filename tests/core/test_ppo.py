@@ -130,13 +130,13 @@ def test_right_padding_invariance(seed, B, T, extra, garbage, gamma, lam):
         torch.testing.assert_close(valid(whiten(P(r), pmask, shift)), whiten(r, mask, shift))
 
     for agg in AGG_MODES:
-        kw = dict(agg=agg, horizon=T)  # horizon pinned: by default it is the padded length
-        a = ppo.policy_loss(lp, old, adv_in, mask, 0.2, 0.3, 3.0, **kw)
-        b = ppo.policy_loss(P(lp), P(old), P(adv_in), pmask, 0.2, 0.3, 3.0, **kw)
+        how = ppo.Aggregation(mode=agg, horizon=T)  # horizon pinned: by default it is the padded length
+        a = ppo.policy_loss(lp, old, adv_in, mask, 0.2, 0.3, 3.0, how)
+        b = ppo.policy_loss(P(lp), P(old), P(adv_in), pmask, 0.2, 0.3, 3.0, how)
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)
-        a = ppo.value_loss(v, v_old, ret_in, mask, 0.2, **kw)
-        b = ppo.value_loss(P(v), P(v_old), P(ret_in), pmask, 0.2, **kw)
+        a = ppo.value_loss(v, v_old, ret_in, mask, 0.2, how)
+        b = ppo.value_loss(P(v), P(v_old), P(ret_in), pmask, 0.2, how)
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)
 
@@ -403,7 +403,7 @@ MASK = t([[1, 1, 1, 1], [1, 0, 0, 0]])
 
 
 def test_aggregation_modes_hand_computed():
-    agg = lambda mode, **kw: ppo.aggregate_loss(LOSS, MASK, mode, **kw)  # noqa: E731
+    agg = lambda mode, **kw: ppo.aggregate_loss(LOSS, MASK, ppo.Aggregation(mode=mode, **kw))  # noqa: E731
     torch.testing.assert_close(agg("token-mean"), t(20 / 5))
     torch.testing.assert_close(agg("seq-mean-token-mean"), t((2.5 + 10) / 2))
     torch.testing.assert_close(agg("seq-mean-token-sum-norm"), t((10 / 4 + 10 / 4) / 2))
@@ -415,24 +415,27 @@ def test_aggregation_modes_hand_computed():
 def test_aggregation_global_counts_sum_over_ranks():
     for mode, kw in (("token-mean", {"global_tokens": 5}), ("seq-mean-token-mean", {"global_seqs": 2}),
                      ("seq-mean-token-sum-norm", {"global_seqs": 2})):
-        full = ppo.aggregate_loss(LOSS, MASK, mode)
-        ranks = sum(ppo.aggregate_loss(LOSS[i:i + 1], MASK[i:i + 1], mode, **kw, horizon=4) for i in (0, 1))
+        full = ppo.aggregate_loss(LOSS, MASK, ppo.Aggregation(mode=mode))
+        ranks = sum(ppo.aggregate_loss(LOSS[i:i + 1], MASK[i:i + 1], ppo.Aggregation(mode=mode, **kw, horizon=4))
+                    for i in (0, 1))
         torch.testing.assert_close(ranks, full)
         # Without the global count each rank normalises locally: a different (wrong) number.
-        local = sum(ppo.aggregate_loss(LOSS[i:i + 1], MASK[i:i + 1], mode, horizon=4) for i in (0, 1))
+        local = sum(ppo.aggregate_loss(LOSS[i:i + 1], MASK[i:i + 1], ppo.Aggregation(mode=mode, horizon=4))
+                    for i in (0, 1))
         assert not torch.isclose(local, full)
 
 
 def test_aggregation_ignores_nan_padding():
     loss = torch.where(MASK.bool(), LOSS, t(float("nan")))
     for mode in AGG_MODES:
-        torch.testing.assert_close(ppo.aggregate_loss(loss, MASK, mode), ppo.aggregate_loss(LOSS, MASK, mode))
+        how = ppo.Aggregation(mode=mode)
+        torch.testing.assert_close(ppo.aggregate_loss(loss, MASK, how), ppo.aggregate_loss(LOSS, MASK, how))
 
 
 def test_aggregation_skips_empty_sequences():
     loss = torch.cat([LOSS, t([[7.0, 7.0, 7.0, 7.0]])])
     mask = torch.cat([MASK, torch.zeros(1, 4, dtype=D)])
-    torch.testing.assert_close(ppo.aggregate_loss(loss, mask, "seq-mean-token-mean"), t(6.25))
+    torch.testing.assert_close(ppo.aggregate_loss(loss, mask, ppo.Aggregation(mode="seq-mean-token-mean")), t(6.25))
 
 
 # ------------------------------------------------------------------------ per-token rewards
@@ -599,7 +602,7 @@ def test_shape_mismatch_message_names_arguments():
     lambda x, m: gae(x, x, m),
     lambda x, m: ppo.policy_loss(x, x, x, m),
     lambda x, m: ppo.value_loss(x, x, x, m),
-    lambda x, m: ppo.aggregate_loss(x, m, "token-mean"),
+    lambda x, m: ppo.aggregate_loss(x, m),
     lambda x, m: explained_variance(x, x, m),
     lambda x, m: ppo.ptx_loss(torch.zeros(2, 3, 4), x.long(), m),
     lambda x, m: per_token_rewards(x, torch.zeros(2), m, 0.1),

@@ -106,13 +106,13 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
             rows = slice(start, start + p.minibatch_size)
             mb, m = batch[rows], mask[rows]
             lp, v, ent = model.response_logprobs_values(mb, cfg.temperature, **truncation)
-            kw = dict(agg=p.agg, horizon=horizon)
+            agg = ppo.Aggregation(mode=p.agg, horizon=horizon)
             pg, _, _ = ppo.policy_loss(lp, old_lp[rows], adv[rows], m, p.clip_low, p.clip_high,
-                                       p.dual_clip, weights=weights[rows], **kw)
-            vf = ppo.value_loss(v, old_v[rows], ret[rows], m, p.value_clip, **kw)[0] if ret is not None else 0.0
-            loss = pg + p.vf_coef * vf - p.entropy_coef * ppo.aggregate_loss(ent, m, p.agg, horizon=horizon)
+                                       p.dual_clip, agg, weights=weights[rows])
+            vf = ppo.value_loss(v, old_v[rows], ret[rows], m, p.value_clip, agg)[0] if ret is not None else 0.0
+            loss = pg + p.vf_coef * vf - p.entropy_coef * ppo.aggregate_loss(ent, m, agg)
             if cfg.kl_loss_estimator:
-                kl, _ = ppo.kl_loss(lp, mb.reference_logprobs, m, cfg.kl_loss_estimator, **kw)
+                kl, _ = ppo.kl_loss(lp, mb.reference_logprobs, m, cfg.kl_loss_estimator, agg)
                 loss = loss + kl_coef * kl
             opt.zero_grad()
             loss.backward()
