@@ -32,7 +32,7 @@ Semantics
 
 By reference (what the driver uses): put_chunk(chunk_id, rollouts, reference_logprobs,
 scores, shaping) receives the generator's and the scorers' outputs as Ray object
-references wrapped in core.transfer.Pull, which it pulls here, in the buffer's process,
+references wrapped in core.infra.transfer.Pull, which it pulls here, in the buffer's process,
 measuring what crossed nodes (ChunkReport.transfer; plain values work too). The driver
 sends it once the scorers are done, so a put holds one of the buffer's threads for the
 transfer only, never while a scorer computes. The KL annotation runs here too, so
@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from core.annotate import RewardShaping, annotate_valid
+from core.infra.transfer import Transfer, pull_args
 from core.rollout import BatchSummary, ScoredRollout, shard_rollouts, staleness
-from core.transfer import Transfer, pull_args
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ class RolloutBuffer:
                   drop_flat_groups: bool = False) -> ChunkReport:
         """Annotate one chunk's rollouts (scores: the reward's ScoreResult) and put them, once.
 
-        Each of rollouts, reference_logprobs and scores is a value or a core.transfer.Pull
+        Each of rollouts, reference_logprobs and scores is a value or a core.infra.transfer.Pull
         (pulled here; a lost object raises as ray.get does, and nothing is stored). A duplicate
         chunk id (already stored, or being stored right now) pulls and stores nothing.
         ``drop_flat_groups`` (dynamic sampling): a prompt whose valid samples, two or more, all

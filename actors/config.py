@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from core.dtypes import DTYPES
-from core.schema import config_class, setting
+from core.infra.dtypes import DTYPES
+from core.infra.schema import config_class, setting
 
 
 @config_class

@@ -1,6 +1,6 @@
 """Generator: one vLLM engine sampling responses under the current policy version.
 
-Weight updates (``core.weights.WeightReceiver``, received by ``EngineWeights`` in
+Weight updates (``core.infra.weights.WeightReceiver``, received by ``EngineWeights`` in
 actors/weight_receiver.py) run in their own Ray concurrency group (``actor_class``), so a
 push reaches the actor while a generate call runs; ``EngineTurns`` keeps the two off the
 engine at the same time. With ``partial_rollouts`` (async mode) a generate call steps the engine itself
@@ -31,10 +31,10 @@ from actors.engine_turns import EngineTurns
 from actors.reference import resolve_model_path
 from actors.vllm_support import check_served, start_engine
 from actors.weight_receiver import GPU_TRANSFER, EngineWeights
+from core.infra.threads import fit_threads
+from core.infra.weights import WEIGHT_UPDATE_GROUP
 from core.rollout import Rollout
 from core.sampling import is_truncated
-from core.threads import fit_threads
-from core.weights import WEIGHT_UPDATE_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class Generator:
                           kept_ids=kept)
         return rollout, incomplete
 
-    # ---- weight updates: core.weights.WeightReceiver, received by EngineWeights (actors/weight_receiver.py).
+    # ---- weight updates: core.infra.weights.WeightReceiver, received by EngineWeights (actors/weight_receiver.py).
     # Ray calls them on this actor; load_weights, rewind and a GPU transfer round run in WEIGHT_UPDATE_GROUP.
     def load_weights(self, version: int, buckets: list[bytes]) -> dict:
         return self.weights.load_weights(version, buckets)

@@ -31,7 +31,7 @@ import aiohttp
 import numpy as np
 
 from actors.scoring import Columns, ScoreResult, coerce_scores, invalid_result
-from core.errors import type_and_first_line
+from core.infra.errors import type_and_first_line
 
 RETRY_STATUS = (429,)  # besides 5xx: the server asks to come back later
 

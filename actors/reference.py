@@ -19,13 +19,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from core.architectures import load_pretrained
-from core.dtypes import torch_dtype
+from core.infra.architectures import load_pretrained
+from core.infra.dtypes import torch_dtype
+from core.infra.threads import fit_threads
+from core.infra.transfer import Pull, Transfer, pull_args
 from core.layout import pad_prompt_response, position_ids
 from core.logprobs import logprobs_from_logits
 from core.sampling import check_truncation, is_truncated, pad_kept_ids
-from core.threads import fit_threads
-from core.transfer import Pull, Transfer, pull_args
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class Reference:
 
     def reference_logprobs_pulled(self, rollouts: Pull) -> tuple[list[np.ndarray], Transfer]:
         """reference_logprobs() of Rollouts this call pulls itself (call it with num_returns=2):
-        the log-probs, and what the pull moved between nodes (core/transfer.py)."""
+        the log-probs, and what the pull moved between nodes (core/infra/transfer.py)."""
         (rollouts,), moved = pull_args(rollouts)
         return self.reference_logprobs(rollouts), moved
 

@@ -30,13 +30,13 @@ from actors.scoring import (
     load_function,
 )
 from actors.timed_call import CallTimedOut, TimedCall
-from core.architectures import load_pretrained
 from core.columns import PromptColumns
-from core.dtypes import torch_dtype
-from core.errors import type_and_first_line
+from core.infra.architectures import load_pretrained
+from core.infra.dtypes import torch_dtype
+from core.infra.errors import type_and_first_line
+from core.infra.threads import fit_threads
+from core.infra.transfer import Pull, Transfer, pull_args
 from core.layout import pad_right, pool_last_token
-from core.threads import fit_threads
-from core.transfer import Pull, Transfer, pull_args
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class Reward:
 
     def score_rollouts_pulled(self, rollouts: Pull) -> tuple[ScoreResult, Transfer]:
         """score_rollouts() of Rollouts this call pulls itself (call it with num_returns=2): the
-        scores, and what the pull moved between nodes (core/transfer.py)."""
+        scores, and what the pull moved between nodes (core/infra/transfer.py)."""
         (rollouts,), moved = pull_args(rollouts)
         return self.score_rollouts(rollouts), moved
 

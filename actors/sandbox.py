@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection, wait
 import numpy as np
 
 from actors.scoring import ColumnBinding, Columns, ScoreResult, as_number, load_function
-from core.errors import type_and_first_line
+from core.infra.errors import type_and_first_line
 
 # How long a worker may take to start and import the function (a verifier imports sympy, a model...).
 START_TIMEOUT_S = 120.0

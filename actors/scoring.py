@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Protocol
 import numpy as np
 
 from actors.timed_call import CallTimedOut, TimedCall, TooManyAbandoned
-from core.errors import type_and_first_line
+from core.infra.errors import type_and_first_line
 
 # Column name -> one value per pair, in the pairs' order (the prompt row's other fields).
 Columns = dict[str, list]

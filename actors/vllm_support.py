@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from core.architectures import UnsupportedModel
+from core.infra.architectures import UnsupportedModel
 
 
 def check_served(model: str, key: str = "model.policy") -> None:

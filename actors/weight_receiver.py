@@ -1,7 +1,7 @@
 """EngineWeights: the receiving side of weight updates for one generator's vLLM engine.
 
 It owns the engine's policy version and implements the learner -> generator contract
-(``core.weights.WeightReceiver``) for every transport: "cpu" reloads safetensors buckets in
+(``core.infra.weights.WeightReceiver``) for every transport: "cpu" reloads safetensors buckets in
 place through the worker extension (actors/vllm_extension.py); "nccl" and "ipc" forward to
 the RLOfflineMixin methods of ``vllm.LLM`` (entrypoints/rl/offline.py), which fan out to the
 workers with collective_rpc: only metadata (IPC: a memory handle) crosses Ray, the tensors

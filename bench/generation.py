@@ -7,7 +7,7 @@
 Same model (the workload's 31.7M policy), engine settings, sampling parameters (per-prompt
 seeds, logprobs of the sampled token, no EOS stop) and prompts on every side:
   - bare: vllm.LLM(...).generate in a child process, no Ray, no tether code around it;
-  - tether: actors.generator.Generator as a Ray actor (as cluster/runtime/pools.py starts it), timed
+  - tether: actors.generator.Generator as a Ray actor (as cluster/runtime/pools/pool.py starts it), timed
     from this process around `sample` with num_returns=2, as the driver calls it;
   - HF: transformers' generate on the same batch, for reference (no KV-cache paging);
   - bare with vLLM's own process layout (engine core and worker in two more processes,
@@ -130,9 +130,9 @@ def child_hf(wl: dict, prompts: list, args) -> dict:
 def run_child(kind: str, wl_path: Path, args, vllm_processes: bool = False) -> dict:
     """``vllm_processes``: vLLM's own process layout (engine core and worker in processes of
     their own); otherwise as a tether generator actor runs it on CPU (engine_process_env).
-    Either way the worker gets --cpus unbound threads (cluster/runtime/threads.py)."""
+    Either way the worker gets --cpus unbound threads (cluster/runtime/pools/threads.py)."""
     from actors.generator import engine_process_env
-    from cluster.runtime.threads import thread_env
+    from cluster.runtime.pools.threads import thread_env
 
     cmd = [sys.executable, "-m", "bench.generation", "--child", kind, "--workload", str(wl_path),
            "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
@@ -157,14 +157,15 @@ def run_tether(wl: dict, prompts: list, args) -> dict:
     import ray
 
     from actors.generator import actor_class, engine_process_env
-    from cluster.runtime.pools import QUIET_ENV
-    from cluster.runtime.threads import thread_env
+    from cluster.runtime.pools.pool import QUIET_ENV
+    from cluster.runtime.pools.threads import thread_env
 
     sampling, engine = settings(wl, args)
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="WARNING")
     try:
         t0 = time.perf_counter()
-        env = {**QUIET_ENV, **thread_env(args.cpus, vllm=True),  # as cluster/runtime/pools.py starts it in sync mode
+        # as cluster/runtime/pools/pool.py starts it in sync mode
+        env = {**QUIET_ENV, **thread_env(args.cpus, vllm=True),
                **engine_process_env(num_gpus=0, tensor_parallel=1)}
         gen = actor_class().options(name="bench-generator", num_cpus=args.cpus,
                                     runtime_env={"env_vars": env}).remote(

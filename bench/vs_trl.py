@@ -73,7 +73,7 @@ def parse_args(argv):
 
 def parse_pool_cpus(text: str | None) -> dict[str, int]:
     """Pool CPU overrides; none by default: tether runs as shipped (bench-30m.yaml, and in sync
-    mode the running phase gets the machine's cores: cluster/runtime/threads.py)."""
+    mode the running phase gets the machine's cores: cluster/runtime/pools/threads.py)."""
     cpus, pools = {}, ("generator", "reference", "reward", "learner")
     for item in (text or "").split(","):
         if not item.strip():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cluster.job.errors import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, report, user_error
 from cluster.nodes import local
-from core.errors import one_line
+from core.infra.errors import one_line
 
 PROG = "tether cluster"
 

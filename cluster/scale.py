@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from cluster.job.errors import EXIT_DONE, EXIT_FAILED, UserError, report, report_error
-from core.errors import one_line
+from core.infra.errors import one_line
 
 
 class ScaleError(UserError):
@@ -23,13 +23,13 @@ class ScaleError(UserError):
 
 
 def parse_targets(items: list[str]) -> dict:
-    from cluster.runtime.control import POOLS
+    from cluster.config.ppo import SCALABLE_POOLS
 
     targets = {}
     for item in items:
         pool, sep, value = item.partition("=")
-        if not sep or pool not in POOLS:
-            raise ScaleError(f"{item!r}: expected pool=replicas with pool one of {', '.join(POOLS)}")
+        if not sep or pool not in SCALABLE_POOLS:
+            raise ScaleError(f"{item!r}: expected pool=replicas with pool one of {', '.join(SCALABLE_POOLS)}")
         try:
             n = int(value)
         except ValueError:

@@ -20,7 +20,7 @@ def _config_cls():
 def _run(args) -> str:
     from cluster.config.ppo import DEFAULT_CONFIG, load_config
     from cluster.runtime import service
-    from cluster.runtime.resume import resume_config_file
+    from cluster.runtime.state.resume import resume_config_file
 
     cfg = load_config(args.config or resume_config_file(args.overrides) or DEFAULT_CONFIG, args.overrides)
     final = service.run(cfg, overrides=args.overrides)

@@ -3,7 +3,7 @@ aggregations, off-policy corrections, where pi_old comes from, advantage estimat
 decay, dtype, critic, weight transport) and the run's (mode, CPU threads, placement, pair labels), with
 the tuples of PPO's names and the one cross-check between them. The advantage estimators are a
 table (``ESTIMATOR_TABLE``, one row each) that their Literal, help and checks derive from. A config
-key typed with one of these is checked against it by the loader (core/schema.py), never by a
+key typed with one of these is checked against it by the loader (core/infra/schema.py), never by a
 hand-written test.
 
 No torch here: the run's config validates against these without importing the math.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-from core.schema import choice_error
+from core.infra.schema import choice_error
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,13 @@ OldLogprobs = Literal["recompute", "behaviour"]  # where the PPO ratio's pi_old 
 Optimizer = Literal["adamw", "sgd"]
 LRDecay = Literal["linear", "cosine", "constant"]
 TrainableDType = Literal["float32", "bfloat16"]  # the learner's: fp16 would need loss scaling
-Precision = Literal["auto", "float32", "bfloat16"]  # the job's model.dtype (core/dtypes.py resolves auto)
+Precision = Literal["auto", "float32", "bfloat16"]  # the job's model.dtype (core/infra/dtypes.py resolves auto)
 Critic = Literal["shared", "separate", "none"]
 AdvantageEstimator = Literal[tuple(row.name for row in ESTIMATOR_TABLE)]
 WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/weight_sync.py, *_sync.py)
 RunMode = Literal["sync", "async"]
-CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/threads.py
-PlacementStrategy = Literal["pack", "spread"]  # a pool's replicas by node (cluster/runtime/placement.py)
+CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/pools/threads.py
+PlacementStrategy = Literal["pack", "spread"]  # a pool's replicas by node (cluster/runtime/pools/placement.py)
 PairLabels = Literal["hard", "bradley_terry"]  # cluster/demo/sentiment.py label_pairs
 
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)

@@ -2,7 +2,7 @@
 
 Each setting is declared once, here: cluster/config/ppo.py builds its ``learner`` and
 ``ppo`` sections from these classes instead of repeating them. Every class is a frozen
-config class (core/schema.py: each key's help is its field metadata, a named choice is a
+config class (core/infra/schema.py: each key's help is its field metadata, a named choice is a
 Literal type from core/choices.py) and has ``validate(world_size)`` raising a one-line
 ValueError that names the field and the fix, so a bad YAML fails at start-up, not mid-run inside
 DeepSpeed. ``from_dict`` accepts the nested plain dicts a YAML loader produces
@@ -30,7 +30,7 @@ from core.choices import (
     estimator_row,
     kl_placement_error,
 )
-from core.schema import check_choices, config_class, setting
+from core.infra.schema import check_choices, config_class, setting
 
 # The GPU transports, with what they need CUDA for (checked on each learner rank: check_device).
 GPU_TRANSPORTS = {"nccl": "NCCL broadcast from its GPU", "ipc": "CUDA IPC handles to its own GPU's memory"}

@@ -11,11 +11,11 @@ import time
 from collections.abc import Mapping
 from typing import Optional
 
-from core.errors import type_and_first_line
-from core.node_loss import start_placed
-from core.placement import on_bundle, wait_placed
-from core.ray_calls import drain
-from core.transfer import Pull, lost_with_a_node
+from core.infra.errors import type_and_first_line
+from core.infra.node_loss import start_placed
+from core.infra.placement import on_bundle, wait_placed
+from core.infra.ray_calls import drain
+from core.infra.transfer import Pull, lost_with_a_node
 from learner.config import LearnerConfig, RankConfig
 from learner.objective import Objective
 from learner.rendezvous import RendezvousError, StoreAddress
@@ -134,7 +134,7 @@ class LearnerGroup:
     def train(self, shards: list, **options) -> dict:
         """The objective's train() on every rank (for PPO one update, with ``ptx_rows`` and
         ``kl_coef``). ``shards``: one entry per rank (core.rollout.shard_rollouts makes PPO's),
-        each a list or a Ray ObjectRef to one; a ref is pulled by its rank (core.transfer), so
+        each a list or a Ray ObjectRef to one; a ref is pulled by its rank (core.infra.transfer), so
         the rollouts never pass through this process, and the ranks' ``transfer/to_learner_*``
         (bytes and seconds across nodes) are summed. ``options``: the objective's, each rank's
         share cut by its ``rank_options`` (PPO: rank r gets the r-th of W equal consecutive
@@ -167,7 +167,7 @@ class LearnerGroup:
         return list(zip(self.workers, shards))
 
     def push_weights(self, generators: Mapping, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
-        """Send the policy to ``generators`` (replica id -> actor handle of a ``core.weights.WeightReceiver``);
+        """Send the policy to ``generators`` (replica id -> actor handle of a ``core.infra.weights.WeightReceiver``);
         rank 0's report."""
         if not isinstance(generators, Mapping):
             raise TypeError(f"learner.push_weights: generators must map replica id -> actor handle, "
@@ -205,7 +205,7 @@ class LearnerGroup:
         A rank's bundle on a node that died is re-placed by Ray on a node with room; after
         ``placement_timeout_s`` without one, LearnerPlacementError. Ranks that die with their
         node while starting (Ray had not yet declared it dead) are started again once Ray has
-        re-placed that node's bundles (core/node_loss.py)."""
+        re-placed that node's bundles (core/infra/node_loss.py)."""
         self.shutdown()
         start_placed(lambda avoid: self._start_off(avoid, placement_timeout_s), errors=(LearnerRankDied,),
                      timeout_s=placement_timeout_s, what="learner")

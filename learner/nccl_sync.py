@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from core.errors import type_and_first_line
+from core.infra.errors import type_and_first_line
 from learner.rendezvous import candidate_port, is_address_in_use, node_ip
 from learner.vllm_sync import VLLMWeightSync, release
 

@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from core.architectures import load_pretrained
-from core.dtypes import torch_dtype
+from core.infra.architectures import load_pretrained
+from core.infra.dtypes import torch_dtype
 from core.logprobs import entropy_from_logits, logprobs_from_logits
 from learner.batch import Batch, response_slice
 

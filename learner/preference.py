@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.architectures import load_pretrained
-from core.dtypes import torch_dtype
+from core.infra.architectures import load_pretrained
+from core.infra.dtypes import torch_dtype
 from core.layout import pool_last_token
 from core.preference import bradley_terry_loss
 from learner.policy import HFWrapper, copy_tokenizer, disable_dropout

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from core.errors import type_and_first_line
+from core.infra.errors import type_and_first_line
 
 
 class RendezvousError(RuntimeError):

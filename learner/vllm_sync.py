@@ -10,7 +10,7 @@ and "ipc" (learner/ipc_sync.py: CUDA IPC handles to generators on learner rank 0
   ``start_weight_update``, ``update_weights`` (once, or once per packed chunk) and
   ``finish_weight_update`` through ``client``.
 * ``client`` is ``GeneratorClient``: vLLM's ``VLLMWeightSyncClient`` protocol over tether's
-  generator actors (``core.weights.WeightReceiver``), which forward to their ``LLM``
+  generator actors (``core.infra.weights.WeightReceiver``), which forward to their ``LLM``
   (actors/weight_receiver.py); ``source`` is a ``WeightSource`` refilled before each round.
 
 A round that failed after reaching the generators leaves the transfer state unusable (vLLM:
@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from core.errors import type_and_first_line
-from core.weights import WeightReceiver, remote_method
+from core.infra.errors import type_and_first_line
+from core.infra.weights import WeightReceiver, remote_method
 from learner.weight_sync import DEFAULT_BUCKET_BYTES, policy_weights
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def round_source(device=None):
 class VLLMWeightSync:
     """Same interface as ``CPUWeightSync``; holds vLLM's transfer state across pushes.
 
-    generators: replica id -> Ray actor handle of a ``core.weights.WeightReceiver`` started with
+    generators: replica id -> Ray actor handle of a ``core.infra.weights.WeightReceiver`` started with
     the same ``weight_sync`` (a list is named by position). Runs in learner rank 0, which must
     own a CUDA device. A subclass names its ``transport`` and fills in the ``_`` hooks below.
     """

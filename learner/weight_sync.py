@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from core.weights import WeightReceiver, remote_method
+from core.infra.weights import WeightReceiver, remote_method
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 TIED_HEAD = "lm_head.weight"
@@ -57,7 +57,7 @@ def to_buckets(named: Iterable[tuple[str, torch.Tensor]],
 class CPUWeightSync:
     """Push one serialised copy of the policy to every generator.
 
-    generators: Ray actor handles of generators (``core.weights.WeightReceiver``: ``load_weights``).
+    generators: Ray actor handles of generators (``core.infra.weights.WeightReceiver``: ``load_weights``).
     """
 
     def __init__(self, generators: list, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:

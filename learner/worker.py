@@ -20,8 +20,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from core.threads import fit_threads
-from core.transfer import pull_args
+from core.infra.threads import fit_threads
+from core.infra.transfer import pull_args
 from learner import rendezvous
 from learner.checkpoint import Checkpointer
 from learner.collectives import Collectives
@@ -102,7 +102,7 @@ class LearnerWorker:
     def train(self, batch, **options) -> dict:
         """The objective's optimizer steps on this rank's share of the batch (for PPO: one update
         of ``ppo_epochs`` passes, with ``ptx_rows`` and ``kl_coef``); every rank must call it. A
-        batch in a core.transfer.Pull is pulled here: what that moved between nodes comes back
+        batch in a core.infra.transfer.Pull is pulled here: what that moved between nodes comes back
         as ``transfer/to_learner_*`` (0 for a plain list)."""
         (batch,), moved = pull_args(batch)
         metrics = self.objective.train(batch, step=self.step, **options)

@@ -27,7 +27,7 @@ PRELOAD = ("torch", "numpy", "yaml", "ray", "tokenizers", "transformers", "trans
            "transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto",
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.gpt2.modeling_gpt2",
            "cluster.train", "cluster.sft", "cluster.reward_model", "cluster.config.ppo", "cluster.config.stages",
-           "cluster.data.prompts", "cluster.runtime.driver", "cluster.runtime.resume", "actors.reward",
+           "cluster.data.prompts", "cluster.runtime.loop.driver", "cluster.runtime.state.resume", "actors.reward",
            "actors.reference")
 
 

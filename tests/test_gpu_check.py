@@ -55,7 +55,8 @@ def test_a_gpu_run_whose_every_test_skipped_is_not_a_pass():
     result = run_pytest("-m", "gpu", "tests/learner/test_gpu_update.py")
     assert result.returncode == 6, result.stdout[-2000:]
     assert "--require-passed: no test passed (every selected test was skipped), exit 6" in result.stdout
-    passed = run_pytest("tests/cluster/test_reward_check.py::test_a_share_at_or_below_the_threshold_passes")
+    passed = run_pytest(
+        "tests/cluster/runtime/loop/test_reward_check.py::test_a_share_at_or_below_the_threshold_passes")
     assert passed.returncode == 0, passed.stdout[-2000:]
 
 

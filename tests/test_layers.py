@@ -1,13 +1,17 @@
 """The import graph of the project: layers point downward, no module cycle exists, and no
 module imports another's private (_underscore) names.
 
-    core              the shared vocabulary (rollout data units, PPO math); imports nothing of ours
+    core.infra        the plumbing every layer shares (errors, files, transfer accounting, HF loading rules)
+    core              the shared vocabulary (rollout data units, PPO math, the estimator table)
     actors, learner   the rollout side, the training side (neither imports the other)
     cluster.config    the typed configs          cluster.demo   the built-in demo (tiny models, task)
     cluster.rewards   built-in rewards named by spec (cluster.rewards:math)
     cluster.data      prompts, PTX text, stage rows
     cluster.job       the job lifecycle every entrypoint shares
-    cluster.runtime   the PPO service: pools, driver, rollouts, ledger, checkpoints, metrics
+    cluster.runtime   the PPO service, in rooms bottom to top: state (checkpoints, resume, lineage),
+                      prepare (checks on user input), pools (actors and their placement), observe
+                      (metrics, the step's row, console), loop (the driver, producers, recovery);
+                      service.py on top
     cluster.recipes   SFT, reward model, pipeline, sweep
     cluster.*         the entrypoints (cluster.train, cluster.sft, ...): imported by cluster.cli alone
     bench             benchmarks
@@ -23,10 +27,15 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER = {"core": 0, "actors": 1, "learner": 1, "cluster.config": 2, "cluster.demo": 2, "cluster.rewards": 2,
+LAYER = {"core.infra": 0, "core": 0.5, "actors": 1, "learner": 1,
+         "cluster.config": 2, "cluster.demo": 2, "cluster.rewards": 2,
          "cluster.data": 3,
          "cluster.nodes": 3,
-         "cluster.job": 4, "cluster.runtime": 5, "cluster.recipes": 6, "cluster": 7, "bench": 8}
+         "cluster.job": 4,
+         # cluster.runtime's rooms, bottom to top; cluster.runtime itself is the service on top of them
+         "cluster.runtime.state": 5.0, "cluster.runtime.prepare": 5.1, "cluster.runtime.pools": 5.2,
+         "cluster.runtime.observe": 5.3, "cluster.runtime.loop": 5.4, "cluster.runtime": 5.5,
+         "cluster.recipes": 6, "cluster": 7, "bench": 8}
 PACKAGES = ("core", "actors", "learner", "cluster", "bench")
 
 
@@ -137,7 +146,7 @@ def test_checker_sees_a_planted_cycle_and_upward_import():
 
 def test_no_upward_or_sideways_import():
     graph = import_graph()
-    assert "core.ppo" in graph and "cluster.runtime.driver" in graph  # the walk found the project
+    assert "core.ppo" in graph and "cluster.runtime.loop.driver" in graph  # the walk found the project
     assert upward_imports(graph) == []
 
 

@@ -3,7 +3,7 @@
     python -m cluster.config.docs      # (re)writes docs/config.md
 
 Every key of the PPO job's, the SFT and reward-model stages' and the pipeline's configs with its
-type, default and help; tests/cluster/test_config_docs.py fails when the file is stale.
+type, default and help; tests/cluster/config/test_config_docs.py fails when the file is stale.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from cluster.config.loader import default_of, type_name, walk
 from cluster.config.pipeline import PipelineConfig
 from cluster.config.ppo import TetherConfig
 from cluster.config.stages import RMConfig, SFTConfig
-from core.schema import help_of, literal_choices
+from core.infra.schema import help_of, literal_choices
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 COMMAND = ".venv/bin/python -m cluster.config.docs"

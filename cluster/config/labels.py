@@ -1,5 +1,5 @@
 """Node labels as the configs write them: ``key=value[,key=value]``, the form of ``ray start --labels``
-(a pool's ``node_labels``; cluster/runtime/placement.py places by them).
+(a pool's ``node_labels``; cluster/runtime/pools/placement.py places by them).
 
 Keys and values follow Ray's label syntax (Kubernetes'): a name of up to 63 characters, starting
 and ending with a letter or digit, with ``-``, ``_`` and ``.`` between; a key may carry a DNS

@@ -1,5 +1,5 @@
 """The generic config loader: a YAML file plus dotted command-line overrides, built into a tree of
-frozen config classes (core/schema.py) with each value checked against its annotated type
+frozen config classes (core/infra/schema.py) with each value checked against its annotated type
 (a Literal-typed key against its choices), and the schema walk that --help-config and
 docs/config.md are made from. Every mistake is a ConfigError of one line naming the key and
 the fix; an unknown key gets a "did you mean" hint. Nothing here knows a particular config.
@@ -16,8 +16,8 @@ from typing import Iterator
 
 import yaml
 
-from core.errors import InputError
-from core.schema import choice_error, help_of, literal_choices
+from core.infra.errors import InputError
+from core.infra.schema import choice_error, help_of, literal_choices
 
 
 class ConfigError(InputError):

@@ -12,7 +12,7 @@ from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.ppo import RewardPoolConfig, TetherConfig, check_run_name, validate
 from cluster.config.stages import RMConfig, SFTConfig
 from core.choices import PairLabels
-from core.schema import config_class, setting
+from core.infra.schema import config_class, setting
 
 
 @config_class

@@ -25,8 +25,8 @@ from cluster.config.reward_judge import JudgeConfig
 from cluster.config.reward_sandbox import SandboxConfig, check_sandbox
 from cluster.config.step import check_step
 from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
-from core.dtypes import resolve_precision
-from core.schema import config_class, setting
+from core.infra.dtypes import resolve_precision
+from core.infra.schema import config_class, setting
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the shipped configs
@@ -198,7 +198,7 @@ class RunConfig:
     library_logs: bool = setting(False, "show vLLM / Hugging Face / DeepSpeed console logs "
                                         "(off: tether's own lines only)")
     alarm_window: int = setting(10, "steps the over-optimisation alarms look back over "
-                                    "(cluster/runtime/alarms.py); 0 = off")
+                                    "(cluster/runtime/observe/alarms.py); 0 = off")
     seed: int = setting(0, "seeds the learner (minibatch shuffling, value-head init) and the PTX rows")
 
 
@@ -209,7 +209,11 @@ class ResourcesConfig:
     num_cpus: Optional[int] = setting(None, "CPUs of a local cluster started by the entrypoint")
     placement_timeout_s: float = setting(60.0, "how long a pool waits for resources before failing")
     cpu_threads: CPUThreads = setting("phase", "phase: in sync mode the running phase's actors share the node's "
-                                               "cores | reserved: num_cpus each (cluster/runtime/threads.py)")
+                                               "cores | reserved: num_cpus each (cluster/runtime/pools/threads.py)")
+
+
+# The pools a running job can resize (the learner's world size is fixed for a run).
+SCALABLE_POOLS = ("generator", "reference", "reward")
 
 
 @config_class
@@ -247,7 +251,7 @@ class TetherConfig(RootConfig):
     def precision(self) -> dict[str, tuple[str, str]]:
         """role -> (dtype, why): the role's own setting (generator.engine.dtype, learner.dtype)
         else model.dtype, ``auto`` resolved for the role's device (a GPU when its pool reserves
-        one, else a CPU like the driver's; core/dtypes.py)."""
+        one, else a CPU like the driver's; core/infra/dtypes.py)."""
         own = {"generator": self.generator.engine.dtype, "learner": self.learner.dtype}
         out = {}
         for role in ("generator", "reference", "reward", "learner"):

@@ -5,7 +5,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from cluster.config.loader import ConfigError
-from core.schema import config_class, setting
+from core.infra.schema import config_class, setting
 
 
 @config_class

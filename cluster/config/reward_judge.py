@@ -5,7 +5,7 @@ from typing import Optional
 
 from actors.config import EngineConfig
 from actors.judge import template_fields
-from core.schema import config_class, setting
+from core.infra.schema import config_class, setting
 
 # The built-in tiny judge's prompt (cluster/demo/judge.py trains on this very text).
 DEFAULT_TEMPLATE = "Prompt: {prompt}\nResponse: {response}\nScore:"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from cluster.config.loader import ConfigError
-from core.schema import config_class, setting
+from core.infra.schema import config_class, setting
 
 
 @config_class

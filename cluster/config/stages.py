@@ -13,7 +13,7 @@ from cluster.config import loader
 from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.ppo import BUILTIN_POLICY, LearnerPoolConfig, ResourcesConfig, check_run_name
-from core.schema import config_class, setting
+from core.infra.schema import config_class, setting
 from learner.config import SupervisedConfig, TrainerConfig
 
 

@@ -24,7 +24,7 @@ def check_step(cfg) -> None:
         raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} is below the "
                           f"{rollouts} rollouts of one step; raise it")
     # Async: the learner waits for a step's rollouts while the producer waits for room to store
-    # a whole chunk; with one generator a chunk is half a step's prompts (cluster/runtime/rollouts.py).
+    # a whole chunk; with one generator a chunk is half a step's prompts (cluster/runtime/loop/dispatch.py).
     chunk = -(-cfg.data.prompts_per_step // 2) * cfg.generator.sampling.n
     if cfg.run.mode == "async" and cfg.buffer.capacity < rollouts + chunk - 1:
         raise ConfigError(f"config: buffer.capacity={cfg.buffer.capacity} can stall async mode: the learner "

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.demo.sentiment import corpus
-from core.files import publish_dir
+from core.infra.files import publish_dir
 
 FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
 EOS_TOKEN = "<|endoftext|>"

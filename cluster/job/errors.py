@@ -1,5 +1,5 @@
 """How a tether job ends: the stop, the exit codes and the one line on stderr. ``exit_status``
-is the one place that decides which error ends in which code: a UserError (core/errors.py, the
+is the one place that decides which error ends in which code: a UserError (core/infra/errors.py, the
 root of every user mistake) 2, a stop its signal's, anything else 1."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from core.errors import UserError, one_line
+from core.infra.errors import UserError, one_line
 
 EXIT_DONE = 0
 EXIT_FAILED = 1        # the run failed; the traceback is in the run folder's error.log

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from cluster.job.errors import ERROR_LOG, Stopped, UserError
-from core.errors import one_line
-from core.files import write_atomic
+from core.infra.errors import one_line
+from core.infra.files import write_atomic
 
 
 def make_run_dir(cfg) -> Path:

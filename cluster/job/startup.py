@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 import cluster
-from core.errors import InputError
+from core.infra.errors import InputError
 
 GIB = 1 << 30
 POOLS = ("generator", "reference", "reward", "learner")
@@ -78,7 +78,7 @@ def starts_local_ray(cfg) -> bool:
 def connect_ray(cfg) -> Optional[Path]:
     """Join the job's Ray, or start a local one sized to the pools; the folder of that Ray's
     logs (None if this process was connected already). The actors' console output is kept
-    there, not forwarded to ours, unless run.library_logs is true (cluster/runtime/console.py)."""
+    there, not forwarded to ours, unless run.library_logs is true (cluster/runtime/observe/console.py)."""
     import ray
 
     if ray.is_initialized():

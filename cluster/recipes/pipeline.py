@@ -47,7 +47,7 @@ def sample_pairs(cfg: PipelineConfig, sft_model: str, out: Path) -> dict:
     from actors.reward import load_function
     from cluster.data.prompts import PromptDataset
     from cluster.demo.sentiment import label_pairs
-    from cluster.runtime.pools import actor_env
+    from cluster.runtime.pools.pool import actor_env
 
     p, rl = cfg.pairs, cfg.rl
     gold = load_function(p.gold)

@@ -20,7 +20,7 @@ from actors.reward import REWARD_STATS_FILE
 from cluster.config.stages import RMConfig
 from cluster.data.rows import epoch_shards, rank_shards
 from cluster.recipes.stage import log_epoch, prepare_rows, run_stage, save_final
-from cluster.runtime.lineage import STAGE_FILE, read_stage
+from cluster.runtime.state.lineage import STAGE_FILE, read_stage
 from learner.preference import PreferenceObjective
 
 log = logging.getLogger("tether")

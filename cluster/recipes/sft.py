@@ -4,7 +4,7 @@ Fine-tunes a causal LM on (prompt, response) rows with the next-token loss on th
 response tokens only, on the learner group (DeepSpeed ZeRO, 1..N ranks as Ray actors),
 reports the held-out loss after every epoch, and writes ``checkpoints/final``: an HF
 checkpoint with its tokenizer that cluster.train's ``model.policy`` takes as it is, and
-``tether_stage.json`` (cluster/runtime/lineage.py) saying it is an SFT output and of what.
+``tether_stage.json`` (cluster/runtime/state/lineage.py) saying it is an SFT output and of what.
 """
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ from cluster.job.command import job_main
 from cluster.job.errors import UserError
 from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.startup import connect_ray
+from cluster.runtime.pools.threads import node_cores, thread_env
 from cluster.runtime.prepare import resolve_model
-from cluster.runtime.threads import node_cores, thread_env
-from core.errors import user_input
+from core.infra.errors import user_input
 
 log = logging.getLogger("tether")
 
@@ -106,7 +106,7 @@ class StageMetrics:
         self._f = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict) -> None:
-        from cluster.runtime.metrics import json_line  # the PPO run's JSON rules (NaN, numpy scalars)
+        from cluster.runtime.observe.metrics import json_line  # the PPO run's JSON rules (NaN, numpy scalars)
         self._f.write(json_line({"step": int(step), "time": time.time(), **metrics}) + "\n")
         self._f.flush()
 
@@ -117,7 +117,7 @@ class StageMetrics:
 def run_stage(cfg, *, objective: type, prepare: Callable, train: Callable) -> dict:
     """``prepare(cfg)`` (refusing user input with UserErrors), a run folder, a learner group
     training ``objective`` (learner/objective.py), then ``train(group, prepared, metrics, run_dir) -> final``."""
-    from cluster.runtime.pools import quiet_libraries
+    from cluster.runtime.pools.pool import quiet_libraries
 
     if not cfg.run.library_logs:
         quiet_libraries()
@@ -144,7 +144,7 @@ def learner_group(cfg, objective: type, base: str, cleanup: ExitStack):
     from ray.util.placement_group import remove_placement_group
 
     from cluster.config.labels import parse_labels
-    from cluster.runtime.pools import PlacementError, actor_env, reserve
+    from cluster.runtime.pools.pool import PlacementError, actor_env, reserve
     from learner.group import LearnerGroup
 
     lp = cfg.learner
@@ -163,7 +163,7 @@ def learner_group(cfg, objective: type, base: str, cleanup: ExitStack):
 
 def save_final(group, run_dir: Path, tokenizer, *, stage: str, base: str, base_name: str) -> Path:
     """The final HF checkpoint: the model, the run's tokenizer, and tether_stage.json."""
-    from cluster.runtime.lineage import write_stage
+    from cluster.runtime.state.lineage import write_stage
     from learner.policy import VALUE_HEAD_FILE
 
     out = run_dir / "checkpoints" / "final"

@@ -12,8 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cluster.job.errors import UserError
-from core.architectures import check_policy_config, check_reward_config
-from core.errors import type_and_first_line, user_input
+from core.infra.architectures import check_policy_config, check_reward_config
+from core.infra.errors import type_and_first_line, user_input
 
 log = logging.getLogger("tether")
 
@@ -156,7 +156,7 @@ def prepare(cfg):
             with user_input():
                 load_reward_stats(cfg.reward.model)
     if cfg.reference.model:
-        from cluster.runtime.lineage import check_reference
+        from cluster.runtime.state.lineage import check_reference
         with user_input():
             check_reference(cfg.reference.model, tokenizer, tokenizer_path, policy)
     train_set, eval_set = prepare_prompts(cfg.data, tokenizer_path, required)

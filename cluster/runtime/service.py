@@ -12,22 +12,22 @@ from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.signals import StopSignals
 from cluster.job.startup import StartupClock, check_fits, connect_ray
 from cluster.runtime.prepare import prepare, prepare_ptx
-from core.architectures import unsupported_model
+from core.infra.architectures import unsupported_model
 
 log = logging.getLogger("tether")
 
 
 def run(cfg, *, overrides: Sequence[str] = ()) -> dict:
     """The job; ``overrides``: the command line's (they win over a resumed run's pool sizes)."""
-    from cluster.runtime.console import quiet_console
+    from cluster.runtime.observe.console import quiet_console
 
     with quiet_console(cfg.run.library_logs) as library_log:
         return _run(cfg, overrides, library_log)
 
 
 def _run(cfg, overrides: Sequence[str], library_log) -> dict:
-    from cluster.runtime.launch import create_pools
-    from cluster.runtime.pools import PlacementError
+    from cluster.runtime.pools.launch import create_pools
+    from cluster.runtime.pools.pool import PlacementError
 
     startup = StartupClock()
     cfg, inputs, reused_dir, resume_from = _prepare(cfg, overrides)
@@ -60,7 +60,7 @@ def _run(cfg, overrides: Sequence[str], library_log) -> dict:
 def _prepare(cfg, overrides: Sequence[str]) -> tuple:
     """(cfg, the prepared inputs, the run folder to reuse, the checkpoint to resume from);
     each check refuses the user's input with a UserError; any other error is a bug of ours."""
-    from cluster.runtime.resume import resume_source, resumed_config
+    from cluster.runtime.state.resume import resume_source, resumed_config
 
     reused_dir, resume_from = resume_source(cfg)  # before loading anything it may refuse
     if resume_from is not None:  # the pools as they were scaled, unless the command line says
@@ -81,7 +81,7 @@ def _run_folder(cfg, reused_dir) -> Path:
 
 def _interrupted(run_dir: Path) -> dict:
     """status.json after a second signal: the last periodic checkpoint stands."""
-    from cluster.runtime import checkpoint
+    from cluster.runtime.state import checkpoint
 
     latest = checkpoint.latest(run_dir)
     return {"resumable": latest is not None, "checkpoint": str(latest)}
@@ -89,10 +89,10 @@ def _interrupted(run_dir: Path) -> dict:
 
 def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, reused_dir, resume_from) -> dict:
     """The driver's loop from the control actor to the final checkpoint, status.json at each turn."""
-    from cluster.runtime.driver import Driver
-    from cluster.runtime.launch import actor_dtypes
-    from cluster.runtime.metrics import RunMetrics
-    from cluster.runtime.placement import actor_nodes, actors_line
+    from cluster.runtime.loop.driver import Driver
+    from cluster.runtime.observe.metrics import RunMetrics
+    from cluster.runtime.pools.launch import actor_dtypes
+    from cluster.runtime.pools.placement import actor_nodes, actors_line
 
     actors, nodes = pools.actor_names(), actor_nodes(pools)
     log.info("actors: %s", actors_line(nodes))
@@ -138,7 +138,7 @@ def start_control(run_dir: Path, pools):
 
     import ray
 
-    from cluster.runtime.control import NAMESPACE, RunControl, actor_name
+    from cluster.runtime.pools.control import NAMESPACE, RunControl, actor_name
 
     # The folder's hash keeps two runs of the same name in different run.dirs apart.
     name = actor_name(f"{run_dir.name}-{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}")

@@ -241,7 +241,7 @@ def test_two_generators_as_ray_actors(policy_path, tokenizer):
 
 @pytest.mark.slow  # CI budget: every e2e run hosts a CPU generator actor this way
 def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer):
-    """As cluster/runtime/pools.py starts it on CPU: vLLM's engine core and worker run inside the
+    """As cluster/runtime/pools/pool.py starts it on CPU: vLLM's engine core and worker run inside the
     actor's process (no helper processes to start, or to outlive a kill of the actor), and
     a weight push still reaches the model through collective_rpc."""
     import psutil
@@ -249,7 +249,7 @@ def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer)
 
     from actors.generator import engine_process_env
     from cluster.config.ppo import load_config
-    from cluster.runtime.pools import pool_env
+    from cluster.runtime.pools.pool import pool_env
 
     assert engine_process_env(num_gpus=1, tensor_parallel=1) == {}  # GPU engines keep vLLM's layout
     assert engine_process_env(num_gpus=0, tensor_parallel=2) == {}

@@ -15,7 +15,7 @@ from hf_reference import encode, hf_logprobs
 
 from actors.engine_turns import EngineTurns
 from actors.generator import Generator
-from core.weights import WEIGHT_UPDATE_GROUP
+from core.infra.weights import WEIGHT_UPDATE_GROUP
 from learner.weight_sync import policy_weights, to_buckets
 
 pytestmark = pytest.mark.integration
@@ -113,7 +113,7 @@ def test_generator_actor_takes_a_push_mid_generate(policy_path, tokenizer, model
     import ray
 
     from cluster.config.ppo import load_config
-    from cluster.runtime.pools import pool_env
+    from cluster.runtime.pools.pool import pool_env
 
     class MidCallPushGenerator(Generator):  # local: Ray ships it by value to the worker
         def land_next_update_after(self, steps: int) -> None:

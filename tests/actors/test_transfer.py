@@ -1,4 +1,4 @@
-"""Object transfer between nodes, measured by the consumer that pulls its inputs (core/transfer.py),
+"""Object transfer between nodes, measured by the consumer that pulls its inputs (core/infra/transfer.py),
 on several raylets of this machine, each with its own object store (tests/nodes.py).
 
 An object made on node A and pulled on node B counts its bytes as cross-node, with the
@@ -14,7 +14,7 @@ import pytest
 import ray
 from ray.exceptions import ObjectLostError, RayTaskError
 
-from core.transfer import Pull, Transfer, pull_args
+from core.infra.transfer import Pull, Transfer, pull_args
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The learner -> generator weight contract (core/weights.py): the Generator actor and its weight
+"""The learner -> generator weight contract (core/infra/weights.py): the Generator actor and its weight
 receiver offer every method the learner's transports call, with the protocol's signature."""
 import inspect
 
@@ -6,7 +6,7 @@ import pytest
 
 from actors.generator import Generator
 from actors.weight_receiver import EngineWeights
-from core.weights import IN_UPDATE_GROUP, WEIGHT_UPDATE_GROUP, WeightReceiver, remote_method
+from core.infra.weights import IN_UPDATE_GROUP, WEIGHT_UPDATE_GROUP, WeightReceiver, remote_method
 
 pytestmark = pytest.mark.unit
 

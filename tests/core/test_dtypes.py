@@ -3,7 +3,7 @@ setting wins; the start-up line says what auto found."""
 import pytest
 
 from cluster.config.ppo import DEFAULT_CONFIG, load_config
-from core.dtypes import cpu_bf16_flags, resolve_precision
+from core.infra.dtypes import cpu_bf16_flags, resolve_precision
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +45,7 @@ def test_each_role_follows_model_dtype_unless_it_sets_its_own():
 
 
 def test_start_up_line_names_each_role_and_why():
-    from cluster.runtime.launch import describe_precision
+    from cluster.runtime.pools.launch import describe_precision
     line = describe_precision(load_config(DEFAULT_CONFIG, ["model.dtype=float32"]))
     assert line == "generator=float32 reference=float32 learner=float32"  # a function reward has no weights
     line = describe_precision(load_config(DEFAULT_CONFIG, ["model.dtype=auto", "generator.num_gpus=1",

@@ -5,8 +5,8 @@ import stat
 
 import pytest
 
-from core.errors import one_line, type_and_first_line
-from core.files import publish_dir, write_atomic
+from core.infra.errors import one_line, type_and_first_line
+from core.infra.files import publish_dir, write_atomic
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
 """A start that dies with its node is tried again off that node; any other failure is not."""
 import pytest
 
-from core.node_loss import NODE_ID_LABEL, off_nodes, start_placed
+from core.infra.node_loss import NODE_ID_LABEL, off_nodes, start_placed
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from core.transfer import Pull, Transfer, pull_args
+from core.infra.transfer import Pull, Transfer, pull_args
 
 pytestmark = pytest.mark.unit
 
@@ -39,7 +39,7 @@ def test_values_passed_directly_are_not_pulled():
 def test_lost_with_a_node_sees_a_lost_object_however_ray_wraps_it():
     from ray.exceptions import ObjectReconstructionFailedError, RayTaskError
 
-    from core.transfer import lost_with_a_node
+    from core.infra.transfer import lost_with_a_node
 
     lost = ObjectReconstructionFailedError(b"\x00" * 28)
     wrapped = RayTaskError("put_chunk", "traceback", lost)  # an actor task whose argument was lost

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from cluster.config.ppo import DEFAULT_CONFIG
-from cluster.runtime.ledger import ChunkState
+from cluster.runtime.loop.ledger import ChunkState
 from cluster.runtime.prepare import prepare
 
 pytestmark = pytest.mark.e2e
@@ -66,9 +66,9 @@ class Chaos(threading.Thread):
 @pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
 def test_kill_every_rollout_role_once(cluster_with_test_rewards, tmp_path, mode):
     from cluster.config.ppo import load_config
-    from cluster.runtime.driver import Driver
-    from cluster.runtime.launch import create_pools
-    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.loop.driver import Driver
+    from cluster.runtime.observe.metrics import RunMetrics
+    from cluster.runtime.pools.launch import create_pools
 
     cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32",  # the 1e-3 log-prob gap check below
         "run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "run.steps=12", f"run.mode={mode}",

@@ -16,7 +16,7 @@ import ray
 from accounting import Accounting
 
 from cluster.config.ppo import DEFAULT_CONFIG
-from cluster.runtime.ledger import ChunkState
+from cluster.runtime.loop.ledger import ChunkState
 from cluster.runtime.prepare import prepare
 
 # The chaos test (test_chaos.py) kills each role in the default suite; these pin each case alone.
@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 @pytest.fixture
 def driver(cluster_with_test_rewards, tmp_path):
     from cluster.config.ppo import load_config
-    from cluster.runtime.driver import Driver
-    from cluster.runtime.launch import create_pools
-    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.loop.driver import Driver
+    from cluster.runtime.observe.metrics import RunMetrics
+    from cluster.runtime.pools.launch import create_pools
 
     cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32", "run.eval_every=0", "run.samples_every=0",
                                              "generator.replicas=2",

@@ -33,10 +33,10 @@ def test_a_judge_replica_killed_while_scoring_is_replaced(cluster_with_test_rewa
     from test_faults import Killer, assert_every_prompt_accounted, steps_until
 
     from cluster.config.ppo import load_config
-    from cluster.runtime.driver import Driver
-    from cluster.runtime.launch import create_pools
-    from cluster.runtime.ledger import ChunkState
-    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.loop.driver import Driver
+    from cluster.runtime.loop.ledger import ChunkState
+    from cluster.runtime.observe.metrics import RunMetrics
+    from cluster.runtime.pools.launch import create_pools
     from cluster.runtime.prepare import prepare
 
     cfg = load_config(DEFAULT_CONFIG, [*JUDGE, "run.eval_every=0", "run.samples_every=0", "reward.replicas=2"])

@@ -17,7 +17,7 @@ from accounting import Accounting
 from jobs import finish, rows, start, status, wait_for_step
 
 from cluster.config.ppo import DEFAULT_CONFIG
-from cluster.runtime.ledger import ChunkState
+from cluster.runtime.loop.ledger import ChunkState
 from cluster.runtime.prepare import prepare
 
 pytestmark = pytest.mark.e2e
@@ -37,9 +37,9 @@ class Cluster:
 
     def __init__(self, ray_nodes, tmp_path, *overrides, spare_for=tuple(NODES), nodes=NODES, pools=POOL_NODE):
         from cluster.config.ppo import load_config
-        from cluster.runtime.driver import Driver
-        from cluster.runtime.launch import create_pools
-        from cluster.runtime.metrics import RunMetrics
+        from cluster.runtime.loop.driver import Driver
+        from cluster.runtime.observe.metrics import RunMetrics
+        from cluster.runtime.pools.launch import create_pools
 
         self.nodes = ray_nodes
         self.ids = {name: ray_nodes.add(num_cpus=cpus, labels=label(name)) for name, cpus in nodes.items()}
@@ -79,7 +79,7 @@ class Cluster:
         return declared[0]
 
     def where(self, actor) -> str:
-        from cluster.runtime.placement import ask_nodes
+        from cluster.runtime.pools.placement import ask_nodes
         return ask_nodes({"actor": actor})["actor"]
 
     def close(self):
@@ -188,8 +188,8 @@ def assert_noticed_with_ray(c, detected: float) -> None:
 
 def scale_to(c, **sizes):
     """What ``tether scale`` does, through the run's real control actor, applied at a step boundary."""
-    from cluster.runtime import scaling
-    from cluster.runtime.control import RunControl
+    from cluster.runtime.loop import scaling
+    from cluster.runtime.pools.control import RunControl
 
     control = ray.remote(RunControl).options(num_cpus=0).remote(run_dir=str(c.metrics.run_dir),
                                                                 sizes=c.pools.sizes())

@@ -41,7 +41,7 @@ import pytest
 from browser import Chromium, find_chromium
 
 from cluster.nodes.ports import held_port, wait_listening
-from cluster.runtime.metrics import METRICS
+from cluster.runtime.observe.metrics import METRICS
 
 pytestmark = pytest.mark.e2e
 
@@ -524,7 +524,7 @@ def test_prometheus_exports_the_project_metrics(live):
     assert score and max(score) > 0, [k for k in live.series if "score_seconds" in k[0]]
     assert live.found("ray_tether_perf_sync_seconds")[0] >= 0
     unlisted = {n for n, _ in live.series} - {f"ray_{m}" for m in METRICS}
-    assert not unlisted, f"exported but not listed in cluster.runtime.metrics.METRICS: {unlisted}"
+    assert not unlisted, f"exported but not listed in cluster.runtime.observe.metrics.METRICS: {unlisted}"
 
 
 def test_dashboard_lists_the_named_actors_while_running(live):

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.e2e
 
 def make_driver(tmp_path, *overrides):
     from cluster.config.ppo import load_config
-    from cluster.runtime.driver import Driver
-    from cluster.runtime.launch import create_pools
-    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.loop.driver import Driver
+    from cluster.runtime.observe.metrics import RunMetrics
+    from cluster.runtime.pools.launch import create_pools
 
     cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32", "run.eval_every=0", "run.samples_every=0",
                                              "run.plot_every=0",
@@ -121,7 +121,7 @@ class Trail:
             return shards, batch
 
         def restore_and_note(path):
-            from cluster.runtime import checkpoint
+            from cluster.runtime.state import checkpoint
             self.restored.append(checkpoint.load_state(path))
             return restore(path)
 

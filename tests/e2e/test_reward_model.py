@@ -24,7 +24,7 @@ STATS = {"mean": 2.0, "std": 0.25}  # the tiny untrained model's raw scores lie 
 def taken(monkeypatch):
     """The summary of every batch the learner trained on, as the driver took it from the buffer
     (its sample rows carry the token ids and the score the buffer stored)."""
-    from cluster.runtime.driver import Driver
+    from cluster.runtime.loop.driver import Driver
 
     batches, take = [], Driver._take
 

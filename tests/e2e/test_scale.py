@@ -47,9 +47,9 @@ def test_scale_refuses_a_folder_that_is_not_a_running_job(tmp_path):
 def running_job(tmp_path):
     """The default job, driven in a thread of this process, with its control actor and status.json."""
     from cluster.config.ppo import load_config
-    from cluster.runtime.driver import Driver
-    from cluster.runtime.launch import create_pools
-    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.loop.driver import Driver
+    from cluster.runtime.observe.metrics import RunMetrics
+    from cluster.runtime.pools.launch import create_pools
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
     cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32", "run.eval_every=0", "run.samples_every=0",
@@ -102,7 +102,7 @@ def test_pools_scale_up_and_down_while_the_job_runs(running_job, tmp_path):
     assert all(m["ppo/logprob_gap_mean"] < 1e-3 for m in after)
     new = ray.get(driver.pools.generators.handles()["generator-1"].health.remote())
     assert new["generated_tokens"] > 0 and new["version"] == driver.version
-    # A checkpoint records the scaled sizes: a resume starts the pools there (tests/cluster/test_lifecycle.py).
+    # A checkpoint records the scaled sizes: a resume starts the pools there (tests/cluster/job/test_lifecycle.py).
     assert driver.run_state().pool_sizes == {"generator": 2, "reference": 1, "reward": 2}
 
     r = scale_cli(tmp_path, "generator=1")

@@ -125,9 +125,9 @@ def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_
     reference only, each rank trains on its own rows of that text, the PTX loss falls, and
     behaviour, reference and learner score one truncated distribution (KL 0 at step 1)."""
     from cluster.config.ppo import load_config
-    from cluster.runtime.driver import Driver
-    from cluster.runtime.launch import create_pools
-    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.loop.driver import Driver
+    from cluster.runtime.observe.metrics import RunMetrics
+    from cluster.runtime.pools.launch import create_pools
 
     text = tmp_path / "ptx.jsonl"
     text.write_text("".join(json.dumps({"text": t}) + "\n" for t in PTX_TEXTS * 30))
@@ -174,9 +174,9 @@ def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_
 def test_pools_change_while_running(cluster, tmp_path, driver_loads):
     """A generator joins mid-run with the current weights and serves; another leaves; nothing restarts."""
     from cluster.config.ppo import load_config
-    from cluster.runtime.driver import Driver
-    from cluster.runtime.launch import create_pools
-    from cluster.runtime.metrics import RunMetrics
+    from cluster.runtime.loop.driver import Driver
+    from cluster.runtime.observe.metrics import RunMetrics
+    from cluster.runtime.pools.launch import create_pools
 
     cfg = load_config(DEFAULT_CONFIG, ["run.eval_every=0", "run.samples_every=0",
                                        "model.dtype=float32"])  # the 1e-3 log-prob gap check below
@@ -241,7 +241,7 @@ def cli(*args, env=None):
                           capture_output=True, timeout=600, env={**os.environ, **(env or {})})
 
 
-# The user-mistake cases (exit 2, one line) live in tests/cluster/test_cli_errors.py.
+# The user-mistake cases (exit 2, one line) live in tests/cluster/job/test_cli_errors.py.
 
 
 def test_empty_dataset_and_missing_fields(tmp_path):
@@ -256,7 +256,7 @@ def test_empty_dataset_and_missing_fields(tmp_path):
 def test_unplaceable_pool_fails_fast_naming_the_pool(cluster, tmp_path, capsys):
     """On a Ray it joins (here this test's 8 CPUs) placement is Ray's: a pool that does not fit
     fails after resources.placement_timeout_s. A Ray of its own is sized to the machine before
-    it starts (the refusals in tests/cluster/test_cli_errors.py)."""
+    it starts (the refusals in tests/cluster/job/test_cli_errors.py)."""
     rc = train.main([f"run.dir={tmp_path}", "run.name=big", "generator.replicas=50",
                      "resources.placement_timeout_s=5"])
     assert rc == 2

@@ -33,7 +33,7 @@ def fake_generators(ray_cluster):
 
     import ray
 
-    from core.weights import WEIGHT_UPDATE_GROUP
+    from core.infra.weights import WEIGHT_UPDATE_GROUP
 
     # The update group as actors.generator.actor_class has it; the test's own waits in a group of their own.
     @ray.remote(num_cpus=0, concurrency_groups={WEIGHT_UPDATE_GROUP: 1, "test": 2})

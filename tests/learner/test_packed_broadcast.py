@@ -16,7 +16,7 @@ import itertools
 import pytest
 from vllm_rounds import GlooGenerator, GlooLearner, bit_equal
 
-from core.weights import WEIGHT_UPDATE_GROUP
+from core.infra.weights import WEIGHT_UPDATE_GROUP
 from learner.nccl_sync import packing_plan
 
 pytestmark = pytest.mark.integration

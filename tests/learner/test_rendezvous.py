@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 from helpers import sgd_config
 
-from core.errors import type_and_first_line
+from core.infra.errors import type_and_first_line
 from learner.group import RENDEZVOUS_ATTEMPTS, LearnerGroup
 from learner.rendezvous import RendezvousError, StoreAddress, candidate_port, is_address_in_use, open_store
 

@@ -4,7 +4,7 @@ Fake generators (conftest.py) take the round of vLLM's real NCCL trainer engine 
 recorded: vllm_rounds.RecordedNCCLSync). One is SIGKILLed by its pid while it is inside
 update_weights, or between two pushes: the push fails in one line naming it; the transport
 tears its group down only when the round had reached the generators; and once the caller
-hands it the replacement (as the driver does: cluster/runtime/recovery.py), the next push
+hands it the replacement (as the driver does: cluster/runtime/loop/recovery.py), the next push
 forms a group with the new set instead of failing for good.
 """
 import os

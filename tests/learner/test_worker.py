@@ -382,7 +382,7 @@ def test_two_ranks_update_matches_plain_torch(groups, rollouts, initial, referen
     check_against_reference(group.state_dict(), metrics, initial, references(group.config),
                             f"2 ranks ZeRO-{stage}")
     assert set(METRIC_KEYS) <= set(metrics) and "learner/dropped_rollouts" not in metrics
-    # Each rank pulls a shard handed by reference (core.transfer): one node, so nothing crossed.
+    # Each rank pulls a shard handed by reference (core.infra.transfer): one node, so nothing crossed.
     assert metrics["transfer/to_learner_bytes"] == 0 and metrics["transfer/to_learner_seconds"] == 0.0
     assert (metrics["transfer/to_learner_local_bytes"] > 0) is by_reference  # both ranks' shards, summed
     print(f"2 ranks ZeRO-{stage}: {metrics['perf/learner_seconds']:.3f} s/update, "
@@ -403,7 +403,7 @@ def test_two_rank_save_load_continue(groups, policy_path, tmp_path):
 def test_two_rank_zero3_push_sends_the_gathered_lm(groups):
     import ray
 
-    from core.weights import WEIGHT_UPDATE_GROUP
+    from core.infra.weights import WEIGHT_UPDATE_GROUP
 
     @ray.remote(num_cpus=0, concurrency_groups={WEIGHT_UPDATE_GROUP: 1})  # as actors.generator.actor_class
     class RecordingGenerator:  # defined here so Ray ships it by value (tests are not importable there)

@@ -1,0 +1,107 @@
+"""A job's start before its pools: the start-up clock, and whether a local Ray fits the machine."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.config.ppo import load_config
+
+REPO = Path(__file__).resolve().parents[3]
+GIB = 1 << 30
+# PPO configs meant for a CPU machine like this one (the GPU ones are for GPU nodes).
+CPU_CONFIGS = ("tiny-cpu.yaml", "bench-30m.yaml")
+
+
+@pytest.mark.integration
+def test_start_up_is_timed_from_the_python_entrypoint_not_the_shell_before_it():
+    """scripts/run.sh runs the set-up and then execs Python in the same process: the time
+    spent before the exec (here a 3 s sleep) is not the job's start-up."""
+    code = "from cluster.job.startup import StartupClock; print(StartupClock().seconds['imports'])"
+    result = subprocess.run(["sh", "-c", f'sleep 3; exec "{sys.executable}" -c "{code}"'], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip().splitlines()[-1]) < 3.0
+
+
+def this_machine():
+    from cluster.job.startup import Machine
+    return Machine(ram_bytes=24 * GIB, cores=2)  # the machine tether is developed on
+
+
+def problem(*overrides, machine=None):
+    from cluster.job.startup import fit_problem
+    return fit_problem(load_config(None, list(overrides)), machine or this_machine())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", CPU_CONFIGS)
+def test_shipped_cpu_configs_fit_the_development_machine(name):
+    from cluster.job.startup import Machine, fit_problem
+    cfg = load_config(REPO / "configs" / name)
+    assert fit_problem(cfg, Machine(ram_bytes=24 * GIB, cores=2)) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["generator.replicas=3", "reference.replicas=2", "reward.replicas=2", "learner.replicas=2"],
+    ["generator.replicas=2", "reward.replicas=2", "learner.replicas=2", "run.mode=async"],
+])
+def test_the_default_job_and_multi_replica_pools_fit(overrides):
+    assert problem(*overrides) is None
+
+
+@pytest.mark.unit
+def test_forty_generators_need_more_memory_than_the_machine_has():
+    message = problem("generator.replicas=40")
+    assert message.startswith("pool generator: 40 replicas x ~0.8")
+    assert "more than this machine's 24.0 GiB of RAM" in message
+    assert "lower generator.replicas (at most 24 fit here)" in message and "resources.address" in message
+
+
+@pytest.mark.unit
+def test_cpus_far_beyond_the_cores_are_refused_even_with_memory_to_spare():
+    from cluster.job.startup import Machine
+    roomy = Machine(ram_bytes=1024 * GIB, cores=2)
+    assert problem("generator.replicas=13", machine=roomy) is None  # 16 CPUs: 8 per core
+    message = problem("generator.replicas=14", machine=roomy)
+    assert message.startswith("pool generator: 14 replicas x 1 CPU bring the run to 17 CPUs, more than "
+                              "8x this machine's 2 cores"), message
+    assert "(at most 13 fit here)" in message
+
+
+@pytest.mark.unit
+def test_an_explicit_local_cluster_size_bounds_the_pools():
+    message = problem("learner.replicas=2", "resources.num_cpus=4")
+    assert message.startswith("pool learner: 2 replicas x 1 CPU bring the run to 5 CPUs, more than "
+                              "resources.num_cpus=4"), message
+
+
+@pytest.mark.unit
+def test_the_estimate_grows_with_the_model_and_shrinks_with_zero_sharding(tmp_path):
+    from cluster.job.startup import BASE_BYTES, replica_bytes
+    model = tmp_path / "policy"
+    model.mkdir()
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(GIB)  # a sparse 1 GiB weight file
+    cfg = load_config(None, ["learner.replicas=2", "learner.zero_stage=0"])
+    per = replica_bytes(cfg, str(model))
+    assert per["generator"] == BASE_BYTES["generator"] + GIB + cfg.generator.engine.kv_cache_bytes
+    assert per["reference"] == BASE_BYTES["reference"] + GIB
+    assert per["reward"] == BASE_BYTES["reward"]  # a reward function holds no model
+    assert per["learner"] == BASE_BYTES["learner"] + 4 * GIB  # weights, gradients, two Adam moments
+    sharded = replica_bytes(load_config(None, ["learner.replicas=2", "learner.zero_stage=3"]), str(model))
+    assert sharded["learner"] == BASE_BYTES["learner"] + 2 * GIB
+    on_gpu = replica_bytes(load_config(None, ["generator.num_gpus=1"]), str(model))
+    assert on_gpu["generator"] == BASE_BYTES["generator"]  # the weights and KV cache live on the device
+
+
+@pytest.mark.unit
+def test_only_a_ray_of_our_own_is_checked(monkeypatch):
+    from cluster.job.startup import starts_local_ray
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert starts_local_ray(load_config(None, []))
+    assert not starts_local_ray(load_config(None, ["resources.address=10.0.0.1:6379"]))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert not starts_local_ray(load_config(None, []))

@@ -1,0 +1,73 @@
+"""The step producers behind one interface: each run.mode has one, and what a take accepts and
+what a step reports differ between them only as sync (on-policy) and async (bounded staleness) say."""
+from pathlib import Path
+from typing import get_args
+
+import numpy as np
+import pytest
+
+from cluster.config.ppo import load_config
+from cluster.data.prompts import PromptDataset
+from cluster.runtime.loop.ledger import Ledger
+from cluster.runtime.loop.producers import PRODUCERS, AsyncProducer, SyncProducer
+from cluster.runtime.loop.prompt_stream import PromptStream
+from cluster.runtime.observe.produced import Produced
+from core.choices import RunMode
+
+pytestmark = pytest.mark.unit
+
+CONFIG = Path(__file__).resolve().parents[4] / "configs" / "tiny-cpu.yaml"
+
+
+class Dispatcher:
+    """A ChunkDispatcher without pools: each produce() stores its chunks' prompts, n samples each."""
+
+    def __init__(self, n: int) -> None:
+        self.ledger, self.n, self.lost = Ledger(), n, False
+
+    def open(self, indices, prompt_ids) -> list:
+        return [self.ledger.open([int(i) for i in indices], list(prompt_ids))]
+
+    def produce(self, chunks, shaping, stop=None) -> Produced:
+        for c in chunks:
+            self.ledger.stored(c.id, {i: self.n for i in c.prompt_indices})
+        prompts = sum(len(c.prompt_indices) for c in chunks)
+        return Produced(prompts=prompts, stored=prompts * self.n)
+
+    def recover_lost_buffer(self) -> bool:
+        lost, self.lost = self.lost, False
+        return lost
+
+
+def _producer(kind, *overrides):
+    cfg = load_config(CONFIG, list(overrides))
+    n = cfg.data.prompts_per_step
+    dataset = PromptDataset(texts=["p"] * 4 * n, prompt_ids=[np.array([1])] * 4 * n, ids=np.arange(4 * n))
+    rollouts = Dispatcher(cfg.generator.sampling.n)
+    prompts = PromptStream(dataset=dataset, prompts_per_step=n, rollouts=rollouts)
+    return kind(cfg, rollouts=rollouts, prompts=prompts, shaping=lambda: None), rollouts, prompts
+
+
+def test_every_run_mode_has_one_producer():
+    assert set(PRODUCERS) == set(get_args(RunMode))
+
+
+def test_sync_takes_only_the_current_version_and_all_it_made():
+    producer, rollouts, prompts = _producer(SyncProducer)
+    producer.fill(step=1)
+    assert prompts.batches_issued == 1 and producer.min_version(5) == 5
+    assert producer.available(full=64) == rollouts.ledger.held_rollouts() == 64
+    rollouts.lost = True  # a buffer died: its prompts are made again now, and the step reports them
+    producer.requeue_lost_buffer()
+    produced = producer.for_step()
+    assert produced.prompts == 16 and producer.admission_wait_seconds() == 0.0
+    assert producer.for_step().prompts == 0  # each step's accounting is reported once
+
+
+def test_async_takes_within_the_staleness_bound_and_a_full_step():
+    producer, _, prompts = _producer(AsyncProducer, "run.mode=async", "buffer.max_staleness=2")
+    producer.fill(step=1)  # nothing: its thread produces
+    assert prompts.batches_issued == 0
+    assert [producer.min_version(v) for v in (0, 1, 5)] == [0, 0, 3]
+    assert producer.available(full=64) == 64
+    producer.stop(at_end=True)  # never started: nothing to stop

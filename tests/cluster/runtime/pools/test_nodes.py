@@ -1,0 +1,104 @@
+"""Several raylets on one machine, and a whole node's loss by its node id: only that node's
+processes die, and Ray declares it dead within the tuned detection time."""
+import os
+import time
+
+import psutil
+import pytest
+import ray
+
+from cluster.nodes.health import NODE_FAILURE_DETECTION
+from cluster.nodes.kill import NodeNotFound, kill_node, node_processes
+
+pytestmark = pytest.mark.integration
+
+RAY_DEFAULT_PERIOD_S, RAY_DEFAULT_THRESHOLD = 3, 5  # Ray's own health_check_period_ms / failure_threshold
+
+
+@ray.remote(num_cpus=1)
+class Where:
+    def node(self):
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (this process started the raylet, and has not reaped it yet)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _on(label):
+    return Where.options(label_selector={"tether.test": label}).remote()
+
+
+def test_node_kill_takes_exactly_that_node(ray_nodes):
+    a, b = (ray_nodes.add(num_cpus=1, labels={"tether.test": x}) for x in "ab")
+    actor_a, actor_b = _on("a"), _on("b")
+    (node_a, pid_a), (node_b, pid_b) = ray.get([actor_a.node.remote(), actor_b.node.remote()])
+    assert (node_a, node_b) == (a, b)  # each its own raylet, placed by label
+    assert pid_a in [p.pid for p in node_processes(a)] and pid_b not in [p.pid for p in node_processes(a)]
+
+    killed = ray_nodes.kill(a)  # returns once every process of the node is dead
+    t0 = time.monotonic()
+    assert pid_a in killed and all(_dead(pid) for pid in killed)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor_a.node.remote(), timeout=60)
+    # Ray's tuned detection is a wall-clock matter (checks 1 s apart, 3 missed: ~4 s on any
+    # machine); its defaults (3 s apart, 5 missed) take 15 s or more. Timed from the node's
+    # death, not from before the kill, a machine 3x slower or faster still falls between.
+    default = RAY_DEFAULT_PERIOD_S * RAY_DEFAULT_THRESHOLD
+    assert NODE_FAILURE_DETECTION["health_check_period_ms"] * NODE_FAILURE_DETECTION[
+        "health_check_failure_threshold"] / 1000 * 3 < default
+    while next(n for n in ray.nodes() if n["NodeID"] == a)["Alive"]:
+        assert time.monotonic() - t0 < default, f"node {a} still counted alive {default:.0f}s after its loss"
+        time.sleep(0.05)
+    assert ray.get(actor_b.node.remote()) == (b, pid_b)  # the other node never noticed
+    with pytest.raises(NodeNotFound):
+        kill_node(a)
+
+
+def test_actor_threads_fit_the_cores_of_a_node_that_advertises_more(ray_nodes):
+    """A node may advertise more CPUs than its processes can use (several raylets on one
+    machine): the threads planned from its CPUs are cut to the cores there (vLLM's CPU
+    attention refuses more threads than it can bind)."""
+    from cluster.runtime.pools.threads import thread_env
+    from core.infra.threads import fit_threads
+
+    cores = len(os.sched_getaffinity(0))
+    ray_nodes.add(num_cpus=cores + 2, labels={"tether.test": "big"})
+
+    def threads():
+        import torch
+        return fit_threads(), int(os.environ["OMP_NUM_THREADS"]), torch.get_num_threads()
+
+    probe = ray.remote(num_cpus=1)(threads).options(label_selector={"tether.test": "big"},
+                                                    runtime_env={"env_vars": thread_env(cores + 2)})
+    assert ray.get(probe.remote()) == (cores, cores, cores)
+
+
+def test_a_learner_rank_lost_with_its_node_and_no_room_left_fails_placement_in_one_line(ray_nodes, policy_path):
+    """The learner's only node is lost and no other node carries its label: restart() gives up
+    after the placement timeout with LearnerPlacementError's one line (the fix named), instead
+    of starting ranks that wait for a node that will not come (until the start timeout)."""
+    from cluster.runtime.pools.pool import reserve
+    from learner.group import LearnerGroup, LearnerPlacementError, LearnerRankDied
+
+    node = ray_nodes.add(num_cpus=1, labels={"tether.test": "learn"})
+    ray_nodes.add(num_cpus=1, labels={"tether.test": "other"})  # room, but not the learner's
+    pg = reserve("learner", 1, 1, 0, 60, labels={"tether.test": "learn"})
+    group = LearnerGroup(model=policy_path, config={"zero_stage": 0}, world_size=1, placement_group=pg)
+    group.start_timeout_s = 120  # bounds only a start that waits for the node (the failure pinned here)
+    ray_nodes.kill(node)
+    with pytest.raises(LearnerRankDied):
+        group.health()
+    deadline = time.monotonic() + 120
+    while next(n for n in ray.nodes() if n["NodeID"] == node)["Alive"]:  # until Ray re-places its bundle
+        assert time.monotonic() < deadline, f"node {node} never declared dead"
+        time.sleep(0.05)
+    with pytest.raises(LearnerPlacementError) as failed:
+        group.restart(placement_timeout_s=3)
+    message = str(failed.value)
+    assert "\n" not in message and "within 3s" in message and "add a node with room" in message, message
+    group.shutdown()
