@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from cluster.runtime.pools.placement import actor_nodes, actors_line, ask_nodes, group_nodes
+from cluster.runtime.pools.placement import actor_nodes, actors_line, ask_nodes
 from cluster.runtime.pools.pool import BufferSlot, PlacementError, Pool, Pools, free_placement, reserve
-from core.infra.placement import on_bundle
+from core.infra.placement import group_nodes, on_bundle
 
 pytestmark = pytest.mark.integration
 GEN = {"tether.pool": "gen"}
