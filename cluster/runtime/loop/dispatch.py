@@ -192,6 +192,12 @@ class ChunkDispatcher:
         with self._backlog_lock:
             return bool(self._backlog)
 
+    @property
+    def backlog(self) -> list:
+        """The chunks waiting to be generated again, a snapshot."""
+        with self._backlog_lock:
+            return list(self._backlog)
+
     def requeue(self, chunks: list) -> None:
         """Chunks for the next produce() to generate (a restored run's unfinished prompts)."""
         with self._backlog_lock:

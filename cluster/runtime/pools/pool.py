@@ -248,6 +248,11 @@ class Pool:
         kill_replica(r)
 
     # ---- views
+    def replica_nodes(self) -> dict[int, str]:
+        """replica index -> the node its placement group is on, for the replicas placed, a snapshot."""
+        with self._lock:
+            return dict(self._nodes)
+
     def handles(self) -> dict:
         """replica id -> actor handle of the serving replicas (not the retiring ones), a snapshot."""
         with self._lock:
