@@ -30,6 +30,16 @@ class EngineTurns:
         self._stepping = 0          # stepping calls in progress
         self.steps = 0              # engine steps taken by stepping calls, ever
 
+    @property
+    def busy(self) -> bool:
+        """A sampler step or call, or an update, holds the engine now (a snapshot)."""
+        return self._busy
+
+    @property
+    def updates_waiting(self) -> int:
+        """Updates waiting for the engine now; they go before the next sampler step (a snapshot)."""
+        return self._updates_waiting
+
     # ---- samplers
     @contextlib.contextmanager
     def sampling(self):

@@ -17,20 +17,26 @@ import os
 import sys
 from pathlib import Path
 
-from cluster.job.errors import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, report, user_error
+from cluster.job.errors import EXIT_DONE, EXIT_FAILED, exit_status, report
 from cluster.nodes import local
-from core.infra.errors import one_line
+from core.infra.errors import UserError, one_line
 
 PROG = "tether cluster"
 
 
-class _Mistake(Exception):
+class _Mistake(UserError):
     """A bad command line, reported in one line."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
         raise _Mistake(f"{message} ({self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        try:
+            return super().parse_known_args(args, namespace)
+        except argparse.ArgumentError as e:  # raised as such where exit_on_error is off
+            raise _Mistake(str(e)) from None
 
 
 def parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -73,12 +79,17 @@ def main(argv=None, *, prog: str = PROG) -> int:
     try:
         args = parser(prog).parse_args(argv)
         return COMMANDS[args.command](args, Path.cwd() / local.STATE_FILE)
-    except (_Mistake, argparse.ArgumentError, local.LocalClusterError) as e:
-        return user_error(str(e))
-    except KeyboardInterrupt:
-        return report("interrupted", EXIT_INTERRUPTED)
-    except Exception as e:  # noqa: BLE001 - one line, not a traceback
-        return report(f"failed: {one_line(e)}", EXIT_FAILED)
+    except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, not a traceback
+        return _report(e)
+
+
+def _report(e: BaseException) -> int:
+    """``tether: <line>`` for ``e``, with the exit code that exit_status decides; a failure says
+    ``failed:`` as no run folder holds a traceback to point at."""
+    code, line = exit_status(e)
+    if code == EXIT_FAILED:
+        line = f"failed: {one_line(e)}"
+    return report(line, code)
 
 
 def _per_worker(values: list, n: int, what: str) -> list:

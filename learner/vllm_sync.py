@@ -190,6 +190,12 @@ class VLLMWeightSync:
         self._engine = self._client = self._source = None
         self.broken: Optional[str] = None  # why the last group was torn down mid-round
 
+    @property
+    def engine(self):
+        """vLLM's trainer-side transfer engine of the current group; None while no group is formed
+        (the next push forms one)."""
+        return self._engine
+
     def set_generators(self, generators) -> None:
         """The generators of the next push; a different set (a replacement, a resize) tears the
         current group down, and the next push forms one with these."""

@@ -36,6 +36,7 @@ import psutil
 from cluster.nodes.health import system_config_flag
 from cluster.nodes.kill import NodeNotFound, gcs_of, kill_node, node_processes
 from cluster.nodes.ports import held_port, wait_listening
+from core.infra.errors import UserError
 
 STATE_FILE = ".tether-cluster.json"
 NODE_LABEL = "tether.node"              # worker-1, worker-2, ... (the head: head)
@@ -47,8 +48,8 @@ EXCLUDES = [".venv", "runs", ".git"]
 _LABEL = re.compile(r"^[A-Za-z0-9]([\w./-]*[A-Za-z0-9])?=[\w./-]*$")
 
 
-class LocalClusterError(Exception):
-    """A mistake in the request or a cluster that cannot start: one line."""
+class LocalClusterError(UserError):
+    """A mistake in the request or a cluster that cannot start: one line, exit code 2."""
 
 
 @dataclass

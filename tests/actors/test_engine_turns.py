@@ -22,7 +22,7 @@ def test_an_update_waits_for_a_whole_call():
     with turns.sampling():
         update = threading.Thread(target=lambda: (turns.claim(), order.append("update"), turns.release()))
         update.start()
-        wait_until(lambda: turns._updates_waiting == 1)
+        wait_until(lambda: turns.updates_waiting == 1)
         order.append("call ends")
     update.join(10)
     assert order == ["call ends", "update"]
@@ -40,7 +40,7 @@ def test_a_waiting_update_goes_before_the_next_step():
         with turns.step():  # a step in progress
             update = threading.Thread(target=lambda: (turns.claim(), order.append("update"), turns.release()))
             update.start()
-            wait_until(lambda: turns._updates_waiting == 1)
+            wait_until(lambda: turns.updates_waiting == 1)
             stepper = threading.Thread(target=next_step)
             stepper.start()
         update.join(10)

@@ -98,7 +98,7 @@ def test_without_partial_rollouts_a_push_waits_for_the_whole_call(generator_plai
     with gen._turns._cond:  # the call holds the engine's turn for its whole length
         call = threading.Thread(target=lambda: out.update(result=gen.generate(encode(tokenizer, PROMPTS))))
         call.start()
-        assert gen._turns._cond.wait_for(lambda: gen._turns._busy, timeout=60)
+        assert gen._turns._cond.wait_for(lambda: gen._turns.busy, timeout=60)
     gen.load_weights(1, buckets_of(new))
     assert not call.is_alive()  # the push returned only after the call
     rollouts = out["result"].rollouts

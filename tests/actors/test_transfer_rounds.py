@@ -80,7 +80,7 @@ def test_a_round_holds_the_engine_from_start_to_finish(transport):
     weights.init_weight_transfer({"packed": True})
     weights.start_weight_update(3)
     weights.update_weights({"names": ["a"]})
-    assert turns._busy  # no sampling while the layers are being reloaded
+    assert turns.busy  # no sampling while the layers are being reloaded
     assert weights.finish_weight_update(3)["version"] == 3
     assert weights.version() == 3 and ("label", "3") in llm.calls and engine_is_free(turns)
     with pytest.raises(ValueError, match="version 2 is older than the loaded version 3"):
@@ -94,7 +94,7 @@ def test_a_failed_receive_keeps_the_engine_until_the_learner_gives_the_round_up(
     llm.fail_receive = True
     with pytest.raises(RuntimeError, match="receive failed"):
         weights.update_weights({"names": ["a"]})
-    assert turns._busy  # half-reloaded layers: sampling waits
+    assert turns.busy  # half-reloaded layers: sampling waits
     weights.shutdown_weight_transfer()  # the learner's teardown
     # vLLM had closed its side: an empty round puts the layers back; then the group is left
     after = [c for c in llm.calls[llm.calls.index(("start", None)) + 1:] if c[0] != "label"]

@@ -92,10 +92,10 @@ def test_ipc_version_handshake_and_recovery(fake_generators, host_producer):
     g0, g1 = fake_generators(2, gpu=LEARNER_GPU)
     sync = HostIPCSync({"generator-0": g0}, bucket_bytes=1 << 20)
     sync.push(2, iter(lm_state()), tied_embeddings=True)
-    engine = sync._engine
+    engine = sync.engine
     with pytest.raises(ValueError, match="version 1 is older than the loaded version 2"):
         sync.push(1, iter(lm_state()), tied_embeddings=True)
-    assert sync._engine is engine and sync.broken is None
+    assert sync.engine is engine and sync.broken is None
     sync.set_generators({"generator-0": g0, "generator-1": g1})  # a new set: a new group on the next push
     assert sync.push(3, iter(lm_state()), tied_embeddings=True)["generators"] == 2
     assert [c[0] for c in calls(g0)].count("init") == 2 and [c[0] for c in calls(g1)].count("init") == 1
@@ -106,4 +106,4 @@ def test_a_generator_on_another_gpu_is_refused_before_any_round(fake_generators,
     sync = HostIPCSync({"generator-0": fake_generators(1, gpu="GPU-other")[0]})
     with pytest.raises(ValueError, match="generator-0 worker 0 is on GPU GPU-other"):
         sync.push(1, iter(lm_state()), tied_embeddings=True)
-    assert sync._engine is None
+    assert sync.engine is None

@@ -136,16 +136,16 @@ def test_version_handshake(fake_generators):
     gens = fake_generators(2)
     sync = RecordedNCCLSync(gens, bucket_bytes=1 << 20)
     sync.push(4, iter(lm_state()), tied_embeddings=True)
-    engine = sync._engine
+    engine = sync.engine
     for older in (3, 0):
         with pytest.raises(ValueError, match=f"version {older} is older than the loaded version 4"):
             sync.push(older, iter(lm_state()), tied_embeddings=True)
-        assert sync._client.touched is False and sync.broken is None and sync._engine is engine
+        assert sync._client.touched is False and sync.broken is None and sync.engine is engine
     assert all([c[0] for c in calls(g)].count("start") == 1 for g in gens)  # nobody was touched
     assert sync.push(4, iter(lm_state()), tied_embeddings=True)["version"] == 4  # equal: the re-push after a rewind
     assert sync._client.touched is True
     report = sync.push(5, iter(lm_state(1)), tied_embeddings=False)
-    assert report["version"] == 5 and report["init_seconds"] == 0.0 and sync._engine is engine  # the group kept
+    assert report["version"] == 5 and report["init_seconds"] == 0.0 and sync.engine is engine  # the group kept
     assert "lm_head.weight" in calls(gens[0])[-2][1]["names"]  # untied: the head is its own tensor
     assert [c[0] for c in calls(gens[0])].count("init") == 1
 
@@ -158,7 +158,7 @@ def test_a_failed_round_that_touched_the_generators_tears_the_group_down(fake_ge
     wrong = [(n, t.dtype, (1,)) for n, t in named]
     with pytest.raises(ValueError, match="disagrees with iteration"):
         sync.push(1, iter(named), tied_embeddings=True, metadata=wrong)
-    assert sync.broken.startswith("ValueError: WeightSource metadata() disagrees") and sync._engine is None
+    assert sync.broken.startswith("ValueError: WeightSource metadata() disagrees") and sync.engine is None
     assert ("shutdown", None) in calls(gens[0])  # the generator gave the round up and left
     report = sync.push(2, iter(named), tied_embeddings=True)  # a new group, then the round
     assert report["version"] == 2 and report["init_seconds"] > 0 and sync.broken is None

@@ -48,7 +48,7 @@ def test_generator_killed_mid_round_then_replaced(fake_generators):
         with pytest.raises(GeneratorLost) as err:
             pushing.result(timeout=KILL_WAIT_S)
     assert_names_the_dead(err, "generator-1", "update_weights")
-    assert sync.broken.startswith("GeneratorLost: weight sync: generator-1 died") and sync._engine is None
+    assert sync.broken.startswith("GeneratorLost: weight sync: generator-1 died") and sync.engine is None
     assert ("shutdown", None) in calls(g0)  # the survivor was asked to give the round up and leave
 
     sync.set_generators({"generator-0": g0, "generator-2": g2})  # the driver's replacement
@@ -64,16 +64,16 @@ def test_generator_dead_before_the_round_keeps_the_group(fake_generators):
     g0, g1, g2 = fake_generators(3)
     sync = RecordedNCCLSync({"generator-0": g0, "generator-1": g1}, bucket_bytes=1 << 20)
     sync.push(1, iter(lm_state()), tied_embeddings=True)
-    engine = sync._engine
+    engine = sync.engine
     kill(g1)
     with pytest.raises(GeneratorLost) as err:
         sync.push(2, iter(lm_state()), tied_embeddings=True)
     assert_names_the_dead(err, "generator-1", "version")  # found before the round touched anyone
-    assert sync.broken is None and sync._engine is engine
+    assert sync.broken is None and sync.engine is engine
     assert [c[0] for c in calls(g0)].count("start") == 1
 
     sync.set_generators({"generator-0": g0, "generator-2": g2})  # a new set: the old group goes
-    assert sync._engine is None and ("shutdown", None) in calls(g0)
+    assert sync.engine is None and ("shutdown", None) in calls(g0)
     assert sync.push(2, iter(lm_state()), tied_embeddings=True)["generators"] == 2
 
 
@@ -85,7 +85,7 @@ def test_a_dead_generator_is_named_when_the_group_forms(fake_generators):
     with pytest.raises(GeneratorLost) as err:
         sync.push(1, iter(lm_state()), tied_embeddings=True)
     assert_names_the_dead(err, "generator-1", "weight_transfer_gpus")
-    assert sync._engine is None
+    assert sync.engine is None
 
 
 class StubSync:

@@ -27,6 +27,7 @@ from ray.exceptions import RayActorError, RayError
 from cluster.runtime.loop.ledger import ChunkState, Ledger
 from cluster.runtime.observe.produced import Produced
 from cluster.runtime.pools.pool import alive
+from core.infra.ray_calls import drain
 from core.infra.transfer import Pull, lost_with_a_node
 
 log = logging.getLogger("tether")
@@ -113,7 +114,8 @@ class ChunkDispatcher:
         out.score_seconds = t_end - (t_generated or t_end)
         out.per_generator_tps = {g: float(np.mean(v)) for g, v in tps.items()}
         self.ledger.forget_stored()
-        self._collect_abandoned()
+        # errors of abandoned calls are expected: fetch the finished ones so Ray does not log them
+        self._abandoned = drain(self._abandoned, timeout_s=0, fetch_local=False)
         return out
 
     @staticmethod
@@ -189,6 +191,12 @@ class ChunkDispatcher:
         """Chunks waiting to be generated again (async mode's producer runs them, admitted or not)."""
         with self._backlog_lock:
             return bool(self._backlog)
+
+    @property
+    def backlog(self) -> list:
+        """The chunks waiting to be generated again, a snapshot."""
+        with self._backlog_lock:
+            return list(self._backlog)
 
     def requeue(self, chunks: list) -> None:
         """Chunks for the next produce() to generate (a restored run's unfinished prompts)."""
@@ -268,19 +276,6 @@ class ChunkDispatcher:
                 pool = self.pools.generators if job.stage == "generated" else job.pool
                 if pool is not None:
                     pool.release(job.replica)
-
-    def _collect_abandoned(self) -> None:
-        """Fetch the outcome of abandoned calls that finished, so Ray does not log their
-        (expected) errors as unhandled."""
-        if not self._abandoned:
-            return
-        done, self._abandoned = ray.wait(self._abandoned, num_returns=len(self._abandoned), timeout=0,
-                                         fetch_local=False)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception:  # noqa: BLE001 - the replica died; the chunk went elsewhere
-                pass
 
     def _pool(self, role: str):
         return self.pools.by_role()[role]

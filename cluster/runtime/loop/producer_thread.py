@@ -64,6 +64,11 @@ class ProducerThread:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def alive(self) -> bool:
+        """The thread still runs (a stopped one ends once its in-flight call returns)."""
+        return self._thread.is_alive()
+
     def join(self, timeout_s: float = 60.0) -> None:
         """Wait for the thread to end; ProducerStuck if it still runs after ``timeout_s``."""
         self._thread.join(timeout_s)

@@ -279,7 +279,7 @@ class RunMetrics:
         fig = Figure(figsize=(7, 4), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
-        steps, values = self._series(key)
+        steps, values = self.series(key)
         (line,) = ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=label)
         width = dict(self._history[band]) if band else {}
         if width:
@@ -292,7 +292,7 @@ class RunMetrics:
         handles, labels = ax.get_legend_handles_labels()
         if twin and self._history[twin[0]]:
             ax2 = ax.twinx()
-            ax2.plot(*self._series(twin[0]), color="tab:orange", linestyle="--", label=twin[1])
+            ax2.plot(*self.series(twin[0]), color="tab:orange", linestyle="--", label=twin[1])
             ax2.set_ylabel(twin[1])
             h2, l2 = ax2.get_legend_handles_labels()
             handles, labels = handles + h2, labels + l2
@@ -302,7 +302,8 @@ class RunMetrics:
         fig.savefig(buf, format="png")
         write_atomic(self.plot_dir / filename, buf.getvalue())
 
-    def _series(self, key: str) -> tuple[list[int], list[float]]:
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of a plotted metric, earlier runs of a resumed one included."""
         pts = self._history[key]
         return [s for s, _ in pts], [v for _, v in pts]
 

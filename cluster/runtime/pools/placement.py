@@ -11,10 +11,10 @@ from collections import Counter
 from typing import Optional
 
 import ray
-from ray.util import placement_group_table
 
 from cluster.config.labels import format_labels
 from core.infra.node_loss import NODE_ID_LABEL
+from core.infra.placement import group_nodes
 
 RAY_PREFIX = "ray.io/"            # Ray's own labels (ray.io/node-id, ...)
 LISTED_NODES = 8                  # nodes an error lists by name before "and N more"
@@ -48,11 +48,6 @@ def node_name(node_id: str, labels: Optional[dict] = None) -> str:
     """``9d4393fb[tether.pool=gen]``: the id's first 8 hex digits and the node's own (not ray.io/) labels."""
     own = {k: v for k, v in sorted((labels or {}).items()) if not k.startswith(RAY_PREFIX)}
     return node_id[:8] + (f"[{format_labels(own)}]" if own else "")
-
-
-def group_nodes(pg) -> dict[int, str]:
-    """bundle index -> the node id it is placed on, for a placement group."""
-    return dict(placement_group_table(pg).get("bundles_to_node_id") or {})
 
 
 def pack_target(held: list[str]) -> Optional[str]:

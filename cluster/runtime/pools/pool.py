@@ -26,10 +26,10 @@ from actors.generator import engine_process_env
 from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
 from cluster.runtime.pools.buffer_slot import BufferSlot
-from cluster.runtime.pools.placement import PlacementError, cannot_place, group_nodes, pack_target, spread_target
+from cluster.runtime.pools.placement import PlacementError, cannot_place, pack_target, spread_target
 from cluster.runtime.pools.threads import thread_env
 from core.infra.node_loss import off_nodes, start_placed
-from core.infra.placement import on_bundle, wait_placed
+from core.infra.placement import group_nodes, on_bundle, wait_placed
 from learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
@@ -248,6 +248,11 @@ class Pool:
         kill_replica(r)
 
     # ---- views
+    def replica_nodes(self) -> dict[int, str]:
+        """replica index -> the node its placement group is on, for the replicas placed, a snapshot."""
+        with self._lock:
+            return dict(self._nodes)
+
     def handles(self) -> dict:
         """replica id -> actor handle of the serving replicas (not the retiring ones), a snapshot."""
         with self._lock:

@@ -70,7 +70,7 @@ def test_a_stopped_producer_never_takes_the_prompts_a_rollback_requeues():
     rollouts.requeue([requeued])
     gate.opened.set()  # the producer wakes up after all that
     producer.join(10)
-    assert rollouts._backlog == [requeued], "the stopped producer took the re-queued prompts"
+    assert rollouts.backlog == [requeued], "the stopped producer took the re-queued prompts"
     producer.take()  # and raised nothing
 
 
@@ -122,7 +122,7 @@ def test_the_stop_does_not_wait_for_a_generate_call_in_flight(cluster):
         assert ray.get(handle.wait_called.remote(30))
         producer.stop()
         producer.join(10)
-        assert not producer._thread.is_alive(), "the producer still waits on its generate call after the stop"
+        assert not producer.alive, "the producer still waits on its generate call after the stop"
         assert generators.acquire().load == 1  # the abandoned call no longer counts as the replica's load
     finally:
         handle.release.remote()

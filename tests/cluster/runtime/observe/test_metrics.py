@@ -113,7 +113,7 @@ def test_plot_every_and_resume(tmp_path):
     assert _read_png(tmp_path / "plots" / "reward.png") != third
     # A resumed run appends and keeps earlier history in its plots.
     m = RunMetrics(run_dir=tmp_path, plot_every=1)
-    assert [s for s, _ in m._history["reward/mean"]] == [1, 2, 3, 4]
+    assert m.series("reward/mean")[0] == [1, 2, 3, 4]
     m.log(5, _step_metrics(5))
     m.close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from cluster.runtime.pools.placement import actor_nodes, actors_line, ask_nodes, group_nodes
+from cluster.runtime.pools.placement import actor_nodes, actors_line, ask_nodes
 from cluster.runtime.pools.pool import BufferSlot, PlacementError, Pool, Pools, free_placement, reserve
-from core.infra.placement import on_bundle
+from core.infra.placement import group_nodes, on_bundle
 
 pytestmark = pytest.mark.integration
 GEN = {"tether.pool": "gen"}
@@ -65,7 +65,7 @@ def test_spread_puts_replicas_on_two_nodes_where_pack_puts_them_on_one(ray_nodes
         # The node holding the fewest of the pool's replicas has no room: the next one goes elsewhere, at once.
         on_a = next(rid for rid, h in spread.handles().items() if ray.get(h.health.remote())["node_id"] == a)
         spread.remove(on_a)
-        assert set(spread._nodes) == {int(rid.rsplit("-", 1)[1]) for rid in spread.handles()}  # gone, forgotten
+        assert set(spread.replica_nodes()) == {int(rid.rsplit("-", 1)[1]) for rid in spread.handles()}
         all_free(3)
         blocker = reserve("blocker", 1, 2, 0, 30, labels={"ray.io/node-id": a})
         t0 = time.monotonic()
