@@ -57,9 +57,11 @@ def test_the_default_template_is_the_one_the_tiny_judge_learnt():
     assert DEFAULT_TEMPLATE == JUDGE_TEMPLATE
 
 
-# Pairs on which the tiny judge (cluster/demo/judge.py) was checked to agree with is_positive.
+# Pairs on which the tiny judge (cluster/demo/judge.py) agrees with is_positive by a clear margin: its
+# logit for the right digit leads by 1.2 to 4.1 nats in fp32 and bf16 alike, so no CPU's bf16 kernels
+# flip a verdict (" glad." led by 0.1 nats or trailed by 0.1, depending on the machine).
 PROMPTS = ["The cat was", "My friend felt"] * 3
-RESPONSES = [" happy in the park.", " sad at night.", " glad.", " awful by the sea.", " lovely at home.",
+RESPONSES = [" happy in the park.", " sad at night.", " glad in the park.", " awful by the sea.", " lovely at home.",
              " cold in winter."]
 
 
