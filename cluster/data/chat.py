@@ -12,6 +12,8 @@ added ones; a plain string gets the tokenizer's defaults.
 """
 from __future__ import annotations
 
+from core.infra.errors import InputError
+
 
 def is_chat(value) -> bool:
     """A list: meant as a chat (``message_problem`` says whether it is a usable one)."""
@@ -38,7 +40,7 @@ def message_problem(messages: list) -> str | None:
 def chat_prompts(tok, prompts: list[str], tokenizer_path) -> list[str]:
     """Each prompt as the user turn of the tokenizer's chat template, ready for the reply."""
     if not getattr(tok, "chat_template", None):
-        raise ValueError(f"data.chat_template is true but the tokenizer at {tokenizer_path} has no "
+        raise InputError(f"data.chat_template is true but the tokenizer at {tokenizer_path} has no "
                          f"chat_template; set data.chat_template: false or use a chat model's tokenizer")
     return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
             for p in prompts]
@@ -47,7 +49,7 @@ def chat_prompts(tok, prompts: list[str], tokenizer_path) -> list[str]:
 def render_chats(tok, chats: list[list[dict]], tokenizer_path, column: str) -> list[str]:
     """Each chat through the tokenizer's template, ending where the assistant's reply begins."""
     if not getattr(tok, "chat_template", None):
-        raise ValueError(f"data.field '{column}' holds chat messages but the tokenizer at {tokenizer_path} has no "
+        raise InputError(f"data.field '{column}' holds chat messages but the tokenizer at {tokenizer_path} has no "
                          "chat_template; use a chat model's tokenizer (model.tokenizer) or store the prompts as "
                          "plain strings")
     return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]

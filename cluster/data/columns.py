@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from core.infra.errors import InputError
+
 
 def select_columns(rows: list[tuple[str, dict]], field: str, columns: Sequence[str] | None,
                    source: str) -> list[tuple[str, dict]]:
@@ -12,11 +14,11 @@ def select_columns(rows: list[tuple[str, dict]], field: str, columns: Sequence[s
     if columns is None:
         return rows
     if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
-        raise ValueError(f"data.columns must be a list of field names (or null for all), got {columns!r}")
+        raise InputError(f"data.columns must be a list of field names (or null for all), got {columns!r}")
     seen = {k for _, row in rows for k in row}
     absent = [c for c in columns if c not in seen]
     if absent:
-        raise ValueError(f"data.columns names {', '.join(map(repr, absent))}, which no row of {source} has "
+        raise InputError(f"data.columns names {', '.join(map(repr, absent))}, which no row of {source} has "
                          f"(their fields: {', '.join(map(repr, sorted(seen)))}); remove it from data.columns "
                          "or add it to the data")
     keep = {field, *columns}

@@ -14,6 +14,8 @@ import ast
 import re
 from pathlib import Path
 
+from core.infra.errors import InputError
+
 # owner/name as the Hub spells a repository: letters, digits, '-', '_', '.'; one slash.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")
@@ -46,13 +48,13 @@ def read_hub_rows(path: str, *, split: str, config_name: str | None, section: st
         ds = datasets.load_dataset(path, config_name, split=split)
     except ConnectionError:  # offline or unreachable, and not in the local cache
         why = "offline" if datasets.config.HF_HUB_OFFLINE else "no network"
-        raise ValueError(f"{where} is not in the local datasets cache and the Hub cannot be reached ({why}); "
+        raise InputError(f"{where} is not in the local datasets cache and the Hub cannot be reached ({why}); "
                          f"download it once with network access, or point {section}.path at a local file") from None
     except ValueError as e:
-        raise ValueError(_choice_problem(str(e), path, split, config_name, section) or
+        raise InputError(_choice_problem(str(e), path, split, config_name, section) or
                          f"{where} cannot be read: {_first_line(e)}") from None
     except FileNotFoundError as e:  # datasets' DatasetNotFoundError / DataFilesNotFoundError
-        raise ValueError(f"{where}: {_first_line(e)}; check the dataset id (and log in with `hf auth login` "
+        raise InputError(f"{where}: {_first_line(e)}; check the dataset id (and log in with `hf auth login` "
                          f"for a gated one), or point {section}.path at a local file") from None
     columns = ds.to_dict()
     return [(f"row {i}", {c: values[i] for c, values in columns.items()}) for i in range(len(ds))]

@@ -29,6 +29,7 @@ from cluster.data.chat import is_chat, message_problem, render_prompts
 from cluster.data.columns import drop_missing, select_columns
 from cluster.demo.sentiment import builtin_prompts
 from core.columns import PromptColumns
+from core.infra.errors import InputError
 
 SUPPORTED = ".jsonl, .parquet, a directory saved with datasets.Dataset.save_to_disk, or a Hub dataset id owner/name"
 MAX_REASONS = 1000  # skipped rows whose reason is kept verbatim; skip_counts stays exact
@@ -89,7 +90,7 @@ class PromptDataset:
         from transformers import AutoTokenizer
 
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
-            raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {max_prompt_tokens}")
+            raise InputError(f"data.max_prompt_tokens must be >= 1 or null, got {max_prompt_tokens}")
         rows, skips, source = _prompt_rows(path, field, split, config_name, columns, required_columns)
         texts = [(where, row[field]) for where, row in rows]
         tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
@@ -106,7 +107,7 @@ class PromptDataset:
                 kept_ids.append(np.asarray(ids, dtype=np.int64))
                 kept_rows.append({k: v for k, v in row.items() if k != field})
         if not kept_texts:
-            raise ValueError(_empty_message(source, field, skips))
+            raise InputError(_empty_message(source, field, skips))
         ids = np.arange(len(kept_texts), dtype=np.int64)
         return cls(texts=kept_texts, prompt_ids=kept_ids, ids=ids, seed=seed, source=source, skipped=skips.reasons,
                    skip_counts=dict(skips.counts), columns=PromptColumns(ids.tolist(), kept_rows))
@@ -125,7 +126,7 @@ class PromptDataset:
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if drop_last and batch_size > len(self):
-            raise ValueError(f"batch size {batch_size} is larger than the {len(self)} prompts of {self.source}; "
+            raise InputError(f"batch size {batch_size} is larger than the {len(self)} prompts of {self.source}; "
                              f"lower the batch size or add prompts")
         if epochs is not None and epochs < 0:
             raise ValueError(f"epochs must be >= 0 or None, got {epochs}")
@@ -146,7 +147,7 @@ class PromptDataset:
         then shuffled over its own prompts). n=0 gives an empty evaluation set.
         """
         if not 0 <= n < len(self):
-            raise ValueError(f"data.eval_prompts must be in [0, {len(self) - 1}] for {len(self)} prompts, got {n}")
+            raise InputError(f"data.eval_prompts must be in [0, {len(self) - 1}] for {len(self)} prompts, got {n}")
         held = np.zeros(len(self), dtype=bool)
         held[np.random.default_rng([self.seed, 0xE7A1]).permutation(len(self))[:n]] = True
         return self._subset(np.flatnonzero(~held)), self._subset(np.flatnonzero(held))
@@ -218,7 +219,7 @@ def read_records(path: str | Path, fields: dict[str, str], section: str, *, chat
         else:
             out.append((where, {c: v for c, v in row.items() if keep is None or c in read}))
     if not out:
-        raise ValueError(_empty_message(str(path), fields, skips, section))
+        raise InputError(_empty_message(str(path), fields, skips, section))
     return out, skips
 
 
@@ -268,12 +269,12 @@ def _read_rows(path: str | Path, fields: list[str] | None, skips: Skips, section
         raise FileNotFoundError(f"{section}.path: {path} does not exist; point it at a file ({SUPPORTED})"
                                 + (", or set data.path=null for the built-in prompts" if section == "data" else ""))
     if config_name is not None:
-        raise ValueError(f"{section}.config_name={config_name!r} names a config of a Hub dataset, but {section}.path "
+        raise InputError(f"{section}.config_name={config_name!r} names a config of a Hub dataset, but {section}.path "
                          f"{path} is local; set {section}.config_name: null")
     if path.is_dir():
         return _read_saved_dataset(path, fields, skips, section, split)
     if split != "train":  # a file is one split: a silently ignored choice would train on the wrong one
-        raise ValueError(f"{section}.split={split!r} chooses a split of a Hub dataset or a saved DatasetDict folder, "
+        raise InputError(f"{section}.split={split!r} chooses a split of a Hub dataset or a saved DatasetDict folder, "
                          f"but {path} is one file; point {section}.path at that split's file and leave "
                          f"{section}.split: train")
     suffix = path.suffix.lower()
@@ -281,7 +282,7 @@ def _read_rows(path: str | Path, fields: list[str] | None, skips: Skips, section
         return _read_jsonl(path, skips, section)
     if suffix == ".parquet":
         return _read_parquet(path, fields, skips, section)
-    raise ValueError(f"{section}.path: unsupported file type '{path.suffix}' for {path}; supported: {SUPPORTED}")
+    raise InputError(f"{section}.path: unsupported file type '{path.suffix}' for {path}; supported: {SUPPORTED}")
 
 
 def _read_jsonl(path: Path, skips: Skips, section: str) -> list[tuple[str, object]]:
@@ -306,7 +307,7 @@ def _utf8_text(path: Path, section: str) -> str:
         return data.decode("utf-8-sig")  # -sig: a leading byte-order mark is not part of line 1
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{section}.path: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); "
+        raise InputError(f"{section}.path: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); "
                          "re-save it as UTF-8") from None
 
 
@@ -339,15 +340,15 @@ def _read_saved_dataset(path: Path, fields: list[str], skips: Skips, section: st
     try:
         ds = datasets.load_from_disk(str(path))
     except FileNotFoundError:
-        raise ValueError(f"{section}.path: directory {path} is not a datasets.save_to_disk folder; "
+        raise InputError(f"{section}.path: directory {path} is not a datasets.save_to_disk folder; "
                          f"supported: {SUPPORTED}") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ValueError(f"{section}.split={split!r} is not a split of {path}; available: "
+            raise InputError(f"{section}.split={split!r} is not a split of {path}; available: "
                              f"{', '.join(sorted(ds))}; set {section}.split to one of them")
         ds = ds[split]
     elif split != "train":
-        raise ValueError(f"{section}.split={split!r} chooses a split, but {path} holds one dataset, not a "
+        raise InputError(f"{section}.split={split!r} chooses a split, but {path} holds one dataset, not a "
                          f"DatasetDict; leave {section}.split: train")
     fields = ds.column_names if fields is None else fields  # None: every column
     present = [f for f in fields if f in ds.column_names]  # absent ones: the row check counts them

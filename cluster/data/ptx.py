@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.infra.errors import InputError
+
 log = logging.getLogger("tether")
 
 BUILTIN_DOCUMENTS = 2000  # sentences of the built-in corpus (cluster.demo.sentiment.corpus)
@@ -40,10 +42,10 @@ class PTXData:
         """Read, tokenize and pack. ``path=None`` means the built-in corpus, which is only
         the built-in policy's pretraining text: any other policy must name its own."""
         if seq_len < 2:
-            raise ValueError(f"ptx.seq_len={seq_len} must be >= 2 (next-token targets need two tokens)")
+            raise InputError(f"ptx.seq_len={seq_len} must be >= 2 (next-token targets need two tokens)")
         if path is None:
             if not builtin_policy:
-                raise ValueError("ppo.ptx_coef > 0 needs pretraining text for this policy: set ptx.path to a "
+                raise InputError("ppo.ptx_coef > 0 needs pretraining text for this policy: set ptx.path to a "
                                  ".jsonl/.parquet/saved dataset with a text column (the built-in corpus is "
                                  "only the built-in model's)")
             from cluster.demo.sentiment import corpus
@@ -57,7 +59,7 @@ class PTXData:
             texts, source = [t for _, t in found], str(path)
         rows = pack(tokenize(texts, tokenizer_path), seq_len)
         if len(rows) == 0:
-            raise ValueError(f"ptx.path: {source} has fewer than ptx.seq_len={seq_len} tokens in all; "
+            raise InputError(f"ptx.path: {source} has fewer than ptx.seq_len={seq_len} tokens in all; "
                              "add text or lower ptx.seq_len")
         return cls(rows=rows, source=source, seed=seed)
 
@@ -89,7 +91,7 @@ def tokenize(texts: list[str], tokenizer_path: str) -> list[np.ndarray]:
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
     if tok.eos_token_id is None:
-        raise ValueError(f"ptx: the tokenizer at {tokenizer_path} has no eos_token to separate documents")
+        raise InputError(f"ptx: the tokenizer at {tokenizer_path} has no eos_token to separate documents")
     encoded = tok(texts, add_special_tokens=False)["input_ids"]
     return [np.asarray(ids + [tok.eos_token_id], dtype=np.int64) for ids in encoded]
 

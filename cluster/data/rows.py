@@ -19,6 +19,7 @@ import numpy as np
 from cluster.data.chat import chat_prompts
 from cluster.data.prompts import Skips, read_records
 from cluster.demo.sentiment import builtin_rows
+from core.infra.errors import InputError
 
 
 @dataclass
@@ -32,7 +33,7 @@ class StageRows:
     def split(self, n_eval: int, seed: int) -> tuple[list[tuple], list[tuple]]:
         """(training rows, held-out rows): ``n_eval`` chosen by ``seed``."""
         if not 0 < n_eval < len(self.rows):
-            raise ValueError(f"data.eval_examples={n_eval} must be below the {len(self.rows)} usable rows of "
+            raise InputError(f"data.eval_examples={n_eval} must be below the {len(self.rows)} usable rows of "
                              f"{self.source}; lower it or add rows")
         held = set(np.random.default_rng([seed, 0xE7A1]).permutation(len(self.rows))[:n_eval].tolist())
         return ([r for i, r in enumerate(self.rows) if i not in held],
@@ -70,7 +71,7 @@ def load_rows(*, path, fields: dict[str, str], tokenizer, tokenizer_path, chat_t
             kept.append(tuple(np.asarray(p, dtype=np.int64) for p in parts))
     if not kept:
         kinds = ", ".join(f"{k}={v}" for k, v in skips.counts.most_common())
-        raise ValueError(f"data.path: no usable rows in {source}: all {len(rows)} skipped ({kinds}; first: "
+        raise InputError(f"data.path: no usable rows in {source}: all {len(rows)} skipped ({kinds}; first: "
                          f"{skips.reasons[0]}); raise data.max_seq_len or check the data")
     return StageRows(rows=kept, source=source, skip_counts=dict(skips.counts), skipped=skips.reasons)
 
