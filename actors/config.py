@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from core.choices import ENGINE_LORA_RANKS
 from core.infra.dtypes import DTYPES
 from core.infra.schema import config_class, setting
 
@@ -43,6 +44,8 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "sequences the engine schedules at once")
     enforce_eager: bool = setting(True, "no torch.compile: engine start dominates at tiny sizes")
     gpu_memory_utilization: float = setting(0.5, "GPU only: fraction of the device vLLM may take")
+    max_lora_rank: int = setting(0, "the largest LoRA adapter rank the engine serves; 0 = no adapters (a job "
+                                    "with learner.lora sets it from learner.lora.rank)")
 
     def check(self, at: str) -> None:
         """As SamplingConfig.check: ``at`` is this section's dotted path (generator.engine,
@@ -50,6 +53,9 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"{at}.dtype={self.dtype!r} is not one of {list(DTYPES)} "
                              "(or null to follow model.dtype)")
+        if self.max_lora_rank and self.max_lora_rank not in ENGINE_LORA_RANKS:
+            raise ValueError(f"{at}.max_lora_rank={self.max_lora_rank} is not a rank vLLM serves; use 0 or one "
+                             f"of {list(ENGINE_LORA_RANKS)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{at}.gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")

@@ -147,6 +147,8 @@ class Generator:
                 # An IPC handle holds torch types, which vLLM's msgpack carries to its engine
                 # process only as a pickle; both ends of that socket are this generator's own.
                 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if self.engine.max_lora_rank:  # the policy trains a LoRA adapter: pushes carry the adapter alone
+            kwargs.update(enable_lora=True, max_lora_rank=self.engine.max_lora_rank, max_loras=1)
         return start_engine(model, self.engine, tensor_parallel=self.tensor_parallel, seed=self.sampling.seed,
                             on_gpu=_has_cuda(), **kwargs)
 
@@ -201,7 +203,8 @@ class Generator:
         else:
             with self._turns.sampling():  # a push waits for the whole call
                 outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in keep],
-                                             self._params([idx for _, idx in keep]), use_tqdm=False)
+                                             self._params([idx for _, idx in keep]), use_tqdm=False,
+                                             lora_request=self.weights.adapter)
         seconds = time.perf_counter() - t0
         read = [self._to_rollout(ids, idx, completion)
                 for (ids, idx), out in zip(keep, outputs) for completion in out.outputs]
@@ -225,7 +228,7 @@ class Generator:
             try:
                 with self._turns.step():  # seeds are drawn from the version the request starts on
                     for rid, prompt, params in zip(ids, prompts, self._params(prompt_indices)):
-                        engine.add_request(rid, tokens_input(prompt), params)
+                        engine.add_request(rid, tokens_input(prompt), params, lora_request=self.weights.adapter)
                 while len(done) < len(ids):
                     with self._turns.step():
                         for out in engine.step():
@@ -268,6 +271,9 @@ class Generator:
     # Ray calls them on this actor; load_weights, rewind and a GPU transfer round run in WEIGHT_UPDATE_GROUP.
     def load_weights(self, version: int, buckets: list[bytes]) -> dict:
         return self.weights.load_weights(version, buckets)
+
+    def load_adapter(self, version: int, files: dict[str, bytes]) -> dict:
+        return self.weights.load_adapter(version, files)
 
     def rewind(self, version: int) -> None:
         self.weights.rewind(version)

@@ -47,6 +47,14 @@ class WeightReloadExtension:
         _refresh_cpu_lm_head(self.model_runner.get_model())
         return len(names)
 
+    def tether_adapter_report(self, lora_id: int, weights: bytes, scaling: float) -> dict:
+        """What this worker holds for adapter ``lora_id`` against ``weights`` (the adapter's
+        safetensors bytes as received): {"bound": adapter modules bound to a layer, "unbound":
+        received modules bound to none, "stale": bound modules whose tensors are not the received
+        ones}. Exact: each received tensor is cast to the engine's LoRA dtype as vLLM casts it, and B
+        is taken as received or scaled by alpha/r in place, as vLLM folds the scale into it."""
+        return adapter_report(self.model_runner, lora_id, weights, scaling)
+
     def tether_device_uuid(self) -> str:
         """This worker's GPU UUID. The NCCL transport (learner/nccl_sync.py) counts the workers
         it must add to its group from these, and refuses a layout with two ranks on one GPU,
@@ -56,6 +64,49 @@ class WeightReloadExtension:
         import torch
 
         return str(torch.cuda.get_device_properties(self.device).uuid)
+
+
+# vLLM releases whose LoRA manager layout adapter_report reads (the proof of every adapter push:
+# tests/actors/test_generator_lora.py). Another release gets a warning once; one without that
+# layout fails the push loudly instead of reporting it landed.
+ADAPTER_REPORT_TESTED = ("0.32.",)
+
+
+def adapter_report(model_runner, lora_id: int, weights: bytes, scaling: float) -> dict:
+    import torch
+    import vllm
+    from safetensors.torch import load
+
+    if not vllm.__version__.startswith(ADAPTER_REPORT_TESTED) and "lora" not in _warned:
+        _warned.add("lora")
+        logging.getLogger(__name__).warning(
+            "vLLM %s is untested with tether's adapter-push proof (tested: %s)", vllm.__version__,
+            ", ".join(ADAPTER_REPORT_TESTED))
+    manager = model_runner.lora_manager._adapter_manager  # vLLM internals: gated on the release above
+    held = manager.get_adapter(lora_id)
+    received: dict[str, dict[str, "torch.Tensor"]] = {}
+    for name, tensor in load(weights).items():
+        module, _, rest = name.removeprefix("base_model.model.").partition(".lora_")
+        received.setdefault(module, {})[rest[:1]] = tensor  # "A" or "B"
+    bound, stale = set(), []
+    for layer in (manager.modules if held is not None else ()):
+        weights_of = held.get_lora(layer)
+        if weights_of is None:
+            continue
+        packed = isinstance(weights_of.lora_a, list)
+        subs = manager.packed_modules.get(layer, [layer]) if packed else [layer]
+        pairs = zip(weights_of.lora_a, weights_of.lora_b) if packed else [(weights_of.lora_a, weights_of.lora_b)]
+        for sub, (a, b) in zip(subs, pairs):
+            if a is None or sub not in received:
+                continue
+            bound.add(sub)
+            want_a, want_b = received[sub]["A"].to(a.dtype), received[sub]["B"].to(b.dtype)
+            scaled = want_b.clone()
+            scaled *= scaling  # what vLLM does to B once it packs or activates it (LoRALayerWeights.optimize)
+            b = b.cpu()
+            if not (torch.equal(a.cpu(), want_a) and (torch.equal(b, scaled) or torch.equal(b, want_b))):
+                stale.append(sub)
+    return {"bound": len(bound), "unbound": sorted(set(received) - bound), "stale": sorted(stale)}
 
 
 # vLLM releases whose CPU reload path was checked with and without the re-pack below

@@ -13,12 +13,20 @@ weights drop every KV block the old ones computed and label the next tokens with
 """
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 from actors.engine_turns import EngineTurns
+from core.infra.weights import adapter_checksum
 
 log = logging.getLogger(__name__)
+
+ADAPTER_SLOT = 1  # the engine's one LoRA slot (vLLM ids start at 1); every version of the policy's adapter goes in it
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
 
 # vLLM weight-transfer backends a generator takes (learner.weight_sync), with what they need CUDA for.
 GPU_TRANSFER = {"nccl": "NCCL broadcast into vLLM's GPU workers", "ipc": "CUDA IPC into vLLM's GPU workers"}
@@ -32,6 +40,8 @@ class EngineWeights:
         self._llm, self._turns = llm, turns
         self.name, self.weight_sync, self.partial_rollouts = name, weight_sync, bool(partial_rollouts)
         self._round_open = False  # a GPU transfer round started and not finished: the engine is held
+        self.adapter = None  # the LoRARequest every new request carries, once an adapter was pushed
+        self._adapter_root: Path | None = None
         self._set_version(0)  # vLLM labels each token with it
 
     def version(self) -> int:
@@ -56,6 +66,47 @@ class EngineWeights:
             self._after_update(version)
         return {"seconds": time.perf_counter() - t0, "wait_seconds": t0 - waited, "tensors": counts[0],
                 "bytes": sum(len(b) for b in buckets), "version": version}
+
+    def load_adapter(self, version: int, files: dict[str, bytes]) -> dict:
+        """Serve the base model plus the LoRA adapter in ``files`` as ``version`` (the contract:
+        ``core.infra.weights.WeightReceiver.load_adapter``), and prove what the engine holds.
+
+        Every version goes into the engine's one adapter slot, replaced in place, under the name
+        ``policy-v<version>``: the name is part of vLLM's prefix-cache keys, so no cached block
+        of one version serves another, and requests in flight (partial rollouts) go on under
+        the new adapter exactly as they would under new full weights."""
+        from vllm.lora.request import LoRARequest
+
+        self._refuse_older(version, "load_adapter")
+        waited = time.perf_counter()
+        with self._turns.updating():
+            t0 = time.perf_counter()
+            path = self._write_adapter(version, files)
+            name = f"policy-v{version}"
+            self._pause()
+            self._llm.llm_engine.add_lora(LoRARequest(name, ADAPTER_SLOT, str(path), load_inplace=True))
+            config = json.loads(files[ADAPTER_CONFIG])
+            report = self._llm.collective_rpc("tether_adapter_report", args=(
+                ADAPTER_SLOT, files[ADAPTER_WEIGHTS], config["lora_alpha"] / config["r"]))[0]
+            self.adapter = LoRARequest(name, ADAPTER_SLOT, str(path))  # loaded: requests never reload it
+            self._after_update(version)
+        return {"seconds": time.perf_counter() - t0, "wait_seconds": t0 - waited, "version": version,
+                "checksum": adapter_checksum(files), "bytes": sum(map(len, files.values())), **report}
+
+    def _write_adapter(self, version: int, files: dict[str, bytes]) -> Path:
+        """The adapter's files in this generator's own folder (vLLM loads adapters by path); the
+        previous version's folder goes once the new one is in place."""
+        if self._adapter_root is None:
+            self._adapter_root = Path(tempfile.mkdtemp(prefix=f"tether-{self.name}-adapter-"))
+        path = self._adapter_root / f"v{version}"
+        shutil.rmtree(path, ignore_errors=True)  # a rollback pushes a version again
+        path.mkdir(parents=True)
+        for file, blob in files.items():
+            (path / Path(file).name).write_bytes(blob)
+        for old in self._adapter_root.iterdir():
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
 
     def _refuse_older(self, version: int, what: str) -> None:
         if version < self._version:

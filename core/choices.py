@@ -54,6 +54,8 @@ LRDecay = Literal["linear", "cosine", "constant"]
 TrainableDType = Literal["float32", "bfloat16"]  # the learner's: fp16 would need loss scaling
 Precision = Literal["auto", "float32", "bfloat16"]  # the job's model.dtype (core/infra/dtypes.py resolves auto)
 Critic = Literal["shared", "separate", "none"]
+LoraInit = Literal["default", "gaussian"]  # learner/lora.py: both start with B = 0, at the base model
+ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the adapter ranks vLLM's engine is started with
 AdvantageEstimator = Literal[tuple(row.name for row in ESTIMATOR_TABLE)]
 WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/weight_sync.py, *_sync.py)
 RunMode = Literal["sync", "async"]

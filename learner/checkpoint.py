@@ -19,21 +19,28 @@ class Checkpointer:
     def save(self, out_dir, *, step: int) -> str:
         """The full resumable state under out_dir/deepspeed, the HF policy under out_dir/policy."""
         out = Path(out_dir)
-        self.engine.save_checkpoint(str(out / DS_DIR), tag=f"step{step}", client_state={"tether_step": step})
-        self.save_pretrained_policy(out / POLICY_DIR)
+        # With a LoRA adapter the frozen base is left out: it is the model the run started from.
+        self.engine.save_checkpoint(str(out / DS_DIR), tag=f"step{step}", client_state={"tether_step": step},
+                                    exclude_frozen_parameters=self.lora)
+        self.save_pretrained_policy(out / POLICY_DIR, with_lm=not self.lora)
         self.comm.barrier()  # the directory is complete when any rank returns
         return str(out)
 
     def load(self, in_dir) -> int:
         """Restore model, optimizer and scheduler from ``save``; returns the saved step."""
-        path, client = self.engine.load_checkpoint(str(Path(in_dir) / DS_DIR))
+        path, client = self.engine.load_checkpoint(str(Path(in_dir) / DS_DIR), load_module_strict=not self.lora)
         if path is None:
             raise FileNotFoundError(f"learner.load: no DeepSpeed checkpoint under {Path(in_dir) / DS_DIR}")
         return int(client.get("tether_step", 0))
 
-    def save_pretrained_policy(self, out_dir) -> Optional[str]:
-        """The policy (LM, value head, critic) in HF format, written by rank 0."""
-        state = self.exporter.full_state_dict()
+    @property
+    def lora(self) -> bool:
+        return self.exporter.lora is not None
+
+    def save_pretrained_policy(self, out_dir, *, with_lm: bool = True) -> Optional[str]:
+        """The policy (LM, value head, critic) in HF format, written by rank 0; with a LoRA adapter
+        the LM merged, and the adapter alone under adapter/ (``with_lm=False``: the adapter only)."""
+        state = self.exporter.full_state_dict(trainable_only=self.lora and not with_lm)
         if self.rank != 0:
             return None
-        return str(self.engine.module.save_pretrained(out_dir, state_dict=state))
+        return str(self.engine.module.save_pretrained(out_dir, state_dict=state, with_lm=with_lm))

@@ -15,10 +15,12 @@ from dataclasses import asdict, fields
 from typing import Optional
 
 from core.choices import (
+    ENGINE_LORA_RANKS,
     ESTIMATOR_HELP,
     AdvantageEstimator,
     Critic,
     KLEstimator,
+    LoraInit,
     LossAggregation,
     LRDecay,
     OffPolicyCorrection,
@@ -112,6 +114,44 @@ class OptimConfig:
 
 
 @config_class
+class LoraConfig:
+    """LoRA adapters: train low-rank adapters on a frozen base instead of every parameter (learner/lora.py)."""
+    rank: int = setting(0, "adapter rank r; 0 = train every parameter (no adapters)")
+    alpha: float = setting(16.0, "the adapter's update is (alpha / rank) x B A")
+    dropout: float = setting(0.0, "dropout on the adapter's input; the sft and reward-model stages only (PPO "
+                                  "scores tokens as the sampler did, without dropout)")
+    target_modules: tuple[str, ...] = setting(("all-linear",), "module names (or name suffixes) that get an "
+                                                                "adapter; all-linear = every linear layer but the "
+                                                                "output head")
+    init: LoraInit = setting("default", "default: A Kaiming-uniform | gaussian: A normal; B = 0 either way, so "
+                                        "training starts at the base model")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def engine_rank(self) -> int:
+        """The smallest adapter rank a vLLM engine can be started with that serves ``rank``."""
+        return next(r for r in ENGINE_LORA_RANKS if r >= self.rank)
+
+    def validate(self, world_size: int = 1) -> None:
+        p = "learner.lora"
+        check_choices(self, p)
+        if self.rank < 0 or self.rank > ENGINE_LORA_RANKS[-1]:
+            _fail(f"{p}.rank={self.rank} must be in [0, {ENGINE_LORA_RANKS[-1]}] (0 = no adapters; vLLM serves "
+                  f"ranks up to {ENGINE_LORA_RANKS[-1]})")
+        if not self.enabled:
+            return
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            _fail(f"{p}.alpha={self.alpha} must be a finite number > 0")
+        if not 0 <= self.dropout < 1:
+            _fail(f"{p}.dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            _fail(f"{p}.target_modules={list(self.target_modules)} must name modules, e.g. all-linear or "
+                  "[q_proj, v_proj]")
+
+
+@config_class
 class PPOConfig:
     """The PPO update: epochs, batch sizes, clipping, loss weights, GAE, off-policy correction."""
     ppo_epochs: int = setting(1, "passes over the batch per train() call")
@@ -180,6 +220,7 @@ class TrainerConfig:
     dtype: Optional[TrainableDType] = setting(None, "float32 | bfloat16 (bf16 keeps fp32 master weights); "
                                                     "null = model.dtype")
     optim: OptimConfig
+    lora: LoraConfig
     critic: Optional[Critic] = setting(None, "shared: value head on the policy body | separate: own body | none: "
                                              "no value model; null = shared with ppo.advantage=gae, none with "
                                              "the critic-free estimators")
@@ -206,6 +247,7 @@ class TrainerConfig:
             _fail(f"{p}.weight_sync='ipc' shares learner rank 0's GPU with the generators and needs "
                   f"{p}.replicas=1 (got {world_size}); use weight_sync='nccl' for more ranks")
         self.optim.validate(world_size)
+        self.lora.validate(world_size)
 
 
 @config_class
@@ -307,6 +349,9 @@ class LearnerConfig(RankConfig):
                 _fail(f"learner: {problem}")
         self.ppo.validate(world_size, at=ppo_at)
         self._check_critic()
+        if self.lora.enabled and self.lora.dropout:
+            _fail(f"learner.lora.dropout={self.lora.dropout}: PPO's ratios need the learner to score tokens as the "
+                  "sampler did, without dropout noise; set learner.lora.dropout=0")
 
     def batch_sizes(self) -> tuple[int, int]:
         return self.ppo.minibatch_size, self.ppo.micro_batch_size
@@ -336,8 +381,13 @@ class LearnerConfig(RankConfig):
         if "betas" in optim:
             optim["betas"] = tuple(optim["betas"])
         optim = _from_dict(OptimConfig, optim, "learner.optim")
+        lora = dict(data.pop("lora", {}) or {})
+        if isinstance(lora.get("target_modules"), (list, str)):
+            tm = lora["target_modules"]
+            lora["target_modules"] = (tm,) if isinstance(tm, str) else tuple(tm)
+        lora = _from_dict(LoraConfig, lora, "learner.lora")
         ppo = _from_dict(PPOConfig, dict(data.pop("ppo", {}) or {}), "learner.ppo")
-        cfg = _from_dict(cls, {**data, "optim": optim, "ppo": ppo}, "learner")
+        cfg = _from_dict(cls, {**data, "optim": optim, "lora": lora, "ppo": ppo}, "learner")
         cfg.validate(world_size)
         return cfg
 

@@ -23,7 +23,8 @@ def build_engine(model: str, config: RankConfig, world_size: int, *, load: Calla
         body.gradient_checkpointing_enable()
     policy.train()  # HF loads in eval mode; checkpointing needs train mode (dropout is off anyway)
     optim = config.optim
-    optimizer = optim.build(policy.parameters())
+    # Only what trains gets optimizer state: with a LoRA adapter the frozen base has none.
+    optimizer = optim.build([p for p in policy.parameters() if p.requires_grad])
     # A plain closure: LambdaLR then leaves it out of its state_dict (checkpoints stay picklable).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s))
     engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,

@@ -4,10 +4,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Optional
 
+from learner import lora as adapters
 from learner.config import LearnerConfig
 from learner.ipc_sync import IPCWeightSync
 from learner.nccl_sync import NCCLWeightSync
-from learner.weight_sync import DEFAULT_BUCKET_BYTES, CPUWeightSync
+from learner.weight_sync import DEFAULT_BUCKET_BYTES, AdapterSync, CPUWeightSync
 
 
 class WeightExporter:
@@ -20,16 +21,18 @@ class WeightExporter:
     def __init__(self, *, engine, config: LearnerConfig, rank: int) -> None:
         self.engine, self.config, self.rank = engine, config, rank
         self.tied_embeddings = bool(getattr(engine.module.config, "tie_word_embeddings", False))
+        self.lora = getattr(engine.module, "lora", None)  # a LoRA adapter on the LM: pushes carry it alone
         self._sync = None  # rank 0's GPU transport (nccl, ipc): its group outlives a push
 
     def named_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         """Full LM tensors with HF names on rank 0 (nothing elsewhere). ALL ranks must iterate it."""
         return self._gathered(self.engine.module.lm.named_parameters(), bucket_bytes)
 
-    def full_state_dict(self) -> Optional[dict]:
-        """Every trainable tensor of the module (LM, value head, critic) on rank 0; all ranks call."""
-        gathered = self._gathered(self.engine.module.named_parameters(), DEFAULT_BUCKET_BYTES)
-        out = {n: t.clone() for n, t in gathered}
+    def full_state_dict(self, trainable_only: bool = False) -> Optional[dict]:
+        """Every tensor of the module (LM, value head, critic) on rank 0, or those that train
+        (with a LoRA adapter: the adapter, the value head, a critic); all ranks call."""
+        named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad or not trainable_only]
+        out = {n: t.clone() for n, t in self._gathered(named, DEFAULT_BUCKET_BYTES)}
         return out if self.rank == 0 else None
 
     def push_weights(self, generators: Mapping[str, object], version: int,
@@ -44,6 +47,8 @@ class WeightExporter:
         if not isinstance(generators, Mapping):  # every rank gets the same: all raise, none waits
             raise TypeError(f"learner.push_weights: generators must map replica id -> actor handle, "
                             f"got {type(generators).__name__}")
+        if self.lora is not None:
+            return self._push_adapter(generators, version)
         named = self.named_weights(bucket_bytes)
         if self.rank != 0:
             for _ in named:  # take part in the ZeRO-3 gathers
@@ -54,6 +59,16 @@ class WeightExporter:
             return sync.push(version, named, tied_embeddings=self.tied_embeddings)
         return self._kept_sync(generators, bucket_bytes).push(
             version, named, tied_embeddings=self.tied_embeddings, metadata=self._lm_metadata())
+
+    def _push_adapter(self, generators: Mapping[str, object], version: int) -> Optional[dict]:
+        """The LoRA adapter alone, in PEFT's files, to every generator; each one's proof checked."""
+        module = self.engine.module
+        named = [(n, p) for n, p in module.lm.named_parameters() if adapters.is_adapter_param(n)]
+        state = adapters.adapter_state(self._gathered(named, DEFAULT_BUCKET_BYTES))
+        if self.rank != 0:
+            return None
+        files = adapters.adapter_files(state, self.lora, module.source_path)
+        return AdapterSync(generators).push(version, files, modules=len(state) // 2)
 
     def shutdown_weight_sync(self) -> None:
         """Release the GPU transport's group (if any) on both sides; the next push forms a new one."""

@@ -24,7 +24,9 @@ from torch import nn
 from core.infra.architectures import load_pretrained
 from core.infra.dtypes import torch_dtype
 from core.logprobs import entropy_from_logits, logprobs_from_logits
+from learner import lora as adapters
 from learner.batch import Batch, response_slice
+from learner.config import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class PolicyWithValueHead(HFWrapper):
             nn.init.zeros_(value_head.weight)
             nn.init.zeros_(value_head.bias)
         self.value_head = value_head  # None: no critic (the critic-free estimators); values are 0
+        self.lora: Optional[LoraConfig] = None  # set when the LM carries a LoRA adapter (learner/lora.py)
         disable_dropout(self)
 
     def _hidden(self, body: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
@@ -188,8 +191,11 @@ class PolicyWithValueHead(HFWrapper):
 
     # ------------------------------------------------------------------ persistence
 
-    def save_pretrained(self, out_dir, state_dict: Optional[dict] = None) -> Path:
-        """Write the HF LM, the value head and (separate critic) the critic body.
+    def save_pretrained(self, out_dir, state_dict: Optional[dict] = None, *, with_lm: bool = True) -> Path:
+        """Write the HF LM, the value head and (separate critic) the critic body. With a LoRA
+        adapter the LM is written merged (in fp32, then the base's dtype) and the adapter alone
+        under ``adapter/`` in PEFT's format; ``with_lm=False`` leaves the merged LM out (a
+        resumable checkpoint keeps the adapter only).
 
         ``state_dict``: full tensors of this module (names as in ``state_dict()``); the
         learner passes one gathered from ZeRO-3 partitions, where local params are empty.
@@ -200,7 +206,13 @@ class PolicyWithValueHead(HFWrapper):
         out.mkdir(parents=True, exist_ok=True)
         sd = state_dict if state_dict is not None else self.state_dict()
         part = lambda prefix: self.state_part(prefix, sd)  # noqa: E731
-        self.lm.save_pretrained(out, state_dict=part("lm."), safe_serialization=True)
+        lm_state = part("lm.")
+        if self.lora is not None:
+            adapters.write_adapter(adapters.adapter_files(adapters.adapter_state(lm_state.items()), self.lora,
+                                                          self.source_path), out / adapters.ADAPTER_DIR)
+            lm_state = adapters.merged_state(lm_state, self.lora) if with_lm else None
+        if lm_state is not None:
+            self.lm.save_pretrained(out, state_dict=lm_state, safe_serialization=True)
         if self.value_head is not None:
             save_file(part("value_head."), str(out / VALUE_HEAD_FILE))
         if self.critic_body is not None:
@@ -214,12 +226,13 @@ class PolicyWithValueHead(HFWrapper):
 
     @classmethod
     def from_pretrained(cls, path, *, critic: str = "shared", critic_model: Optional[str] = None,
-                        dtype: str = "float32") -> "PolicyWithValueHead":
+                        dtype: str = "float32", lora: Optional[LoraConfig] = None) -> "PolicyWithValueHead":
         """Load the LM from ``path``; the value head from ``value_head.safetensors`` if present.
 
         Without a saved head: zero init (shared), or the reward model's score head
         (separate critic), the usual RLHF critic initialisation. ``critic="none"``: no value
-        head at all (a saved one is left unread).
+        head at all (a saved one is left unread). ``lora`` (enabled): a fresh adapter on the LM,
+        whose base weights are then frozen (the value head and a critic body still train).
         """
         from transformers import AutoModelForCausalLM
 
@@ -236,6 +249,9 @@ class PolicyWithValueHead(HFWrapper):
         if saved.is_file() and model.value_head is not None:
             from safetensors.torch import load_file
             model.value_head.load_state_dict(load_file(str(saved)))
+        if lora is not None and lora.enabled:
+            adapters.add_adapter(lm, lora)
+            model.lora = lora
         model.to(dtype)
         model.source_path = str(path)
         return model

@@ -46,9 +46,10 @@ class RewardModule(HFWrapper):
                                        use_cache=False).last_hidden_state
         return self.model.score(pool_last_token(hidden, attention_mask)).squeeze(-1).float()
 
-    def save_pretrained(self, out_dir, state_dict: Optional[dict] = None) -> Path:
+    def save_pretrained(self, out_dir, state_dict: Optional[dict] = None, *, with_lm: bool = True) -> Path:
         """An HF checkpoint AutoModelForSequenceClassification loads; tokenizer copied beside it.
-        ``state_dict``: full tensors named as in ``state_dict()`` (gathered under ZeRO-3)."""
+        ``state_dict``: full tensors named as in ``state_dict()`` (gathered under ZeRO-3).
+        ``with_lm``: the policy's switch for a LoRA checkpoint; a reward model is always whole."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, state_dict=self.state_part("model.", state_dict), safe_serialization=True)

@@ -48,7 +48,7 @@ class PPOObjective(Objective):
     @classmethod
     def load_module(cls, model: str, config: LearnerConfig) -> tuple:
         policy = PolicyWithValueHead.from_pretrained(model, critic=config.value_model,
-                                                     critic_model=config.critic_model)
+                                                     critic_model=config.critic_model, lora=config.lora)
         return policy, policy.lm
 
     def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None,

@@ -28,6 +28,7 @@ from learner.collectives import Collectives
 from learner.config import LearnerConfig, RankConfig
 from learner.engine import build_engine, pad_token_id
 from learner.export import WeightExporter
+from learner.lora import parameter_counts
 from learner.objective import Objective
 from learner.update import PPOObjective
 from learner.weight_sync import DEFAULT_BUCKET_BYTES
@@ -159,7 +160,13 @@ class LearnerWorker:
                 "step": self.step, "optimizer_steps": int(self.engine.global_steps) if built else 0,
                 "zero_stage": self.config.zero_stage, "backend": self.backend, "device": str(self.device),
                 "model": self.model_path, "objective": self.objective_class.name,
-                **(self._dtypes() if built else {})}
+                **(self._dtypes() if built else {}), **(self._parameters() if built else {})}
+
+    def _parameters(self) -> dict:
+        """What trains: the parameter counts (full sizes under ZeRO-3) and the adapter rank (0: none)."""
+        trainable, total = parameter_counts(self.engine.module)
+        lora = getattr(self.engine.module, "lora", None)
+        return {"trainable_parameters": trainable, "parameters": total, "lora_rank": lora.rank if lora else 0}
 
     def _dtypes(self) -> dict:
         """The dtype the model computes in, and the optimizer's (DeepSpeed bf16 keeps fp32

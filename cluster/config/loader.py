@@ -67,6 +67,8 @@ def _coerce(value, tp, key: str):
             raise ConfigError(f"config: {problem}")
         return value
     if tp is tuple or origin is tuple:
+        if isinstance(value, str) and args and args[0] is str:  # one name where a list of names goes
+            return (value,)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config: {key} must be a list, got {value!r}")
         return tuple(value)

@@ -9,6 +9,8 @@ own function objects rather than by name strings.
 The learner calls them on Ray actor handles, in this order:
 
 * "cpu" transport, every push: ``load_weights(version, buckets)`` on every generator at once.
+* A LoRA adapter, every push and on every transport: ``load_adapter(version, files)`` on every
+  generator at once (the adapter is megabytes: it always travels through the object store).
 * "nccl" and "ipc" transports (vLLM's weight-transfer API), once per group:
   ``weight_transfer_gpus(transport)``, then ``init_weight_transfer(info)`` (all generators
   concurrently; NCCL: each blocks until every rank has joined); every push: ``version()``, then
@@ -19,6 +21,7 @@ The learner calls them on Ray actor handles, in this order:
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Protocol
 
 # The Ray concurrency group in which a generator actor takes weight updates, so that a
@@ -34,6 +37,14 @@ class WeightReceiver(Protocol):
         """CPU transport: reload the policy in place from safetensors-serialised ``buckets`` and
         record ``version``. Returns at least {"version": version}, plus "seconds",
         "wait_seconds" (for the engine's turn), "tensors" and "bytes"."""
+
+    def load_adapter(self, version: int, files: dict[str, bytes]) -> dict:
+        """Serve the policy as the base model plus the LoRA adapter in ``files`` (PEFT's
+        ``adapter_config.json`` and ``adapter_model.safetensors``: file name -> bytes) from now on,
+        as ``version``. Returns the proof of what the engine holds: {"version", "checksum"
+        (``adapter_checksum`` of the files received), "bound" (adapter modules the engine bound
+        to its layers), "unbound" and "stale" (adapter modules it did not bind, or holds other
+        tensors for: both empty when the push landed)}, plus "seconds", "wait_seconds", "bytes"."""
 
     def version(self) -> int:
         """The policy version loaded now (GPU transports: checked before a round touches any generator)."""
@@ -63,7 +74,8 @@ class WeightReceiver(Protocol):
 
 
 # The calls that change the weights run in WEIGHT_UPDATE_GROUP; the others in the actor's default group.
-IN_UPDATE_GROUP = frozenset({"load_weights", "start_weight_update", "update_weights", "finish_weight_update"})
+IN_UPDATE_GROUP = frozenset({"load_weights", "load_adapter", "start_weight_update", "update_weights",
+                             "finish_weight_update"})
 
 
 def remote_method(handle, method: Callable):
@@ -75,3 +87,12 @@ def remote_method(handle, method: Callable):
         raise TypeError(f"{name} is not a method of the weight contract (core.infra.weights.WeightReceiver)")
     bound = getattr(handle, name)
     return bound.options(concurrency_group=WEIGHT_UPDATE_GROUP) if name in IN_UPDATE_GROUP else bound
+
+
+def adapter_checksum(files: dict[str, bytes]) -> str:
+    """One digest of an adapter's files: the learner's of what it sent, a generator's of what it received."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode())
+        digest.update(files[name])
+    return digest.hexdigest()[:16]

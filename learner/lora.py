@@ -1,0 +1,156 @@
+"""LoRA adapters on the learner's policy, through PEFT's low-level API.
+
+The adapter layers are injected into the Hugging Face model in place (``inject_adapter_in_model``),
+not wrapped in a ``PeftModel``: the policy keeps its HF module tree, so the value head, the
+saving code and every family's forward stay as they are, and only the adapter's parameters
+require gradients (the optimizer holds their state alone). ``B`` starts at zero, so version 0 of
+the policy is the base model exactly.
+
+What leaves the learner is the adapter in PEFT's own format (``adapter_config.json`` and
+``adapter_model.safetensors`` with ``base_model.model.`` names): the generators load it as a
+vLLM LoRA adapter, and transformers and vLLM load the exported one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from core.infra.errors import UserError
+from learner.config import LoraConfig
+
+ADAPTER_DIR = "adapter"  # beside a saved policy: the adapter alone, in PEFT's format
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before the HF names
+
+
+def peft_config(lora: LoraConfig):
+    """PEFT's LoraConfig for ``lora`` (a causal-LM task: exported adapters load with PeftModel)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = lora.target_modules
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+                          target_modules="all-linear" if targets == ("all-linear",) else list(targets),
+                          init_lora_weights=True if lora.init == "default" else "gaussian", bias="none")
+
+
+def check_base(model_config, key: str = "model.policy") -> None:
+    """A quantized base cannot take tether's adapters: its weights are not the ones the
+    generators serve under the adapter, nor ones DeepSpeed can hold frozen."""
+    quant = getattr(model_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+        raise UserError(f"{key} is quantized ({method}); learner.lora trains adapters on a bf16 or fp32 base: use "
+                        "the unquantized checkpoint, or set learner.lora.rank=0")
+
+
+def add_adapter(lm: nn.Module, lora: LoraConfig, key: str = "learner.lora.target_modules") -> nn.Module:
+    """Inject ``lora``'s adapter into ``lm`` in place and freeze everything else in it.
+
+    Raises UserError when the target modules match no module of the model."""
+    from peft import inject_adapter_in_model
+
+    check_base(lm.config)
+    try:
+        inject_adapter_in_model(peft_config(lora), lm)
+    except ValueError as e:  # PEFT's NoMatchingPeftModuleError is a ValueError
+        if "not found in the base model" not in str(e):
+            raise
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear)})
+        raise UserError(f"{key}={list(lora.target_modules)} matches no module of {type(lm).__name__}; its linear "
+                        f"layers are {names} (or use all-linear)") from None
+    return lm
+
+
+def adapter_layers(module: nn.Module) -> list:
+    """The PEFT adapter layers inside ``module``."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def has_adapter(module: nn.Module) -> bool:
+    return bool(adapter_layers(module))
+
+
+@contextlib.contextmanager
+def adapter_disabled(module: nn.Module):
+    """The base model's forward: every adapter of ``module`` switched off inside the block."""
+    layers = adapter_layers(module)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_state(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """PEFT's saved names and CPU tensors of the adapter among ``named`` (the LM's parameters,
+    full tensors: gathered under ZeRO-3): ``base_model.model.<module>.lora_A.weight``."""
+    state = {n: t.detach().to("cpu").contiguous() for n, t in named if is_adapter_param(n)}
+    return {PEFT_PREFIX + n: t for n, t in _strip_adapter_name(state).items()}
+
+
+def _strip_adapter_name(state: dict) -> dict:
+    """``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``: PEFT's saved names carry
+    no adapter name (the in-model ones do: ``default``, the only adapter tether injects)."""
+    return {n.replace(".default.", "."): t for n, t in state.items()}
+
+
+def adapter_files(state: dict[str, torch.Tensor], lora: LoraConfig, base: Optional[str]) -> dict[str, bytes]:
+    """The adapter as the bytes of PEFT's two files: {file name: bytes}."""
+    from safetensors.torch import save
+
+    config = peft_config(lora).to_dict()
+    config["base_model_name_or_path"] = base
+    # PEFT's "all-linear" names are resolved per model when it injects; vLLM and PeftModel read the
+    # list, so the saved config names the modules that got an adapter.
+    config["target_modules"] = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in state})
+    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+    return {CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True, default=str).encode(),
+            WEIGHTS_FILE: save(state, metadata={"format": "pt"})}
+
+
+def write_adapter(files: dict[str, bytes], out_dir) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, blob in files.items():
+        (out / name).write_bytes(blob)
+    return out
+
+
+def merged_state(state: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The LM's full state with each adapter folded into its base weight, in fp32 (one rounding to
+    the base's dtype at the end, not one per step): W + (alpha / r) B A. ``state``: the LM's HF
+    names with the in-model adapter layers' names (``q_proj.base_layer.weight``, ``q_proj.lora_A.default.weight``)."""
+    scale = lora.alpha / lora.rank
+    out = {}
+    for name, tensor in state.items():
+        if is_adapter_param(name):
+            continue
+        module, _, leaf = name.rpartition(".base_layer.")
+        if not module:
+            out[name] = tensor
+            continue
+        a, b = state[f"{module}.lora_A.default.weight"], state[f"{module}.lora_B.default.weight"]
+        if leaf == "weight":
+            tensor = (tensor.float() + (b.float() @ a.float()) * scale).to(tensor.dtype)
+        out[f"{module}.{leaf}"] = tensor
+    return out
+
+
+def parameter_counts(module: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters; under ZeRO-3 a parameter's full size is its ``ds_numel``."""
+    numel = lambda p: int(getattr(p, "ds_numel", p.numel()))  # noqa: E731
+    params = list(module.parameters())
+    return sum(numel(p) for p in params if p.requires_grad), sum(numel(p) for p in params)
