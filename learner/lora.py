@@ -66,6 +66,18 @@ def add_adapter(lm: nn.Module, lora: LoraConfig, key: str = "learner.lora.target
     return lm
 
 
+def check_targets(model_config, lora: LoraConfig) -> int:
+    """The adapter modules ``lora`` puts on a model of ``model_config``, found on an empty (meta)
+    copy of it: a quantized base, or targets that match nothing, raise UserError before any
+    actor starts. Returns the number of adapted modules."""
+    from transformers import AutoModelForCausalLM
+
+    check_base(model_config)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(model_config)
+    return len(adapter_layers(add_adapter(lm, lora)))
+
+
 def adapter_layers(module: nn.Module) -> list:
     """The PEFT adapter layers inside ``module``."""
     from peft.tuners.tuners_utils import BaseTunerLayer

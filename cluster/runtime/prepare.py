@@ -148,7 +148,11 @@ def prepare(cfg):
     with user_input():
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     check_same_vocabulary(tokenizer, tokenizer_path, policy)
-    check_policy_config(check_vocabulary(tokenizer, tokenizer_path, policy, "model.policy"))
+    policy_config = check_vocabulary(tokenizer, tokenizer_path, policy, "model.policy")
+    check_policy_config(policy_config)
+    if cfg.learner.lora.enabled:
+        from learner.lora import check_targets
+        check_targets(policy_config, cfg.learner.lora)
     if cfg.reward.model:
         check_reward_model(cfg.reward.model, tokenizer, tokenizer_path)
         if cfg.reward.normalize:  # the actors would fail on it one by one: refuse here, in one line

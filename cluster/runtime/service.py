@@ -91,13 +91,14 @@ def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, re
     """The driver's loop from the control actor to the final checkpoint, status.json at each turn."""
     from cluster.runtime.loop.driver import Driver
     from cluster.runtime.observe.metrics import RunMetrics
-    from cluster.runtime.pools.launch import actor_dtypes
+    from cluster.runtime.pools.launch import actor_dtypes, learner_line
     from cluster.runtime.pools.placement import actor_nodes, actors_line
 
     actors, nodes = pools.actor_names(), actor_nodes(pools)
     log.info("actors: %s", actors_line(nodes))
     control, control_info = start_control(run_dir, pools)
     dtypes = actor_dtypes(pools)
+    log.info(learner_line(pools))
     write_status(run_dir, "running", actors=actors, nodes=nodes, control=control_info, dtypes=dtypes)
     metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every, tensorboard=cfg.run.tensorboard)
     driver = Driver(cfg, pools=pools, dataset=inputs["dataset"], eval_dataset=inputs["eval_dataset"],

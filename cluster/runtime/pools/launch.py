@@ -67,7 +67,8 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
     def generator(rid, index, options):
         return generator_actor().options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,
                                          runtime_env=env("generator"), **options).remote(
-            model=policy_path, name=rid, sampling=g.sampling, engine=replace(g.engine, dtype=dtype["generator"]),
+            model=policy_path, name=rid, sampling=g.sampling,
+            engine=replace(g.engine, dtype=dtype["generator"], max_lora_rank=cfg.engine_lora_rank()),
             tensor_parallel=g.tensor_parallel,
             weight_sync=cfg.learner.weight_sync, partial_rollouts=cfg.run.mode == "async" and g.partial_rollouts)
 
@@ -113,6 +114,15 @@ def actor_dtypes(pools) -> dict[str, str]:
         if "dtype" in h:
             out[f"learner-{rank}"] = f"{h['dtype']} (master weights {h['master_dtype']})"
     return out
+
+
+def learner_line(pools) -> str:
+    """What the learner trains, for the start-up log: its parameters, and the adapter's rank."""
+    h = pools.learner.health()[0]
+    share = h["trainable_parameters"] / max(h["parameters"], 1)
+    what = f"a LoRA adapter of rank {h['lora_rank']}" if h["lora_rank"] else "every parameter"
+    return (f"learner: trains {what}: {h['trainable_parameters']:,} of {h['parameters']:,} parameters "
+            f"({share:.2%})")
 
 
 def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, columns=None) -> Pools:

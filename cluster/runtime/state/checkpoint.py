@@ -24,11 +24,13 @@ RESUME_DIR = "checkpoints/resume"
 # Settings a checkpoint's meaning depends on: a resume that changes one is refused.
 PINNED_KEYS = ("model.policy", "model.tokenizer", "learner.replicas", "learner.zero_stage",
                "data.path", "data.field", "data.seed", "data.prompts_per_step", "data.eval_prompts",
-               "generator.sampling.n", "reference.model", "learner.dtype", "learner.critic")
+               "generator.sampling.n", "reference.model", "learner.dtype", "learner.critic",
+               "learner.lora.rank", "learner.lora.alpha", "learner.lora.target_modules")
 # Pinned as resolved, not as written: model.dtype=auto may differ on another machine, and a
 # null critic follows ppo.advantage (the learner state holds a value model or not).
 RESOLVED = {"learner.dtype": lambda cfg: cfg.precision()["learner"][0],
-            "learner.critic": lambda cfg: cfg.learner_config().value_model}
+            "learner.critic": lambda cfg: cfg.learner_config().value_model,
+            "learner.lora.target_modules": lambda cfg: list(cfg.learner.lora.target_modules)}  # as JSON keeps it
 
 
 class CheckpointError(InputError):
