@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 # What the console shows before the first step: tether's own start-up lines (the libraries'
 # go to the run folder's library.log and Ray's worker logs unless run.library_logs=true).
 TETHER_START_UP = re.compile(r"\d\d:\d\d:\d\d (run folder: |(sync|async) PPO, |library logs: |threads per actor: |"
-                             r"precision: |actors: |start-up: |step 0: )")
+                             r"precision: |actors: |learner: trains |start-up: |step 0: )")
 
 
 def first_screen(console: str) -> list[str]:
