@@ -130,8 +130,16 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
-    def engine_rank(self) -> int:
-        """The smallest adapter rank a vLLM engine can be started with that serves ``rank``."""
+    def engine_rank(self, served: int = 0) -> int:
+        """The adapter rank the generators' engines start with: ``served`` (generator.engine.max_lora_rank)
+        when set, else the smallest rank vLLM serves that holds ``rank``; 0 without adapters."""
+        if self.enabled and served and self.rank > served:
+            wanted = next(r for r in ENGINE_LORA_RANKS if r >= self.rank)
+            _fail(f"learner.lora.rank={self.rank} is above generator.engine.max_lora_rank={served}, the largest "
+                  f"adapter rank the generators' engines serve; raise max_lora_rank to {wanted} or set it to 0 to "
+                  "follow learner.lora.rank")
+        if served or not self.enabled:
+            return served
         return next(r for r in ENGINE_LORA_RANKS if r >= self.rank)
 
     def validate(self, world_size: int = 1) -> None:
@@ -381,11 +389,7 @@ class LearnerConfig(RankConfig):
         if "betas" in optim:
             optim["betas"] = tuple(optim["betas"])
         optim = _from_dict(OptimConfig, optim, "learner.optim")
-        lora = dict(data.pop("lora", {}) or {})
-        if isinstance(lora.get("target_modules"), (list, str)):
-            tm = lora["target_modules"]
-            lora["target_modules"] = (tm,) if isinstance(tm, str) else tuple(tm)
-        lora = _from_dict(LoraConfig, lora, "learner.lora")
+        lora = _from_dict(LoraConfig, dict(data.pop("lora", {}) or {}), "learner.lora")
         ppo = _from_dict(PPOConfig, dict(data.pop("ppo", {}) or {}), "learner.ppo")
         cfg = _from_dict(cls, {**data, "optim": optim, "lora": lora, "ppo": ppo}, "learner")
         cfg.validate(world_size)

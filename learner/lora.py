@@ -32,7 +32,7 @@ def peft_config(lora: LoraConfig):
     """PEFT's LoraConfig for ``lora`` (a causal-LM task: exported adapters load with PeftModel)."""
     from peft import LoraConfig as PeftLoraConfig
 
-    targets = lora.target_modules
+    targets = (lora.target_modules,) if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
     return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
                           target_modules="all-linear" if targets == ("all-linear",) else list(targets),
                           init_lora_weights=True if lora.init == "default" else "gaussian", bias="none")

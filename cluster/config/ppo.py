@@ -243,12 +243,6 @@ class TetherConfig(RootConfig):
                              max_new_tokens=self.generator.sampling.max_new_tokens,
                              kl_loss_estimator=self.ppo.kl.estimator if self.ppo.kl.placement == "loss" else None)
 
-    def engine_lora_rank(self) -> int:
-        """The adapter rank the generators' engines are started with: generator.engine.max_lora_rank,
-        else what learner.lora.rank needs (0: no adapters)."""
-        lora = self.learner.lora
-        return self.generator.engine.max_lora_rank or (lora.engine_rank() if lora.enabled else 0)
-
     @property
     def rollouts_per_step(self) -> int:
         """One step's batch: data.prompts_per_step prompts x generator.sampling.n samples each."""
@@ -292,11 +286,11 @@ def validate(cfg: TetherConfig) -> None:
                           "buffer.timeout_s > 0")
     _check_data(cfg.data)
     _check_lengths(cfg.generator, cfg.data.max_prompt_tokens)
-    _check_lora(cfg)
     _check_kl(cfg.ppo.kl)
     check_step(cfg)
     try:
         cfg.learner_config().validate(world_size=cfg.learner.replicas, ppo_at="ppo")
+        cfg.learner.lora.engine_rank(cfg.generator.engine.max_lora_rank)  # the engines serve the adapter
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
     _check_ptx(cfg)
@@ -391,15 +385,6 @@ def check_run_name(name: Optional[str]) -> None:
     if "/" in name or "\\" in name or name in (".", ".."):
         raise ConfigError(f"config: run.name={name!r} must be a plain folder name (no '/', '\\' or '..'); "
                           "put the parent directory in run.dir")
-
-
-def _check_lora(cfg: TetherConfig) -> None:
-    """The generators' engines must serve the adapter the learner trains."""
-    lora, served = cfg.learner.lora, cfg.generator.engine.max_lora_rank
-    if lora.enabled and served and lora.rank > served:
-        raise ConfigError(f"config: learner.lora.rank={lora.rank} is above generator.engine.max_lora_rank={served}, "
-                          f"the largest adapter rank the generators' engines serve; raise max_lora_rank to "
-                          f"{lora.engine_rank()} or set it to 0 to follow learner.lora.rank")
 
 
 def _check_lengths(gen: GeneratorPoolConfig, max_prompt_tokens: Optional[int]) -> None:

@@ -28,7 +28,8 @@ def shape(function) -> tuple:
 
 
 def test_the_contract_lists_the_transports_calls():
-    assert CONTRACT == ["finish_weight_update", "init_weight_transfer", "load_weights", "shutdown_weight_transfer",
+    assert CONTRACT == ["finish_weight_update", "init_weight_transfer", "load_adapter", "load_weights",
+                        "shutdown_weight_transfer",
                         "start_weight_update", "update_weights", "version", "weight_transfer_gpus"]
     assert IN_UPDATE_GROUP <= set(CONTRACT)
 

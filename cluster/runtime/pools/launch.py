@@ -63,12 +63,13 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
     g, r, w, t = cfg.generator, cfg.reference, cfg.reward, cfg.resources.placement_timeout_s
     env = lambda pool: {"env_vars": pool_env(cfg, pool, threads[pool])}  # noqa: E731
     dtype = {role: d for role, (d, _) in cfg.precision().items()}
+    lora_rank = cfg.learner.lora.engine_rank(g.engine.max_lora_rank)  # 0: the engines serve no adapter
 
     def generator(rid, index, options):
         return generator_actor().options(name=rid, num_cpus=g.num_cpus, num_gpus=g.num_gpus,
                                          runtime_env=env("generator"), **options).remote(
             model=policy_path, name=rid, sampling=g.sampling,
-            engine=replace(g.engine, dtype=dtype["generator"], max_lora_rank=cfg.engine_lora_rank()),
+            engine=replace(g.engine, dtype=dtype["generator"], max_lora_rank=lora_rank),
             tensor_parallel=g.tensor_parallel,
             weight_sync=cfg.learner.weight_sync, partial_rollouts=cfg.run.mode == "async" and g.partial_rollouts)
 
