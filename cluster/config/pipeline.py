@@ -11,6 +11,7 @@ from typing import Optional
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.ppo import RewardPoolConfig, TetherConfig, check_run_name, validate
 from cluster.config.stages import RMConfig, SFTConfig
+from cluster.config.tracking import TRACKERS_HELP, TrackingConfig, tracker_names
 from core.choices import PairLabels
 from core.infra.schema import config_class, setting
 
@@ -33,6 +34,11 @@ class PipelineRunConfig:
     """The pipeline folder."""
     dir: str = setting("runs", "the pipeline folder is created under this directory")
     name: Optional[str] = setting(None, "pipeline folder name; default: timestamp")
+    trackers: tuple[str, ...] = setting((), TRACKERS_HELP + "; every stage's, replacing the stages' own")
+    tracking: TrackingConfig
+
+    def tracker_names(self) -> tuple[str, ...]:
+        return tracker_names(self.trackers)
 
 
 @config_class

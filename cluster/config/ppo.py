@@ -24,6 +24,7 @@ from cluster.config.reward_http import RewardHTTPConfig, check_reward_http
 from cluster.config.reward_judge import JudgeConfig
 from cluster.config.reward_sandbox import SandboxConfig, check_sandbox
 from cluster.config.step import check_step
+from cluster.config.tracking import TRACKERS_HELP, TrackingConfig, tracker_names
 from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
 from core.infra.dtypes import resolve_precision
 from core.infra.schema import config_class, setting
@@ -194,12 +195,17 @@ class RunConfig:
                                           "named run.name)")
     samples_every: int = setting(5, "steps between samples.jsonl dumps")
     plot_every: int = setting(1, "steps between redraws of plots/*.png (0 = no plots)")
-    tensorboard: bool = setting(False, "also write TensorBoard event files (pip install tensorboard)")
+    tensorboard: bool = setting(False, "alias: adds tensorboard to run.trackers (event files in tensorboard/)")
+    trackers: tuple[str, ...] = setting((), TRACKERS_HELP)
+    tracking: TrackingConfig
     library_logs: bool = setting(False, "show vLLM / Hugging Face / DeepSpeed console logs "
                                         "(off: tether's own lines only)")
     alarm_window: int = setting(10, "steps the over-optimisation alarms look back over "
                                     "(cluster/runtime/observe/alarms.py); 0 = off")
     seed: int = setting(0, "seeds the learner (minibatch shuffling, value-head init) and the PTX rows")
+
+    def tracker_names(self) -> tuple[str, ...]:
+        return tracker_names(self.trackers, self.tensorboard)
 
 
 @config_class

@@ -13,6 +13,7 @@ from cluster.config import loader
 from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.ppo import BUILTIN_POLICY, LearnerPoolConfig, ResourcesConfig, check_run_name
+from cluster.config.tracking import TRACKERS_HELP, TrackingConfig, tracker_names
 from core.infra.schema import config_class, setting
 from learner.config import SupervisedConfig, TrainerConfig
 
@@ -74,6 +75,11 @@ class StageRunConfig:
     name: Optional[str] = setting(None, "run folder name; default: timestamp")
     seed: int = setting(0, "seeds the learner (score-head init)")
     library_logs: bool = setting(False, "show Hugging Face / DeepSpeed console logs")
+    trackers: tuple[str, ...] = setting((), TRACKERS_HELP)
+    tracking: TrackingConfig
+
+    def tracker_names(self) -> tuple[str, ...]:
+        return tracker_names(self.trackers)
 
 
 @config_class

@@ -28,6 +28,7 @@ from cluster.job.errors import UserError
 from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.startup import check_fits, connect_ray
 from cluster.recipes.stage import run_stage
+from cluster.runtime.observe.trackers import check_trackers, tracking_uri
 
 log = logging.getLogger("tether")
 PAIRS_FILE = "pairs.jsonl"
@@ -101,9 +102,19 @@ def run(cfg: PipelineConfig) -> str:
             f"{summary['rm']['eval_accuracy']:.2f}; wall time {shown}; folder {root}")
 
 
+def with_trackers(stage_cfg, cfg: PipelineConfig, root: Path):
+    """A stage's config with the pipeline's trackers: one group (the pipeline folder's name unless
+    run.tracking.group says) and, unless set, one local MLflow store, the pipeline folder's."""
+    t = cfg.run.tracking
+    tracking = replace(t, group=t.group or root.name, mlflow_uri=tracking_uri(t.mlflow_uri, root))
+    return replace(stage_cfg, run=replace(stage_cfg.run, trackers=cfg.run.trackers, tracking=tracking))
+
+
 def check_inputs(cfg: PipelineConfig) -> None:
     """What would fail only after SFT, refused before it starts."""
     from actors.reward import load_function
+
+    check_trackers(cfg.run, run_dir=Path(cfg.run.dir) / (cfg.run.name or "pipeline"), stage="pipeline")
 
     if not has_gold_key():
         log.warning("warning: this checkout's PPO config has no reward.gold; eval/gold_score will be missing")
@@ -124,8 +135,8 @@ def run_stages(cfg: PipelineConfig, root: Path, seconds: dict, summary: dict) ->
 
     dirs = stage_dirs(root)
     with timed(seconds, "sft"):
-        sft_final = run_stage(replace(cfg.sft, run=replace(cfg.sft.run, dir=str(root), name="sft")),
-                              objective=sft.OBJECTIVE, prepare=sft.prepare, train=sft.train)
+        sft_cfg = with_trackers(replace(cfg.sft, run=replace(cfg.sft.run, dir=str(root), name="sft")), cfg, root)
+        sft_final = run_stage(sft_cfg, stage="sft", objective=sft.OBJECTIVE, prepare=sft.prepare, train=sft.train)
     write_status(root, "running", stage="pairs", seconds=seconds)
     with timed(seconds, "pairs"):
         summary["pairs"] = sample_pairs(cfg, sft_final["checkpoint"], dirs["pairs"])
@@ -137,13 +148,14 @@ def run_stages(cfg: PipelineConfig, root: Path, seconds: dict, summary: dict) ->
         rm_cfg = replace(cfg.rm, model=replace(cfg.rm.model, base=str(dirs["sft"])),
                          data=replace(cfg.rm.data, path=str(dirs["pairs"])),
                          run=replace(cfg.rm.run, dir=str(root), name="rm"))
-        rm_final = run_stage(rm_cfg, objective=reward_model.OBJECTIVE, prepare=reward_model.prepare,
-                             train=reward_model.train)
+        rm_final = run_stage(with_trackers(rm_cfg, cfg, root), stage="rm", objective=reward_model.OBJECTIVE,
+                             prepare=reward_model.prepare, train=reward_model.train)
     summary["rm"] = {k: rm_final[k] for k in ("first_eval_accuracy", "eval_accuracy")}
     write_status(root, "running", stage="ppo", seconds=seconds)
     with timed(seconds, "ppo"):
-        ppo_final = service.run(linked_rl(cfg.rl, policy=sft_final["checkpoint"], reward_model=rm_final["checkpoint"],
-                                          gold=cfg.pairs.gold, run_dir=str(root)))
+        rl = linked_rl(cfg.rl, policy=sft_final["checkpoint"], reward_model=rm_final["checkpoint"],
+                       gold=cfg.pairs.gold, run_dir=str(root))
+        ppo_final = service.run(with_trackers(rl, cfg, root))
     summary["ppo"] = {k: v for k, v in ppo_final.items() if isinstance(v, (int, float))}
 
 

@@ -80,6 +80,6 @@ def score_stats(group, pairs: list, world_size: int) -> dict:
 
 
 def run(cfg: RMConfig) -> str:
-    final = run_stage(cfg, objective=OBJECTIVE, prepare=prepare, train=train)
+    final = run_stage(cfg, stage="rm", objective=OBJECTIVE, prepare=prepare, train=train)
     return (f"rm/eval_accuracy {final['first_eval_accuracy']:.3f} -> {final['eval_accuracy']:.3f}; "
             f"checkpoint {final['checkpoint']}")

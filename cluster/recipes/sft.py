@@ -56,6 +56,6 @@ def train(group, p: dict, metrics, run_dir) -> dict:
 
 
 def run(cfg: SFTConfig) -> str:
-    final = run_stage(cfg, objective=OBJECTIVE, prepare=prepare, train=train)
+    final = run_stage(cfg, stage="sft", objective=OBJECTIVE, prepare=prepare, train=train)
     return (f"sft/eval_loss {final['first_eval_loss']:.3f} -> {final['eval_loss']:.3f}; "
             f"checkpoint {final['checkpoint']}")

@@ -19,6 +19,8 @@ from cluster.job.command import job_main
 from cluster.job.errors import UserError
 from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.startup import connect_ray
+from cluster.runtime.observe.metrics import json_line, numbers  # the PPO run's JSON rules (NaN, numpy scalars)
+from cluster.runtime.observe.trackers import TrackerSet, check_trackers, open_trackers
 from cluster.runtime.pools.threads import node_cores, thread_env
 from cluster.runtime.prepare import resolve_model
 from core.infra.errors import user_input
@@ -100,40 +102,46 @@ def prepare_rows(cfg, *, fields: dict, builtin: str, noun: str) -> dict:
 
 
 class StageMetrics:
-    """metrics.jsonl of a stage: one JSON object per line, ``step`` = optimizer steps so far."""
+    """metrics.jsonl of a stage: one JSON object per line, ``step`` = optimizer steps so far; the
+    same rows to the stage's experiment trackers."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, trackers: TrackerSet) -> None:
         self._f = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.trackers = trackers
 
     def log(self, step: int, metrics: dict) -> None:
-        from cluster.runtime.observe.metrics import json_line  # the PPO run's JSON rules (NaN, numpy scalars)
         self._f.write(json_line({"step": int(step), "time": time.time(), **metrics}) + "\n")
         self._f.flush()
+        self.trackers.log(int(step), numbers(metrics))
 
-    def close(self) -> None:
+    def close(self, checkpoint: str) -> None:
         self._f.close()
+        self.trackers.finish("finished", checkpoint=checkpoint)
 
 
-def run_stage(cfg, *, objective: type, prepare: Callable, train: Callable) -> dict:
+def run_stage(cfg, *, stage: str, objective: type, prepare: Callable, train: Callable) -> dict:
     """``prepare(cfg)`` (refusing user input with UserErrors), a run folder, a learner group
-    training ``objective`` (learner/objective.py), then ``train(group, prepared, metrics, run_dir) -> final``."""
+    training ``objective`` (learner/objective.py), then ``train(group, prepared, metrics, run_dir) -> final``;
+    ``stage`` (sft, rm) names it to the experiment trackers."""
     from cluster.runtime.pools.pool import quiet_libraries
 
     if not cfg.run.library_logs:
         quiet_libraries()
+    check_trackers(cfg.run, run_dir=Path(cfg.run.dir) / (cfg.run.name or stage), stage=stage)
     prepared = prepare(cfg)
     run_dir = make_run_dir(cfg)
     log.info("run folder: %s (resolved config in config.yaml)", run_dir)
     # ExitStack first: the status is written before the group and its reservation go
     with ExitStack() as cleanup, running(run_dir):
+        trackers = cleanup.enter_context(open_trackers(cfg.run, run_dir=run_dir, stage=stage, config=cfg.to_dict()))
         ray_logs = connect_ray(cfg)
         if ray_logs and not cfg.run.library_logs:
             log.info("library logs: the learner ranks' in Ray's worker logs under %s (run.library_logs=true shows "
                      "them here)", ray_logs)
-        metrics = StageMetrics(run_dir)
+        metrics = StageMetrics(run_dir, trackers)
         group = learner_group(cfg, objective, prepared["base"], cleanup)
         final = train(group, prepared, metrics, run_dir)
-        metrics.close()
+        metrics.close(final["checkpoint"])
         write_status(run_dir, "succeeded", checkpoint=final["checkpoint"],
                      final={k: v for k, v in final.items() if isinstance(v, (int, float))})
         return final

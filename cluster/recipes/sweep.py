@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cluster.config.pipeline import PipelineConfig, linked_rl
 from cluster.job.errors import UserError
-from cluster.recipes.pipeline import stage_dirs
+from cluster.recipes.pipeline import stage_dirs, with_trackers
 from cluster.recipes.stage import resolve_base
 
 log = logging.getLogger("tether")
@@ -79,7 +79,7 @@ def sweep(cfg: PipelineConfig, betas: list[float]) -> str:
             raise UserError(f"{run_dir} holds an unfinished run; delete it to rerun beta={beta:g}")
         rl = linked_rl(cfg.rl, policy=sft_final, reward_model=rm_final, gold=cfg.pairs.gold, run_dir=str(out),
                        name=run_dirname(beta))
-        rl = replace(rl, ppo=replace(rl.ppo, kl=replace(rl.ppo.kl, beta=beta, target=None)))
+        rl = replace(with_trackers(rl, cfg, root), ppo=replace(rl.ppo, kl=replace(rl.ppo.kl, beta=beta, target=None)))
         validate(rl)
         log.info("sweep: PPO at fixed beta=%g -> %s", beta, run_dir)
         service.run(rl)

@@ -130,12 +130,6 @@ def prepare(cfg):
     """Everything that can fail on user input, before any actor starts."""
     from transformers import AutoTokenizer
 
-    if cfg.run.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise UserError("run.tensorboard is true but the tensorboard package is missing; "
-                            "pip install tensorboard (or set run.tensorboard=false)") from None
     policy = resolve_model(cfg.model.policy)
     # Reward problems surface here, in the driver, not as a dead actor a minute later.
     from actors.reward import load_function

@@ -11,6 +11,7 @@ from cluster.job.errors import Stopped, UserError
 from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.signals import StopSignals
 from cluster.job.startup import StartupClock, check_fits, connect_ray
+from cluster.runtime.observe.trackers import check_trackers, open_trackers
 from cluster.runtime.prepare import prepare, prepare_ptx
 from core.infra.architectures import unsupported_model
 
@@ -39,6 +40,7 @@ def _run(cfg, overrides: Sequence[str], library_log) -> dict:
     with ExitStack() as cleanup, running(run_dir, interrupted=lambda: _interrupted(run_dir)):
         if library_log is not None:
             library_log.open(run_dir)
+        trackers = cleanup.enter_context(open_trackers(cfg.run, run_dir=run_dir, stage="ppo", config=cfg.to_dict()))
         ray_logs = connect_ray(cfg)
         if library_log is not None:
             log.info(library_log.where(ray_logs))
@@ -54,7 +56,7 @@ def _run(cfg, overrides: Sequence[str], library_log) -> dict:
             raise UserError(refused) from None
         cleanup.callback(pools.shutdown)
         startup.lap("pools")
-        return _train(cfg, run_dir, pools, inputs, startup, reused_dir=reused_dir, resume_from=resume_from)
+        return _train(cfg, run_dir, pools, inputs, startup, trackers, reused_dir=reused_dir, resume_from=resume_from)
 
 
 def _prepare(cfg, overrides: Sequence[str]) -> tuple:
@@ -63,6 +65,7 @@ def _prepare(cfg, overrides: Sequence[str]) -> tuple:
     from cluster.runtime.state.resume import resume_source, resumed_config
 
     reused_dir, resume_from = resume_source(cfg)  # before loading anything it may refuse
+    check_trackers(cfg.run, run_dir=reused_dir or Path(cfg.run.dir) / (cfg.run.name or "run"), stage="ppo")
     if resume_from is not None:  # the pools as they were scaled, unless the command line says
         cfg = resumed_config(cfg, resume_from, overrides)
     policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
@@ -87,7 +90,8 @@ def _interrupted(run_dir: Path) -> dict:
     return {"resumable": latest is not None, "checkpoint": str(latest)}
 
 
-def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, reused_dir, resume_from) -> dict:
+def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, trackers, *, reused_dir,
+           resume_from) -> dict:
     """The driver's loop from the control actor to the final checkpoint, status.json at each turn."""
     from cluster.runtime.loop.driver import Driver
     from cluster.runtime.observe.metrics import RunMetrics
@@ -100,7 +104,7 @@ def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, re
     dtypes = actor_dtypes(pools)
     log.info(learner_line(pools))
     write_status(run_dir, "running", actors=actors, nodes=nodes, control=control_info, dtypes=dtypes)
-    metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every, tensorboard=cfg.run.tensorboard)
+    metrics = RunMetrics(run_dir=run_dir, plot_every=cfg.run.plot_every, trackers=trackers)
     driver = Driver(cfg, pools=pools, dataset=inputs["dataset"], eval_dataset=inputs["eval_dataset"],
                     tokenizer=inputs["tokenizer"], metrics=metrics, ptx=inputs["ptx"], control=control)
     resumed = {}
@@ -118,13 +122,13 @@ def _train(cfg, run_dir: Path, pools, inputs: dict, startup: StartupClock, *, re
         final = driver.run()
     if signals.received:
         path = driver.checkpoint() if driver.step_count else None
-        metrics.close()
+        metrics.close("stopped")
         write_status(run_dir, "stopped", step=driver.step_count, resumable=path is not None,
                      checkpoint=str(path), **resumed)
         raise Stopped(f"stopped at step {driver.step_count}; continue with: python -m cluster.train "
                       f"run.resume={run_dir}", signals.exit_code, run_dir=run_dir)
     final_dir = driver.save_checkpoint("final")
-    metrics.close()
+    metrics.close("finished", checkpoint=final_dir)
     # where the actors are now: a lost replica's replacement may run elsewhere
     write_status(run_dir, "succeeded", steps=cfg.run.steps, checkpoint=final_dir, actors=pools.actor_names(),
                  nodes=actor_nodes(pools), dtypes=dtypes,

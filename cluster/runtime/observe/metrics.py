@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from cluster.runtime.observe.alarms import alarm_words
 from cluster.runtime.observe.metric_set import METRICS, PER_SOURCE, PER_SOURCE_MEANING, TAG_KEYS, metric_name
+from cluster.runtime.observe.trackers import TrackerSet
 from core.infra.files import write_atomic
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,11 @@ def json_line(obj: Any) -> str:
     return json.dumps(_jsonable(obj), allow_nan=False, ensure_ascii=False)
 
 
+def numbers(metrics: dict) -> dict[str, float]:
+    """The finite numbers of a metrics row, as floats: what the experiment trackers get."""
+    return {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not None}
+
+
 def _truncate_jsonl(path: Path, step: int) -> None:
     """Keep the rows of ``path`` with step <= ``step``; rewritten atomically."""
     if not path.exists():
@@ -154,7 +160,8 @@ def _truncate_jsonl(path: Path, step: int) -> None:
 
 
 class RunMetrics:
-    """metrics.jsonl, samples.jsonl and plots/*.png in ``run_dir``; Ray gauges when Ray is up.
+    """metrics.jsonl, samples.jsonl and plots/*.png in ``run_dir``; Ray gauges when Ray is up; the
+    same rows, samples and plots to the run's experiment trackers (``trackers``, observe/trackers/).
 
     Files are appended to, and an existing metrics.jsonl seeds the plots, so a resumed run
     continues its curves.
@@ -162,7 +169,7 @@ class RunMetrics:
 
     PLOTTED = ("reward/mean", "reward/std", "kl/mean", "kl/beta", "eval/score_mean", "eval/response_len")
 
-    def __init__(self, *, run_dir: Path, plot_every: int = 1, tensorboard: bool = False):
+    def __init__(self, *, run_dir: Path, plot_every: int = 1, trackers: Optional[TrackerSet] = None):
         self.run_dir = Path(run_dir)
         self.plot_dir = self.run_dir / "plots"
         self.plot_dir.mkdir(parents=True, exist_ok=True)
@@ -176,14 +183,7 @@ class RunMetrics:
         self._logged = 0
         self._plotted_at = 0
         self._plot_warned = False
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise RuntimeError("tensorboard=True needs the `tensorboard` package "
-                                   "(pip install tensorboard)") from e
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self.trackers = trackers if trackers is not None else TrackerSet(self.run_dir)
 
     def _seed_history(self, path: Path) -> None:
         if not path.exists():
@@ -207,12 +207,7 @@ class RunMetrics:
             self._metrics_f.flush()
             self._remember(int(step), metrics)
             self._logged += 1
-            if self._tb is not None:
-                for key, value in metrics.items():
-                    v = _number(value)
-                    if v is not None:
-                        self._tb.add_scalar(key, v, int(step))
-                self._tb.flush()
+            self.trackers.log(int(step), numbers(metrics))
             if self.plot_every and self._logged % self.plot_every == 0:
                 self._plot()
         self._ray.record(metrics)
@@ -229,14 +224,18 @@ class RunMetrics:
             self._seed_history(self.run_dir / "metrics.jsonl")
             self._metrics_f = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
             self._samples_f = open(self.run_dir / "samples.jsonl", "a", encoding="utf-8")
+            self.trackers.rewind()
 
     def samples(self, step: int, rows: list[dict]) -> None:
         with self._lock:
             for row in rows:
                 self._samples_f.write(json_line({"step": int(step), **row}) + "\n")
             self._samples_f.flush()
+            self.trackers.samples(int(step), [_jsonable(row) for row in rows])
 
-    def close(self) -> None:
+    def close(self, status: str = "finished", checkpoint: Optional[str] = None) -> None:
+        """The files closed, the plots drawn a last time, and the trackers told how the run ended
+        (finished, stopped; failed is told by the caller's TrackerSet context) and its final checkpoint."""
         with self._lock:
             if self._metrics_f.closed:
                 return
@@ -244,8 +243,8 @@ class RunMetrics:
                 self._plot()
             self._metrics_f.close()
             self._samples_f.close()
-            if self._tb is not None:
-                self._tb.close()
+            plots = {p.stem: p for p in sorted(self.plot_dir.glob("*.png"))}
+            self.trackers.finish(status, checkpoint=checkpoint, plots=plots)
 
     def __enter__(self) -> "RunMetrics":
         return self

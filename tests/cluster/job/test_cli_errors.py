@@ -114,14 +114,6 @@ def _old_runs(d: Path) -> None:
         (d / name / "checkpoints/resume/step-000002/learner").mkdir()
 
 
-def _has_tensorboard() -> bool:
-    try:
-        import tensorboard  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 CASES = [
     # -- the command line and the config file --
     pytest.param(["--config", "{inputs}/bad.yaml"], "bad.yaml is not valid YAML at line 2", id="yaml-malformed"),
@@ -203,8 +195,8 @@ CASES = [
                  id="tokenizer-larger-than-policy"),
     pytest.param(["model.tokenizer={inputs}/tok_other"], "does not match the policy's vocabulary",
                  id="tokenizer-other-vocabulary"),
-    pytest.param(["run.tensorboard=true"], "tensorboard package is missing", id="tensorboard-missing",
-                 marks=pytest.mark.skipif(_has_tensorboard(), reason="tensorboard is installed: no mistake")),
+    pytest.param(["run.trackers=[tensorboard,wnadb]"], "run.trackers: 'wnadb' is unknown; use any of tensorboard, "
+                 "wandb, mlflow", id="tracker-unknown"),
     # -- reward (prepare) --
     pytest.param(["reward.function=no_such_module:score"], "cannot import module 'no_such_module'",
                  id="reward-module-unknown"),

@@ -92,3 +92,22 @@ def test_series_and_samples_table():
 def test_running_mean():
     from cluster.recipes.sweep import running_mean
     assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_the_pipeline_gives_every_stage_its_trackers_one_group_and_one_store(tmp_path, monkeypatch):
+    from cluster.config.loader import load
+    from cluster.config.pipeline import PipelineConfig
+    from cluster.recipes.pipeline import with_trackers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = load(PipelineConfig, None, ["run.trackers=[wandb,mlflow]", "run.tracking.tags=[demo]",
+                                      "sft.run.trackers=[tensorboard]"])
+    root = tmp_path / "pipe"
+    for stage in (cfg.sft, cfg.rm, cfg.rl):
+        run = with_trackers(stage, cfg, root).run
+        assert run.tracker_names() == ("wandb", "mlflow")  # the pipeline's, replacing a stage's own
+        assert run.tracking.group == "pipe" and run.tracking.tags == ("demo",)
+        assert run.tracking.mlflow_uri == f"sqlite:///{root.resolve()}/mlflow/mlflow.db"
+    named = load(PipelineConfig, None, ["run.tracking.group=mine", "run.tracking.mlflow_uri=http://mlflow:5000"])
+    assert with_trackers(named.rl, named, root).run.tracking.group == "mine"
+    assert with_trackers(named.rl, named, root).run.tracking.mlflow_uri == "http://mlflow:5000"

@@ -37,17 +37,17 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_sft(tmp: Path, name: str, replicas: int) -> Path:
+def run_sft(tmp: Path, name: str, replicas: int, *overrides) -> Path:
     data = write_jsonl(tmp / f"{name}.jsonl", builtin_rows("sft", 112, seed=1))
     r = cli("cluster.sft", f"run.dir={tmp}", f"run.name={name}", f"data.path={data}", "train.epochs=2",
-            f"learner.replicas={replicas}", *COMMON)
+            f"learner.replicas={replicas}", *COMMON, *overrides)
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / name
 
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory) -> Path:
-    return run_sft(tmp_path_factory.mktemp("sft"), "sft-1", 1)
+    return run_sft(tmp_path_factory.mktemp("sft"), "sft-1", 1, "run.trackers=[mlflow]", "run.tracking.group=stages")
 
 
 def check_sft(run_dir: Path) -> None:
@@ -68,6 +68,19 @@ def check_sft(run_dir: Path) -> None:
 
 def test_sft_one_rank(sft_run):
     check_sft(sft_run)
+
+
+def test_sft_logs_to_its_tracker_as_ppo_does(sft_run):
+    """The stage's rows go to its tracker run (MLflow here, its local store in the run folder) at their steps, once."""
+    from tracker_stores import mlflow_run, mlflow_steps
+
+    client, run = mlflow_run(sft_run)
+    assert mlflow_steps(client, run.info.run_id, "sft/loss") == list(range(1, 25))
+    assert mlflow_steps(client, run.info.run_id, "sft/eval_loss") == [0, 12, 24]
+    tags = run.data.tags
+    assert tags["tether.stage"] == "sft" and tags["tether.group"] == "stages" and run.info.status == "FINISHED"
+    assert tags["tether.checkpoint"] == str((sft_run / "checkpoints" / "final").resolve())
+    assert run.data.params["train.epochs"] == "2"
     # cluster.train takes the checkpoint as model.policy as it is (everything short of starting actors)
     from cluster.config.ppo import DEFAULT_CONFIG, load_config
     from cluster.runtime.prepare import prepare

@@ -120,19 +120,6 @@ def test_plot_every_and_resume(tmp_path):
 
 
 @pytest.mark.unit
-def test_tensorboard(tmp_path):
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        with pytest.raises(RuntimeError, match="tensorboard"):
-            RunMetrics(run_dir=tmp_path, tensorboard=True)
-        return
-    with RunMetrics(run_dir=tmp_path, plot_every=0, tensorboard=True) as m:
-        m.log(1, _step_metrics(1))
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-
-
-@pytest.mark.unit
 def test_progress_line_full():
     metrics = {"policy/version": 3, "reward/mean": 0.4123, "reward/std": 0.3, "kl/mean": 0.0214,
                "kl/beta": 0.05, "perf/tokens_per_s": 812.4, "perf/step_seconds": 14.2,
