@@ -291,7 +291,6 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError("config: buffer.max_staleness must be >= 0, buffer.capacity >= 1 and "
                           "buffer.timeout_s > 0")
     _check_data(cfg.data)
-    _check_lengths(cfg.generator, cfg.data.max_prompt_tokens)
     _check_kl(cfg.ppo.kl)
     check_step(cfg)
     try:
@@ -391,15 +390,3 @@ def check_run_name(name: Optional[str]) -> None:
     if "/" in name or "\\" in name or name in (".", ".."):
         raise ConfigError(f"config: run.name={name!r} must be a plain folder name (no '/', '\\' or '..'); "
                           "put the parent directory in run.dir")
-
-
-def _check_lengths(gen: GeneratorPoolConfig, max_prompt_tokens: Optional[int]) -> None:
-    """Prompt and response share the engine's context: max_model_len must hold both."""
-    new, room = gen.sampling.max_new_tokens, gen.engine.max_model_len
-    if new >= room:
-        raise ConfigError(f"config: generator.sampling.max_new_tokens={new} leaves no room for a prompt in "
-                          f"generator.engine.max_model_len={room}; raise max_model_len or lower max_new_tokens")
-    if max_prompt_tokens is not None and max_prompt_tokens + new > room:
-        raise ConfigError(f"config: data.max_prompt_tokens={max_prompt_tokens} + generator.sampling.max_new_tokens="
-                          f"{new} exceed generator.engine.max_model_len={room}; raise max_model_len or lower one "
-                          "of them")

@@ -8,6 +8,7 @@ from core.choices import estimator_row
 
 def check_step(cfg) -> None:
     """A step's rollouts against the minibatch and the buffer that holds them."""
+    check_lengths(cfg.generator, cfg.data.max_prompt_tokens)
     rollouts = cfg.rollouts_per_step
     if rollouts < cfg.ppo.minibatch_size:
         raise ConfigError(f"config: a step makes {rollouts} rollouts (data.prompts_per_step x "
@@ -47,3 +48,15 @@ def _check_filter(cfg) -> None:
     if cfg.ppo.filter_max_batches < 1:
         raise ConfigError(f"config: ppo.filter_max_batches={cfg.ppo.filter_max_batches} must be >= 1 "
                           "(1: leave flat prompts out, draw nothing more)")
+
+
+def check_lengths(gen, max_prompt_tokens) -> None:
+    """Prompt and response share the engine's context: max_model_len must hold both."""
+    new, room = gen.sampling.max_new_tokens, gen.engine.max_model_len
+    if new >= room:
+        raise ConfigError(f"config: generator.sampling.max_new_tokens={new} leaves no room for a prompt in "
+                          f"generator.engine.max_model_len={room}; raise max_model_len or lower max_new_tokens")
+    if max_prompt_tokens is not None and max_prompt_tokens + new > room:
+        raise ConfigError(f"config: data.max_prompt_tokens={max_prompt_tokens} + generator.sampling.max_new_tokens="
+                          f"{new} exceed generator.engine.max_model_len={room}; raise max_model_len or lower one "
+                          "of them")
