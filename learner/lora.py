@@ -28,14 +28,16 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before the HF names
 
 
-def peft_config(lora: LoraConfig):
-    """PEFT's LoraConfig for ``lora`` (a causal-LM task: exported adapters load with PeftModel)."""
+def peft_config(lora: LoraConfig, *, task: str = "CAUSAL_LM", exclude: tuple = ()):
+    """PEFT's LoraConfig for ``lora``; ``task``: PEFT's task type (exported adapters load with
+    PeftModel as that task); ``exclude``: modules never adapted (a reward model's score head)."""
     from peft import LoraConfig as PeftLoraConfig
 
     targets = (lora.target_modules,) if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
-    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type=task,
                           target_modules="all-linear" if targets == ("all-linear",) else list(targets),
-                          init_lora_weights=True if lora.init == "default" else "gaussian", bias="none")
+                          exclude_modules=list(exclude) or None, bias="none",
+                          init_lora_weights=True if lora.init == "default" else "gaussian")
 
 
 def check_base(model_config, key: str = "model.policy") -> None:
@@ -48,15 +50,17 @@ def check_base(model_config, key: str = "model.policy") -> None:
                         "the unquantized checkpoint, or set learner.lora.rank=0")
 
 
-def add_adapter(lm: nn.Module, lora: LoraConfig, key: str = "learner.lora.target_modules") -> nn.Module:
-    """Inject ``lora``'s adapter into ``lm`` in place and freeze everything else in it.
+def add_adapter(lm: nn.Module, lora: LoraConfig, key: str = "learner.lora.target_modules", *,
+                exclude: tuple = ()) -> nn.Module:
+    """Inject ``lora``'s adapter into ``lm`` in place and freeze everything else in it (but the
+    ``exclude``d modules, which get no adapter: the caller trains them whole or not at all).
 
     Raises UserError when the target modules match no module of the model."""
     from peft import inject_adapter_in_model
 
     check_base(lm.config)
     try:
-        inject_adapter_in_model(peft_config(lora), lm)
+        inject_adapter_in_model(peft_config(lora, exclude=exclude), lm)
     except ValueError as e:  # PEFT's NoMatchingPeftModuleError is a ValueError
         if "not found in the base model" not in str(e):
             raise
@@ -119,15 +123,19 @@ def _strip_adapter_name(state: dict) -> dict:
     return {n.replace(".default.", "."): t for n, t in state.items()}
 
 
-def adapter_files(state: dict[str, torch.Tensor], lora: LoraConfig, base: Optional[str]) -> dict[str, bytes]:
-    """The adapter as the bytes of PEFT's two files: {file name: bytes}."""
+def adapter_files(state: dict[str, torch.Tensor], lora: LoraConfig, base: Optional[str], *,
+                  task: str = "CAUSAL_LM") -> dict[str, bytes]:
+    """The adapter as the bytes of PEFT's two files: {file name: bytes}. A reward model's
+    (``task="SEQ_CLS"``) carries its whole score head too, as PEFT's modules_to_save."""
     from safetensors.torch import save
 
-    config = peft_config(lora).to_dict()
+    extra = sorted({n[len(PEFT_PREFIX):].split(".")[0] for n in state if not is_adapter_param(n)})
+    config = peft_config(lora, task=task, exclude=tuple(extra)).to_dict()
+    config["modules_to_save"] = extra or None
     config["base_model_name_or_path"] = base
     # PEFT's "all-linear" names are resolved per model when it injects; vLLM and PeftModel read the
     # list, so the saved config names the modules that got an adapter.
-    config["target_modules"] = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in state})
+    config["target_modules"] = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in state if is_adapter_param(n)})
     config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
     return {CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True, default=str).encode(),
             WEIGHTS_FILE: save(state, metadata={"format": "pt"})}
@@ -166,3 +174,28 @@ def parameter_counts(module: nn.Module) -> tuple[int, int]:
     numel = lambda p: int(getattr(p, "ds_numel", p.numel()))  # noqa: E731
     params = list(module.parameters())
     return sum(numel(p) for p in params if p.requires_grad), sum(numel(p) for p in params)
+
+
+def is_adapter_dir(path) -> bool:
+    """A PEFT adapter folder (adapter_config.json, no model of its own): e.g. an SFT stage's adapter/."""
+    path = Path(path)
+    return (path / CONFIG_FILE).is_file() and not (path / "config.json").is_file()
+
+
+def merge_adapter_dir(adapter_dir, out_dir) -> Path:
+    """Write the base model of the PEFT adapter at ``adapter_dir`` with the adapter merged into it
+    (PEFT's own merge, in fp32, then the base's dtype) to ``out_dir``, its tokenizer beside it."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((Path(adapter_dir) / CONFIG_FILE).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base or not Path(base).exists():
+        raise UserError(f"the adapter at {adapter_dir} names its base model {base!r}, which is not here; point "
+                        "model.policy at the merged model (the checkpoint folder beside adapter/) instead")
+    dtype = getattr(AutoConfig.from_pretrained(base), "dtype", None) or torch.float32
+    lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(lm, str(adapter_dir)).merge_and_unload()
+    merged.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
+    return Path(out_dir)

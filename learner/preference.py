@@ -21,6 +21,8 @@ from core.infra.architectures import load_pretrained
 from core.infra.dtypes import torch_dtype
 from core.layout import pool_last_token
 from core.preference import bradley_terry_loss
+from learner import lora as adapters
+from learner.config import LoraConfig
 from learner.policy import HFWrapper, copy_tokenizer, disable_dropout
 from learner.sft import SupervisedObjective, collate_sequences
 
@@ -38,6 +40,7 @@ class RewardModule(HFWrapper):
             raise ValueError(f"RewardModule: {type(model).__name__} must be a decoder sequence classifier with "
                              "a `score` head and num_labels=1")
         self.model = model
+        self.lora: Optional[LoraConfig] = None  # set when the body carries a LoRA adapter (learner/lora.py)
         disable_dropout(self)
 
     def forward(self, input_ids, attention_mask) -> torch.Tensor:
@@ -49,17 +52,28 @@ class RewardModule(HFWrapper):
     def save_pretrained(self, out_dir, state_dict: Optional[dict] = None, *, with_lm: bool = True) -> Path:
         """An HF checkpoint AutoModelForSequenceClassification loads; tokenizer copied beside it.
         ``state_dict``: full tensors named as in ``state_dict()`` (gathered under ZeRO-3).
-        ``with_lm``: the policy's switch for a LoRA checkpoint; a reward model is always whole."""
+        With a LoRA adapter the model is written merged (in fp32) and the adapter alone under
+        ``adapter/``; ``with_lm=False`` writes the adapter and the score head only."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, state_dict=self.state_part("model.", state_dict), safe_serialization=True)
+        state = self.state_part("model.", state_dict)
+        if self.lora is not None:
+            adapter = adapters.adapter_state(state.items())
+            adapter.update({adapters.PEFT_PREFIX + k: v for k, v in state.items() if k.startswith("score.")})
+            adapters.write_adapter(adapters.adapter_files(adapter, self.lora, self.source_path, task="SEQ_CLS"),
+                                   out / adapters.ADAPTER_DIR)
+            state = adapters.merged_state(state, self.lora) if with_lm else None
+        if state is not None:
+            self.model.save_pretrained(out, state_dict=state, safe_serialization=True)
         copy_tokenizer(self.source_path, out)
         return out
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype: str = "float32", pad_token_id: Optional[int] = None) -> "RewardModule":
+    def from_pretrained(cls, path, *, dtype: str = "float32", pad_token_id: Optional[int] = None,
+                        lora: Optional[LoraConfig] = None) -> "RewardModule":
         """A causal-LM checkpoint (the SFT model: its body is kept, a fresh ``score`` head is
-        drawn from the current torch seed) or a reward-model checkpoint (kept whole)."""
+        drawn from the current torch seed) or a reward-model checkpoint (kept whole). ``lora``
+        (enabled): an adapter on the body's linear layers, the body frozen, the score head trained whole."""
         from transformers import AutoModelForSequenceClassification
 
         model = load_pretrained(AutoModelForSequenceClassification, str(path), num_labels=1,
@@ -68,6 +82,10 @@ class RewardModule(HFWrapper):
             model.config.pad_token_id = pad_token_id  # HF's own forward needs it for batches > 1
         module = cls(model)
         module.source_path = str(path)
+        if lora is not None and lora.enabled:
+            adapters.add_adapter(model, lora, exclude=("score",))
+            model.score.requires_grad_(True)
+            module.lora = lora
         return module
 
 
@@ -78,7 +96,7 @@ class PreferenceObjective(SupervisedObjective):
 
     @classmethod
     def load_module(cls, model: str, config) -> tuple:
-        module = RewardModule.from_pretrained(model)
+        module = RewardModule.from_pretrained(model, lora=config.lora)
         return module, module.model
 
     def train(self, pairs: list[Pair], *, step: int = 0, margin: float = 0.0) -> dict:

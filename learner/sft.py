@@ -94,7 +94,7 @@ class SFTObjective(SupervisedObjective):
     @classmethod
     def load_module(cls, model: str, config) -> tuple:
         """The policy with a shared value head, which SFT keeps at zero weight (see above)."""
-        policy = PolicyWithValueHead.from_pretrained(model, critic="shared", critic_model=None)
+        policy = PolicyWithValueHead.from_pretrained(model, critic="shared", critic_model=None, lora=config.lora)
         return policy, policy.lm
 
     def train(self, examples: list[Example], *, step: int = 0) -> dict:

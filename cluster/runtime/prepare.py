@@ -33,7 +33,23 @@ def resolve_model(name: str, key: str = "model.policy") -> str:
                         f"or {BUILTIN_POLICY_30M} or a model directory")
     if not Path(name).exists():
         raise UserError(f"{key}={name!r} does not exist; point it at a Hugging Face model directory")
+    from learner.lora import is_adapter_dir
+    if is_adapter_dir(name):  # a LoRA adapter (an SFT stage's adapter/): its base with it merged in
+        return merged_adapter(name)
     return name
+
+
+def merged_adapter(adapter_dir: str) -> str:
+    """The base model of a PEFT adapter with the adapter merged (built once, cached by content)."""
+    import hashlib
+
+    from cluster.demo.tiny_models import cache_root, cached_build
+    from learner.lora import merge_adapter_dir
+
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(adapter_dir).iterdir()) if f.is_file()))
+    with user_input():
+        return str(cached_build(cache_root() / f"merged-{digest.hexdigest()[:16]}",
+                                lambda out: merge_adapter_dir(adapter_dir, out)))
 
 
 def check_vocabulary(tokenizer, tokenizer_path: str, model_dir: str, key: str):

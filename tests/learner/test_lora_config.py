@@ -9,7 +9,7 @@ from core.infra.errors import UserError
 from learner import lora as adapters
 from learner.config import LearnerConfig, LoraConfig
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.unit  # loads the tiny model: no process, no Ray
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -88,3 +88,30 @@ def test_a_resume_that_changes_the_adapter_is_refused(tmp_path):
             check_compatible(state, now, Path(tmp_path))
     assert dataclasses.asdict(saved.learner.lora)["rank"] == 8
 
+
+
+def test_a_reward_model_adapter_trains_its_score_head_and_exports_merged(policy_path, tmp_path):
+    """The reward model's adapter: the body frozen, the score head trained whole; the export is the
+    merged classifier and a PEFT adapter (score head as modules_to_save) that give the same score."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    from learner.preference import RewardModule
+
+    torch.manual_seed(0)
+    module = RewardModule.from_pretrained(policy_path, lora=LoraConfig(rank=8))
+    trains = [n for n, p in module.named_parameters() if p.requires_grad]
+    assert [n for n in trains if not adapters.is_adapter_param(n)] == ["model.score.weight"]
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.1)
+        ids = torch.tensor([[5, 17, 301, 44, 9]])
+        mask = torch.ones_like(ids)
+        want = module(ids, mask)
+        module.save_pretrained(tmp_path)
+        merged = RewardModule.from_pretrained(tmp_path)(ids, mask)
+        base = AutoModelForSequenceClassification.from_pretrained(policy_path, num_labels=1)
+        peft = RewardModule(PeftModel.from_pretrained(base, tmp_path / "adapter").base_model.model)(ids, mask)
+    assert float((want - merged).abs()) < 1e-5 and float((want - peft).abs()) < 1e-5
