@@ -3,6 +3,7 @@ a critic against the critic-free family.
 
     .venv/bin/python -m bench.estimators                          # default task, 3 seeds x 5 variants
     .venv/bin/python -m bench.estimators --task gold --pipeline runs/pipeline-cpu --steps 80
+    .venv/bin/python -m bench.estimators --variants gae-shared lora-r8 lora-r32   # LoRA against full
 
 Each variant is a real `python -m cluster.train` run with every seed (sampling, data, learner)
 set to the same number, one after another (seeds outermost, so a drifting machine touches
@@ -13,6 +14,8 @@ every variant alike):
     grpo           group-normalised returns, k3 KL in the loss (as GRPO is published)
     rloo           leave-one-out baseline, k1 KL in the reward
     reinforce_pp   batch-whitened returns-to-go, k1 KL in the reward
+    lora-r8        gae-shared training a rank-8 LoRA adapter (learner.lora) instead of every weight
+    lora-r32       the same at rank 32
 
 ``--task default``: configs/tiny-cpu.yaml (the built-in sentiment reward; the separate critic
 starts from the pre-trained tiny policy's body, since there is no reward model). ``--task gold``:
@@ -41,6 +44,9 @@ VARIANTS = {  # name -> overrides ({critic}: the separate critic's starting chec
     "grpo": GRPO,
     "rloo": ["ppo.advantage=rloo"],
     "reinforce_pp": ["ppo.advantage=reinforce_pp"],
+    # LoRA on every linear layer (gae, shared head), at 10x the full fine-tune's lr of configs/tiny-cpu.yaml
+    "lora-r8": ["learner.lora.rank=8", "learner.optim.lr=2e-3"],
+    "lora-r32": ["learner.lora.rank=32", "learner.optim.lr=2e-3"],
 }
 LAST = 5  # steps averaged for "reward reached"
 
@@ -168,7 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=0, help="0: evaluate at the last step only")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS)[:5], choices=list(VARIANTS),
+                    help="default: the five estimators; --variants gae-shared lora-r8 lora-r32 compares LoRA")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more cluster.train overrides for every run, e.g. model.dtype=float32")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-estimators"))

@@ -26,6 +26,7 @@ from core.masked import explained_variance
 from core.rollout import ScoredRollout
 from learner.batch import Batch, collate, collate_lm
 from learner.config import LearnerConfig
+from learner.lora import adapter_disabled
 from learner.minibatches import minibatch_plan, split_rows, visit_order
 from learner.objective import Objective
 from learner.policy import PolicyWithValueHead
@@ -99,6 +100,16 @@ class PPOObjective(Objective):
         """[R] logprobs of each rollout's response under the current weights (all ranks call)."""
         lp = self._score(collate(rollouts, self.pad_id).to(self.device))[0].cpu().numpy()
         return [lp[i, :r.response_ids.size].copy() for i, r in enumerate(rollouts)]
+
+    def reference_logprobs(self, rollouts: list) -> list[np.ndarray]:
+        """[R] logprobs of each rollout's response under the base model: the LM with its LoRA
+        adapter switched off, which is a LoRA run's reference (all ranks call; through
+        ``LearnerGroup.apply``). Scored as ``evaluate`` scores: the sampler's temperature and sets."""
+        if self.engine.module.lora is None:
+            raise ValueError("learner: reference_logprobs needs learner.lora: without an adapter the base "
+                             "weights are the ones being trained")
+        with adapter_disabled(self.engine.module.lm):
+            return self.evaluate(rollouts)
 
     @classmethod
     def rank_options(cls, world_size: int, ptx_rows: Optional[np.ndarray] = None, kl_coef: float = 0.0) -> list:

@@ -57,7 +57,7 @@ MEANINGS: dict[str, str] = {
     "perf/buffer_wait_seconds": "time the learner side waited on the RolloutBuffer",
     "perf/admission_wait_seconds": "async: time the producer waited before issuing a batch that could not yet be "
                                    "trained within buffer.max_staleness (admission by version)",
-    "perf/sync_bytes": "bytes broadcast learner -> generators in the weight sync",
+    "perf/sync_bytes": "bytes the weight sync sends learner -> generators (with learner.lora: the adapter's files)",
     "perf/learner_seconds": "time of one learner rank's train() call",
     "perf/learner_group_seconds": "time of the learner group's train(), sharding included",
     "perf/learner_tokens_per_s": "response tokens per second through the learner",
