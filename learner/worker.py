@@ -115,6 +115,13 @@ class LearnerWorker:
         the current weights; SFT, reward model: the held-out loss); every rank must call it."""
         return self.objective.evaluate(batch, **options)
 
+    def reference_logprobs_pulled(self, rollouts) -> tuple:
+        """The reference's log-probs of rollouts this call pulls itself (num_returns=2; the
+        reference pool's call, actors.reference.Reference): the policy with its LoRA adapter
+        off (``reference.on_learner``), and what the pull moved between nodes. Rank 0 alone."""
+        (rollouts,), moved = pull_args(rollouts)
+        return self.objective.reference_logprobs(rollouts), moved
+
     def apply(self, call: Callable, batch):
         """``call(objective, batch)``: a call of this objective's own (the reward model's
         scores), passed as the function itself; every rank must call it."""

@@ -18,8 +18,8 @@ from typing import Optional
 
 from actors.config import EngineConfig, SamplingConfig
 from cluster.config import loader
-from cluster.config.labels import check_node_labels
 from cluster.config.loader import ConfigError, RootConfig
+from cluster.config.pools import check_pools
 from cluster.config.reward_http import RewardHTTPConfig, check_reward_http
 from cluster.config.reward_judge import JudgeConfig
 from cluster.config.reward_sandbox import SandboxConfig, check_sandbox
@@ -78,6 +78,13 @@ class ReferencePoolConfig(PoolConfig):
     batch_size: int = setting(16, "sequences per forward pass")
     model: Optional[str] = setting(None, "the frozen model of the KL penalty; null = the policy the run "
                                          "starts from (the SFT model)")
+    on_learner: bool = setting(False, "with learner.lora: learner rank 0 scores the reference, the policy with its "
+                                      "adapter off; no reference pool (its replicas and memory are saved)")
+
+    @property
+    def pool_replicas(self) -> int:
+        """The reference pool's replicas: none when the learner scores the reference."""
+        return 0 if self.on_learner else self.replicas
 
 
 @config_class
@@ -280,7 +287,7 @@ def describe(root=None) -> str:
 
 def validate(cfg: TetherConfig) -> None:
     """Cross-field checks: what each section alone cannot see."""
-    _check_pools(cfg)
+    check_pools(cfg)
     _check_reward(cfg.reward)
     if cfg.ppo.old_logprobs == "behaviour" and cfg.run.mode != "sync":
         raise ConfigError("config: ppo.old_logprobs=behaviour takes the sampler's log-probs as the update's "
@@ -304,20 +311,6 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError(f"config: data.prompts_per_step={cfg.data.prompts_per_step} is below "
                           f"learner.replicas={cfg.learner.replicas}: each learner rank trains on whole prompts; "
                           f"raise prompts_per_step to at least {cfg.learner.replicas}")
-
-
-def _check_pools(cfg: TetherConfig) -> None:
-    for name in ("generator", "reference", "reward", "learner"):
-        pool = getattr(cfg, name)
-        if pool.replicas < 1:
-            raise ConfigError(f"config: {name}.replicas={pool.replicas} must be >= 1")
-        if pool.num_cpus < 0 or pool.num_gpus < 0:
-            raise ConfigError(f"config: {name}.num_cpus/num_gpus must be >= 0")
-        check_node_labels(f"{name}.node_labels", pool.node_labels)
-    check_node_labels("buffer.node_labels", cfg.buffer.node_labels)
-    if cfg.generator.tensor_parallel > 1 and cfg.generator.num_gpus < cfg.generator.tensor_parallel:
-        raise ConfigError(f"config: generator.tensor_parallel={cfg.generator.tensor_parallel} needs "
-                          f"generator.num_gpus >= {cfg.generator.tensor_parallel} per replica")
 
 
 def _check_reward(reward: RewardPoolConfig) -> None:

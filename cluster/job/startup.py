@@ -98,7 +98,10 @@ def connect_ray(cfg) -> Optional[Path]:
 
 
 def _pools(cfg) -> dict:
-    return {name: getattr(cfg, name) for name in POOLS if hasattr(cfg, name)}
+    pools = {name: getattr(cfg, name) for name in POOLS if hasattr(cfg, name)}
+    if getattr(pools.get("reference"), "on_learner", False):  # learner rank 0 scores it: no pool
+        del pools["reference"]
+    return pools
 
 
 @dataclass(frozen=True)

@@ -160,5 +160,6 @@ def startup_summary(cfg) -> str:
                             + (f", {p.num_gpus:g} GPU)" if p.num_gpus else ")"))
     return (f"{cfg.run.mode} PPO, {cfg.run.steps} steps of {cfg.data.prompts_per_step} prompts x "
             f"{g.sampling.n} samples | policy {cfg.model.policy} | reward {w.function or w.model} | "
-            f"{pool('generators', g)} {pool('references', r)} {pool('rewards', w)} "
+            f"{pool('generators', g)} {'reference on learner-0' if r.on_learner else pool('references', r)} "
+            f"{pool('rewards', w)} "
             f"{pool('learner ranks', lp)} ZeRO-{lp.zero_stage}")

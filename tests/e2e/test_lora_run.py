@@ -66,3 +66,19 @@ def test_resume_continues_the_lora_run_exactly(lora_run, tmp_path):
     assert [k for k in keys if not np.isclose(original[3][k], resumed[3][k], rtol=0, atol=0, equal_nan=True)
             if isinstance(original[3][k], float)] == []
     assert all(original[3][k] == resumed[3][k] for k in keys if not isinstance(original[3][k], float))
+
+
+def test_the_learner_scores_the_reference_as_the_pool_does(lora_run, tmp_path):
+    """reference.on_learner: no reference actor; learner rank 0 scores the base (its adapter off),
+    and the run is the pool's run to rounding: the same samples, KL within 1e-4 nats a sequence."""
+    run_dir = tmp_path / "on-learner"
+    assert finish(start(run_dir, *LORA, "reference.on_learner=true")) == 0, \
+        (tmp_path / "on-learner.log").read_text()[-3000:]
+    console = (tmp_path / "on-learner.log").read_text()
+    assert "reference on learner-0" in console and "reference-0" not in console
+    pool, learner = ({r["step"]: r for r in rows(d) if r["step"] > 0} for d in (lora_run, run_dir))
+    for step in (1, 2, 3):
+        assert abs(pool[step]["kl/mean"] - learner[step]["kl/mean"]) < 1e-4, (step, pool[step]["kl/mean"])
+        assert pool[step]["response/length_mean"] == learner[step]["response/length_mean"]
+        assert pool[step]["reward/mean"] == pytest.approx(learner[step]["reward/mean"], abs=1e-6)
+    assert pool[3]["kl/mean"] != 0.0

@@ -115,3 +115,20 @@ def test_a_reward_model_adapter_trains_its_score_head_and_exports_merged(policy_
         base = AutoModelForSequenceClassification.from_pretrained(policy_path, num_labels=1)
         peft = RewardModule(PeftModel.from_pretrained(base, tmp_path / "adapter").base_model.model)(ids, mask)
     assert float((want - merged).abs()) < 1e-5 and float((want - peft).abs()) < 1e-5
+
+
+@pytest.mark.parametrize("overrides", [
+    ["reference.on_learner=true"],  # no adapter: the learner's weights are not the base
+    ["reference.on_learner=true", "learner.lora.rank=8", "reference.model=/some/model"],
+    ["reference.on_learner=true", "learner.lora.rank=8", "learner.zero_stage=3", "learner.replicas=2",
+     "ppo.micro_batch_size=8", "data.prompts_per_step=16"],
+])
+def test_the_reference_on_the_learner_needs_an_adapter_and_rank_0_alone(overrides):
+    from cluster.config.ppo import load_config
+    from core.infra.errors import UserError as Refused
+
+    with pytest.raises(Refused, match="reference.on_learner=true scores the reference on learner rank 0 as the "
+                                      "policy with its LoRA adapter off: it needs learner.lora.rank > 0"):
+        load_config("configs/tiny-cpu.yaml", overrides)
+    cfg = load_config("configs/tiny-cpu.yaml", ["reference.on_learner=true", "learner.lora.rank=8"])
+    assert cfg.reference.pool_replicas == 0 and cfg.reference.replicas == 1

@@ -15,6 +15,7 @@ from actors.reference import Reference
 from actors.reward import Reward
 from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
+from cluster.runtime.pools.learner_reference import LearnerReference
 from cluster.runtime.pools.pool import (
     BufferSlot,
     Pool,
@@ -139,7 +140,7 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, co
                         columns_ref=columns_ref)
     reserved, launched, learner_pg, started, buffer = [], [], None, [], None
     try:
-        for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.replicas, cfg.reward.replicas)):
+        for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.pool_replicas, cfg.reward.replicas)):
             reserved.append(pool.reserve(n))
         learner_pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus, cfg.resources.placement_timeout_s,
                              labels=parse_labels(lp.node_labels), strategy=lp.strategy)
@@ -162,7 +163,11 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, co
         learner = learner_start.result(errors)
         if errors:
             raise errors[0]
-        return Pools(*pools, learner=learner, buffer_slot=buffer, learner_placement=learner_pg)
+        generators, references, rewards = pools
+        if cfg.reference.on_learner:  # learner rank 0 scores the reference: no pool of its own
+            references = LearnerReference(learner)
+        return Pools(generators, references, rewards, learner=learner, buffer_slot=buffer,
+                     learner_placement=learner_pg)
     except BaseException:
         for pool in started:
             pool.shutdown()

@@ -54,7 +54,7 @@ def plan_threads(cfg, cores: int) -> dict[str, int]:
     if not phases_take_turns(cfg):
         return plan
     computes = cfg.reward.model or cfg.reward.judge.model  # a reward function barely computes
-    scorers = cfg.reference.replicas + (cfg.reward.replicas if computes else 0)
+    scorers = cfg.reference.pool_replicas + (cfg.reward.replicas if computes else 0)
     share = {"generator": cfg.generator.replicas, "reference": scorers, "learner": cfg.learner.replicas,
              "reward": scorers if computes else 0}
     for name, n in share.items():
