@@ -13,7 +13,9 @@ import pytest
 from cluster import train
 from cluster.demo.families import build_family_policy
 
-DEFAULT_TIER = ("phi3", "gemma2")  # the families with the most of their own; Qwen2 is the default job's model
+# Phi-3's fused projections are the case with the most of its own (two engines' packings must agree);
+# Qwen2 is the default job's model (tests/e2e/test_lora_run.py); the others are slow (CI budget).
+DEFAULT_TIER = ("phi3",)
 FAMILIES = ("phi3", "gemma2", "llama", "qwen2-tied")
 
 
