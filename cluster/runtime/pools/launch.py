@@ -127,6 +127,13 @@ def learner_line(pools) -> str:
             f"({share:.2%})")
 
 
+def _assemble(cfg: TetherConfig, pools: tuple, learner, buffer, learner_pg) -> Pools:
+    generators, references, rewards = pools
+    if cfg.reference.on_learner:  # learner rank 0 scores the reference: no pool of its own
+        references = LearnerReference(learner)
+    return Pools(generators, references, rewards, learner=learner, buffer_slot=buffer, learner_placement=learner_pg)
+
+
 def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, columns=None) -> Pools:
     """Reserve every pool first (so a shortage fails before any model loads), then start actors.
     ``columns``: the prompt rows' other fields (core.columns.PromptColumns), put in the object
@@ -163,11 +170,7 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, co
         learner = learner_start.result(errors)
         if errors:
             raise errors[0]
-        generators, references, rewards = pools
-        if cfg.reference.on_learner:  # learner rank 0 scores the reference: no pool of its own
-            references = LearnerReference(learner)
-        return Pools(generators, references, rewards, learner=learner, buffer_slot=buffer,
-                     learner_placement=learner_pg)
+        return _assemble(cfg, pools, learner, buffer, learner_pg)
     except BaseException:
         for pool in started:
             pool.shutdown()
