@@ -55,7 +55,6 @@ def learner_config(args, rank: int) -> dict:
 
 def push_payload(worker):
     """What the learner sends and the generator call that takes it: (seconds to build it, bytes, call)."""
-    from learner import lora as adapters
     from learner.weight_sync import policy_weights, to_buckets
 
     t0 = time.perf_counter()
@@ -63,9 +62,7 @@ def push_payload(worker):
     if module.lora is None:
         buckets = to_buckets(policy_weights(worker.named_weights(), tied_embeddings=worker.tied_embeddings))
         return time.perf_counter() - t0, sum(map(len, buckets)), lambda gen, v: gen.load_weights(v, buckets)
-    named = [(n, p) for n, p in module.lm.named_parameters() if adapters.is_adapter_param(n)]
-    state = adapters.adapter_state(worker.exporter._gathered(named, 1 << 26))
-    files = adapters.adapter_files(state, module.lora, module.source_path)
+    files, _ = worker.exporter.adapter_files()
     return time.perf_counter() - t0, sum(map(len, files.values())), lambda gen, v: gen.load_adapter(v, files)
 
 

@@ -60,15 +60,23 @@ class WeightExporter:
         return self._kept_sync(generators, bucket_bytes).push(
             version, named, tied_embeddings=self.tied_embeddings, metadata=self._lm_metadata())
 
-    def _push_adapter(self, generators: Mapping[str, object], version: int) -> Optional[dict]:
-        """The LoRA adapter alone, in PEFT's files, to every generator; each one's proof checked."""
+    def adapter_files(self) -> Optional[tuple[dict[str, bytes], int]]:
+        """The LoRA adapter as PEFT's files (file name -> bytes) and its module count, on rank 0
+        (None elsewhere). ALL ranks must call it (ZeRO-3 gathers)."""
         module = self.engine.module
         named = [(n, p) for n, p in module.lm.named_parameters() if adapters.is_adapter_param(n)]
         state = adapters.adapter_state(self._gathered(named, DEFAULT_BUCKET_BYTES))
         if self.rank != 0:
             return None
-        files = adapters.adapter_files(state, self.lora, module.source_path)
-        return AdapterSync(generators).push(version, files, modules=len(state) // 2)
+        return adapters.adapter_files(state, self.lora, module.source_path), len(state) // 2
+
+    def _push_adapter(self, generators: Mapping[str, object], version: int) -> Optional[dict]:
+        """The LoRA adapter alone, in PEFT's files, to every generator; each one's proof checked."""
+        built = self.adapter_files()
+        if built is None:
+            return None
+        files, modules = built
+        return AdapterSync(generators).push(version, files, modules=modules)
 
     def shutdown_weight_sync(self) -> None:
         """Release the GPU transport's group (if any) on both sides; the next push forms a new one."""

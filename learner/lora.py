@@ -89,10 +89,6 @@ def adapter_layers(module: nn.Module) -> list:
     return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
 
 
-def has_adapter(module: nn.Module) -> bool:
-    return bool(adapter_layers(module))
-
-
 @contextlib.contextmanager
 def adapter_disabled(module: nn.Module):
     """The base model's forward: every adapter of ``module`` switched off inside the block."""

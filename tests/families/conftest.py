@@ -15,3 +15,12 @@ def ray_local():
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray with room for a whole PPO job's pools (the three-step family runs)."""
+    import ray
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()

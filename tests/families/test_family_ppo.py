@@ -20,14 +20,6 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TIER = ("gemma2", "gpt-neox")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    import ray
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize("family", [f if f in DEFAULT_TIER else pytest.param(f, marks=pytest.mark.slow)
                                     for f in FAMILIES])

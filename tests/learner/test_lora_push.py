@@ -45,10 +45,7 @@ def prompts(tokenizer):
 
 def adapter_of(learner):
     """What the learner's push sends: (PEFT files, adapter modules)."""
-    module = learner.engine.module
-    named = [(n, p) for n, p in module.lm.named_parameters() if adapters.is_adapter_param(n)]
-    state = adapters.adapter_state(learner.exporter._gathered(named, 1 << 26))
-    return adapters.adapter_files(state, module.lora, module.source_path), len(state) // 2
+    return learner.exporter.adapter_files()
 
 
 def gap(learner, rollouts) -> float:
