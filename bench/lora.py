@@ -11,10 +11,11 @@ Each side runs in a process of its own (so its peak RSS is its own), one after t
 
 A side builds one learner rank (DeepSpeed ZeRO, shared value head, as a run uses it), runs a
 warm-up update and --repeats timed ones on the same scored rollouts (bench/learner.py's), reads
-its peak RSS, then starts a vLLM generator in the same process and times --repeats pushes into
-it: the learner's side (gathering, serialising) and the generator's (reloading the weights, or
-loading the adapter and proving it). Ray's object store, which carries the bytes in a run, is
-left out: both sides would pay it per byte. Prints one table and writes runs/bench/lora.json.
+its peak RSS, writes a resumable checkpoint and sizes it, then starts a vLLM generator in the
+same process and times --repeats pushes into it: the learner's side (gathering, serialising)
+and the generator's (reloading the weights, or loading the adapter and proving it). Ray's object
+store, which carries the bytes in a run, is left out: both sides would pay it per byte. Prints
+one table and writes runs/bench/lora.json.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def one_side(args, rank: int) -> dict:
     worker.train(batch)  # warm-up
     learn = [worker.train(batch)["perf/learner_seconds"] for _ in range(args.repeats)]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    checkpoint = checkpoint_bytes(worker)
     from actors.generator import Generator
     gen = Generator(model=wl["policy"], engine={"max_model_len": 256, "kv_cache_bytes": 32 << 20,
                                                 "dtype": args.dtype, "max_lora_rank": rank and max(rank, 8)})
@@ -95,18 +97,28 @@ def one_side(args, rank: int) -> dict:
     return {"side": "full" if rank == 0 else f"lora-r{rank}", "trainable": health["trainable_parameters"],
             "parameters": health["parameters"], "learn_s": statistics.median(learn), "peak_rss": rss,
             "push_bytes": push_bytes, "push_build_s": statistics.median(build),
-            "push_load_s": statistics.median(received)}
+            "push_load_s": statistics.median(received), "checkpoint_bytes": checkpoint}
+
+
+def checkpoint_bytes(worker) -> int:
+    """Bytes of the resumable checkpoint the learner writes (weights that train, optimizer state)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        worker.save(tmp)
+        return sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
 
 
 def table(results: list[dict]) -> str:
     full = next((r for r in results if r["side"] == "full"), results[0])
     lines = ["| side | trainable | push bytes | vs full | push s (learner + generator) | learner step s | vs full | "
-             "learner peak RSS |", "|---|---|---|---|---|---|---|---|"]
+             "learner peak RSS | checkpoint |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['side']} | {r['trainable'] / 1e6:.2f}M of {r['parameters'] / 1e6:.1f}M | "
                      f"{r['push_bytes'] / 1e6:.2f} MB | {r['push_bytes'] / full['push_bytes']:.1%} | "
                      f"{r['push_build_s']:.3f} + {r['push_load_s']:.3f} | {r['learn_s']:.2f} | "
-                     f"{r['learn_s'] / full['learn_s']:.2f}x | {r['peak_rss'] / 2**30:.2f} GiB |")
+                     f"{r['learn_s'] / full['learn_s']:.2f}x | {r['peak_rss'] / 2**30:.2f} GiB | "
+                     f"{r['checkpoint_bytes'] / 1e6:.1f} MB |")
     return "\n".join(lines)
 
 

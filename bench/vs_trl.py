@@ -120,7 +120,8 @@ def run_trl(workload: Path, args, n_steps: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- tether side
-def tether_command(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: Path) -> list[str]:
+def tether_command(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: Path,
+                   extra: tuple = ()) -> list[str]:
     o = [f"model.policy={wl['policy']}", "reward.function=null", f"reward.model={wl['reward']}",
          f"data.path={wl['prompts_path']}", f"data.prompts_per_step={args.prompts}",
          f"generator.sampling.max_new_tokens={args.new_tokens}",
@@ -134,15 +135,16 @@ def tether_command(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_di
         o.append(f"learner.critic_model={wl['value']}")
     if critic == "none":  # critic-free: the same update without a value model (no groups: n=1 here)
         o.append("ppo.advantage=reinforce_pp")
-    return [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs" / "bench-30m.yaml"), *o]
+    return [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs" / "bench-30m.yaml"), *o, *extra]
 
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
 
-def run_tether(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: Path) -> dict:
-    cmd = tether_command(wl, args, critic, cpus, n_steps, run_dir)
+def run_tether(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: Path, extra: tuple = ()) -> dict:
+    """One tether run of the workload (``extra``: more cluster.train overrides), its steps' phases and memory."""
+    cmd = tether_command(wl, args, critic, cpus, n_steps, run_dir, extra)
     t_launch = time.time()
     _, mem, wall = run_command(cmd, {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")},
                         f"tether critic={critic}")

@@ -8,4 +8,4 @@ export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 # The linter first (rules in pyproject.toml): a finding fails the run like a failed test.
 .venv/bin/python -m ruff check --quiet .
 # pytest exits 5 when it collected nothing; set -e turns that (like any failure) into a failed run.
-exec .venv/bin/python -m pytest -m "not slow" --durations=10 "$@"
+exec .venv/bin/python -m pytest -m "not slow" --durations=30 "$@"
