@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from core.infra.errors import UserError
-from learner.config import LoraConfig
+from learner.lora_config import LoraConfig
 
 ADAPTER_DIR = "adapter"  # beside a saved policy: the adapter alone, in PEFT's format
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"

@@ -26,7 +26,7 @@ from core.infra.dtypes import torch_dtype
 from core.logprobs import entropy_from_logits, logprobs_from_logits
 from learner import lora as adapters
 from learner.batch import Batch, response_slice
-from learner.config import LoraConfig
+from learner.lora_config import LoraConfig
 
 log = logging.getLogger(__name__)
 
