@@ -209,6 +209,7 @@ class TrainerConfig:
                   f"{p}.replicas=1 (got {world_size}); use weight_sync='nccl' for more ranks")
         self.optim.validate(world_size)
         self.lora.validate(world_size)
+        self.lora.check_critic(self.critic)
 
 
 @config_class

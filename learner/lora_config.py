@@ -3,6 +3,7 @@ file of its own; learner/lora.py puts them into the model."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from core.choices import ENGINE_LORA_RANKS, LoraInit
 from core.infra.schema import check_choices, config_class, setting
@@ -24,6 +25,9 @@ class LoraConfig:
                                                                 "output head")
     init: LoraInit = setting("default", "default: A Kaiming-uniform | gaussian: A normal; B = 0 either way, so "
                                         "training starts at the base model")
+    critic: bool = setting(False, "true (with learner.critic=separate): the critic's body trains as an adapter "
+                                  "too, of this rank, alpha and targets (its value head in full); false: the body "
+                                  "trains in full")
 
     @property
     def enabled(self) -> bool:
@@ -56,3 +60,15 @@ class LoraConfig:
         if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
             _fail(f"{p}.target_modules={list(self.target_modules)} must name modules, e.g. all-linear or "
                   "[q_proj, v_proj]")
+
+    def check_critic(self, critic: Optional[str]) -> None:
+        """``critic``: learner.critic. An adapter on the critic needs one on the policy (the run's
+        checkpoints then keep what trains alone) and a critic body of its own."""
+        if not self.critic:
+            return
+        if not self.enabled:
+            _fail("learner.lora.critic=true trains the critic as an adapter beside the policy's; it needs "
+                  "learner.lora.rank > 0: set a rank or learner.lora.critic=false")
+        if critic != "separate":
+            _fail(f"learner.lora.critic=true adapts a separate critic's body, but learner.critic={critic or 'null'} "
+                  "has none; set learner.critic=separate (with learner.critic_model) or learner.lora.critic=false")
