@@ -19,7 +19,8 @@ class Checkpointer:
     def save(self, out_dir, *, step: int) -> str:
         """The full resumable state under out_dir/deepspeed, the HF policy under out_dir/policy."""
         out = Path(out_dir)
-        # With a LoRA adapter the frozen base is left out: it is the model the run started from.
+        # With a LoRA adapter the frozen base (and an adapted critic's) is left out: it is the model
+        # the run started from, which a resume loads again before these weights.
         self.engine.save_checkpoint(str(out / DS_DIR), tag=f"step{step}", client_state={"tether_step": step},
                                     exclude_frozen_parameters=self.lora)
         self.save_pretrained_policy(out / POLICY_DIR, with_lm=not self.lora)

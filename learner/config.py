@@ -1,12 +1,12 @@
 """Typed configuration of the learner: optimiser, PPO update, DeepSpeed engine.
 
-Each setting is declared once, here: cluster/config/ppo.py builds its ``learner`` and
-``ppo`` sections from these classes instead of repeating them. Every class is a frozen
-config class (core/infra/schema.py: each key's help is its field metadata, a named choice is a
-Literal type from core/choices.py) and has ``validate(world_size)`` raising a one-line
-ValueError that names the field and the fix, so a bad YAML fails at start-up, not mid-run inside
-DeepSpeed. ``from_dict`` accepts the nested plain dicts a YAML loader produces
-(and validates them, since nothing upstream has).
+Each setting is declared once, here (learner.lora's in learner/lora_config.py):
+cluster/config/ppo.py builds its ``learner`` and ``ppo`` sections from these classes instead
+of repeating them. Every class is a frozen config class (core/infra/schema.py: each key's help
+is its field metadata, a named choice is a Literal type from core/choices.py) and has
+``validate(world_size)`` raising a one-line ValueError that names the field and the fix, so a
+bad YAML fails at start-up, not mid-run inside DeepSpeed. ``from_dict`` accepts the nested
+plain dicts a YAML loader produces (and validates them, since nothing upstream has).
 """
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ from dataclasses import asdict, fields
 from typing import Optional
 
 from core.choices import (
-    ENGINE_LORA_RANKS,
     ESTIMATOR_HELP,
     AdvantageEstimator,
     Critic,
     KLEstimator,
-    LoraInit,
     LossAggregation,
     LRDecay,
     OffPolicyCorrection,
@@ -33,6 +31,7 @@ from core.choices import (
     kl_placement_error,
 )
 from core.infra.schema import check_choices, config_class, setting
+from learner.lora_config import LoraConfig
 
 # The GPU transports, with what they need CUDA for (checked on each learner rank: check_device).
 GPU_TRANSPORTS = {"nccl": "NCCL broadcast from its GPU", "ipc": "CUDA IPC handles to its own GPU's memory"}
@@ -111,52 +110,6 @@ class OptimConfig:
         progress = min(max(step - self.warmup_steps, 0) / span, 1.0)
         shape = 1.0 - progress if self.decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
-
-
-@config_class
-class LoraConfig:
-    """LoRA adapters: train low-rank adapters on a frozen base instead of every parameter (learner/lora.py)."""
-    rank: int = setting(0, "adapter rank r; 0 = train every parameter (no adapters)")
-    alpha: float = setting(16.0, "the adapter's update is (alpha / rank) x B A")
-    dropout: float = setting(0.0, "dropout on the adapter's input; the sft and reward-model stages only (PPO "
-                                  "scores tokens as the sampler did, without dropout)")
-    target_modules: tuple[str, ...] = setting(("all-linear",), "module names (or name suffixes) that get an "
-                                                                "adapter; all-linear = every linear layer but the "
-                                                                "output head")
-    init: LoraInit = setting("default", "default: A Kaiming-uniform | gaussian: A normal; B = 0 either way, so "
-                                        "training starts at the base model")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    def engine_rank(self, served: int = 0) -> int:
-        """The adapter rank the generators' engines start with: ``served`` (generator.engine.max_lora_rank)
-        when set, else the smallest rank vLLM serves that holds ``rank``; 0 without adapters."""
-        if self.enabled and served and self.rank > served:
-            wanted = next(r for r in ENGINE_LORA_RANKS if r >= self.rank)
-            _fail(f"learner.lora.rank={self.rank} is above generator.engine.max_lora_rank={served}, the largest "
-                  f"adapter rank the generators' engines serve; raise max_lora_rank to {wanted} or set it to 0 to "
-                  "follow learner.lora.rank")
-        if served or not self.enabled:
-            return served
-        return next(r for r in ENGINE_LORA_RANKS if r >= self.rank)
-
-    def validate(self, world_size: int = 1) -> None:
-        p = "learner.lora"
-        check_choices(self, p)
-        if self.rank < 0 or self.rank > ENGINE_LORA_RANKS[-1]:
-            _fail(f"{p}.rank={self.rank} must be in [0, {ENGINE_LORA_RANKS[-1]}] (0 = no adapters; vLLM serves "
-                  f"ranks up to {ENGINE_LORA_RANKS[-1]})")
-        if not self.enabled:
-            return
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            _fail(f"{p}.alpha={self.alpha} must be a finite number > 0")
-        if not 0 <= self.dropout < 1:
-            _fail(f"{p}.dropout={self.dropout} must be in [0, 1)")
-        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
-            _fail(f"{p}.target_modules={list(self.target_modules)} must name modules, e.g. all-linear or "
-                  "[q_proj, v_proj]")
 
 
 @config_class
@@ -256,6 +209,7 @@ class TrainerConfig:
                   f"{p}.replicas=1 (got {world_size}); use weight_sync='nccl' for more ranks")
         self.optim.validate(world_size)
         self.lora.validate(world_size)
+        self.lora.check_critic(self.critic)
 
 
 @config_class

@@ -30,7 +30,7 @@ class WeightExporter:
 
     def full_state_dict(self, trainable_only: bool = False) -> Optional[dict]:
         """Every tensor of the module (LM, value head, critic) on rank 0, or those that train
-        (with a LoRA adapter: the adapter, the value head, a critic); all ranks call."""
+        (with a LoRA adapter: the adapter, the value head, a critic or its adapter); all ranks call."""
         named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad or not trainable_only]
         out = {n: t.clone() for n, t in self._gathered(named, DEFAULT_BUCKET_BYTES)}
         return out if self.rank == 0 else None

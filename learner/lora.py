@@ -1,4 +1,4 @@
-"""LoRA adapters on the learner's policy, through PEFT's low-level API.
+"""LoRA adapters on the learner's policy (and a separate critic's body), through PEFT's low-level API.
 
 The adapter layers are injected into the Hugging Face model in place (``inject_adapter_in_model``),
 not wrapped in a ``PeftModel``: the policy keeps its HF module tree, so the value head, the
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from core.infra.errors import UserError
-from learner.config import LoraConfig
+from learner.lora_config import LoraConfig
 
 ADAPTER_DIR = "adapter"  # beside a saved policy: the adapter alone, in PEFT's format
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -70,16 +70,17 @@ def add_adapter(lm: nn.Module, lora: LoraConfig, key: str = "learner.lora.target
     return lm
 
 
-def check_targets(model_config, lora: LoraConfig) -> int:
-    """The adapter modules ``lora`` puts on a model of ``model_config``, found on an empty (meta)
-    copy of it: a quantized base, or targets that match nothing, raise UserError before any
-    actor starts. Returns the number of adapted modules."""
+def check_targets(model_config, lora: LoraConfig, *, key: str = "model.policy", auto_class=None) -> int:
+    """The adapter modules ``lora`` puts on a model of ``model_config`` (built by ``auto_class``,
+    default AutoModelForCausalLM; a separate critic's body: AutoModel), found on an empty (meta)
+    copy of it: a quantized base (``key`` names it), or targets that match nothing, raise
+    UserError before any actor starts. Returns the number of adapted modules."""
     from transformers import AutoModelForCausalLM
 
-    check_base(model_config)
+    check_base(model_config, key)
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(model_config)
-    return len(adapter_layers(add_adapter(lm, lora)))
+        model = (auto_class or AutoModelForCausalLM).from_config(model_config)
+    return len(adapter_layers(add_adapter(model, lora)))
 
 
 def adapter_layers(module: nn.Module) -> list:

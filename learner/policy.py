@@ -10,6 +10,8 @@ engine trains it with one optimiser.
 On disk: the LM is a plain HF checkpoint (AutoModelForCausalLM loads it
 unchanged, which is what vLLM needs), with ``value_head.safetensors`` beside it
 (unless there is no critic) and, for a separate critic, the critic body under ``critic/``.
+With ``learner.lora`` the LM trains as an adapter on its frozen base, and with ``lora.critic``
+a separate critic's body too (learner/lora.py); the value head always trains whole.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from core.infra.dtypes import torch_dtype
 from core.logprobs import entropy_from_logits, logprobs_from_logits
 from learner import lora as adapters
 from learner.batch import Batch, response_slice
-from learner.config import LoraConfig
+from learner.lora_config import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,8 @@ class PolicyWithValueHead(HFWrapper):
             nn.init.zeros_(value_head.bias)
         self.value_head = value_head  # None: no critic (the critic-free estimators); values are 0
         self.lora: Optional[LoraConfig] = None  # set when the LM carries a LoRA adapter (learner/lora.py)
+        self.critic_lora: Optional[LoraConfig] = None  # set when the critic body carries one too
+        self.critic_source: Optional[str] = None  # the checkpoint the critic body was loaded from
         disable_dropout(self)
 
     def _hidden(self, body: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
@@ -194,8 +198,9 @@ class PolicyWithValueHead(HFWrapper):
     def save_pretrained(self, out_dir, state_dict: Optional[dict] = None, *, with_lm: bool = True) -> Path:
         """Write the HF LM, the value head and (separate critic) the critic body. With a LoRA
         adapter the LM is written merged (in fp32, then the base's dtype) and the adapter alone
-        under ``adapter/`` in PEFT's format; ``with_lm=False`` leaves the merged LM out (a
-        resumable checkpoint keeps the adapter only).
+        under ``adapter/`` in PEFT's format; an adapted critic body likewise, under ``critic/``
+        and ``critic/adapter/``. ``with_lm=False`` leaves the merged models out (a resumable
+        checkpoint keeps the adapters only).
 
         ``state_dict``: full tensors of this module (names as in ``state_dict()``); the
         learner passes one gathered from ZeRO-3 partitions, where local params are empty.
@@ -216,10 +221,22 @@ class PolicyWithValueHead(HFWrapper):
         if self.value_head is not None:
             save_file(part("value_head."), str(out / VALUE_HEAD_FILE))
         if self.critic_body is not None:
-            self.critic_body.save_pretrained(out / CRITIC_DIR, state_dict=part("critic_body."),
-                                             safe_serialization=True)
+            self._save_critic(out / CRITIC_DIR, part("critic_body."), with_body=with_lm)
         self._copy_tokenizer(out)
         return out
+
+    def _save_critic(self, out: Path, state: dict, *, with_body: bool) -> None:
+        """The critic body in HF format (AutoModel loads it); with an adapter, the body merged and
+        the adapter alone under ``adapter/`` (PEFT's FEATURE_EXTRACTION task: PeftModel loads it on
+        an AutoModel of ``critic_source``); ``with_body=False``: the adapter only."""
+        if self.critic_lora is not None:
+            files = adapters.adapter_files(adapters.adapter_state(state.items()), self.critic_lora,
+                                           self.critic_source, task="FEATURE_EXTRACTION")
+            adapters.write_adapter(files, out / adapters.ADAPTER_DIR)
+            if not with_body:
+                return
+            state = adapters.merged_state(state, self.critic_lora)
+        self.critic_body.save_pretrained(out, state_dict=state, safe_serialization=True)
 
     def _copy_tokenizer(self, out: Path) -> None:
         copy_tokenizer(self.source_path, out)
@@ -232,16 +249,17 @@ class PolicyWithValueHead(HFWrapper):
         Without a saved head: zero init (shared), or the reward model's score head
         (separate critic), the usual RLHF critic initialisation. ``critic="none"``: no value
         head at all (a saved one is left unread). ``lora`` (enabled): a fresh adapter on the LM,
-        whose base weights are then frozen (the value head and a critic body still train).
+        whose base weights are then frozen (the value head still trains, and a critic body: in
+        full, or, with ``lora.critic``, as an adapter of its own on its frozen body).
         """
         from transformers import AutoModelForCausalLM
 
         path = Path(path)
         dtype = torch_dtype(dtype, "learner")
         lm = load_pretrained(AutoModelForCausalLM, path, dtype=dtype)
-        critic_body, head = None, None
+        critic_body, head, critic_source = None, None, None
         if critic == "separate":
-            critic_body, head = _load_critic(path, critic_model, dtype)
+            critic_body, head, critic_source = _load_critic(path, critic_model, dtype)
         elif critic not in ("shared", "none"):
             raise ValueError(f"PolicyWithValueHead: critic={critic!r} must be 'shared', 'separate' or 'none'")
         model = cls(lm, head, critic_body, with_values=critic != "none")
@@ -252,18 +270,23 @@ class PolicyWithValueHead(HFWrapper):
         if lora is not None and lora.enabled:
             adapters.add_adapter(lm, lora)
             model.lora = lora
+            if lora.critic and critic_body is not None:
+                adapters.check_base(critic_body.config, "learner.critic_model")
+                adapters.add_adapter(critic_body, lora)
+                model.critic_lora = lora
         model.to(dtype)
-        model.source_path = str(path)
+        model.source_path, model.critic_source = str(path), critic_source
         return model
 
 
 def _load_critic(path: Path, critic_model: Optional[str], dtype):
-    """A saved critic body (``path/critic``) or the body + score head of a reward model."""
+    """A saved critic body (``path/critic``) or the body + score head of a reward model; -> (body,
+    head or None, the checkpoint the body came from)."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     saved = path / CRITIC_DIR
     if saved.is_dir():
-        return load_pretrained(AutoModel, saved, dtype=dtype), None
+        return load_pretrained(AutoModel, saved, dtype=dtype), None, str(saved)
     if not critic_model:
         raise ValueError("PolicyWithValueHead: critic='separate' needs critic_model "
                          "(a sequence-classification checkpoint, e.g. the reward model)")
@@ -277,4 +300,4 @@ def _load_critic(path: Path, critic_model: Optional[str], dtype):
             head.weight.copy_(score.weight)
         else:
             nn.init.zeros_(head.weight)
-    return body, head
+    return body, head, str(critic_model)

@@ -22,7 +22,7 @@ from core.infra.dtypes import torch_dtype
 from core.layout import pool_last_token
 from core.preference import bradley_terry_loss
 from learner import lora as adapters
-from learner.config import LoraConfig
+from learner.lora_config import LoraConfig
 from learner.policy import HFWrapper, copy_tokenizer, disable_dropout
 from learner.sft import SupervisedObjective, collate_sequences
 

@@ -170,10 +170,12 @@ class LearnerWorker:
                 **(self._dtypes() if built else {}), **(self._parameters() if built else {})}
 
     def _parameters(self) -> dict:
-        """What trains: the parameter counts (full sizes under ZeRO-3) and the adapter rank (0: none)."""
+        """What trains: the parameter counts (full sizes under ZeRO-3), the adapter rank (0: none)
+        and whether a separate critic's body trains as an adapter too."""
         trainable, total = parameter_counts(self.engine.module)
         lora = getattr(self.engine.module, "lora", None)
-        return {"trainable_parameters": trainable, "parameters": total, "lora_rank": lora.rank if lora else 0}
+        return {"trainable_parameters": trainable, "parameters": total, "lora_rank": lora.rank if lora else 0,
+                "lora_critic": getattr(self.engine.module, "critic_lora", None) is not None}
 
     def _dtypes(self) -> dict:
         """The dtype the model computes in, and the optimizer's (DeepSpeed bf16 keeps fp32

@@ -142,6 +142,28 @@ def check_judge(judge, columns) -> None:
 PROBE_RESPONSES = (" It was a good day.", " No.")
 
 
+def check_adapter_targets(learner, policy_config) -> None:
+    """learner.lora's targets on the policy and, with lora.critic, on the critic's body."""
+    from transformers import AutoConfig, AutoModel
+
+    from learner.lora import check_targets
+
+    check_targets(policy_config, learner.lora)
+    if not learner.lora.critic:
+        return
+    from actors.reference import resolve_model_path
+
+    try:
+        with user_input(kinds=(ValueError,)):  # a folder that is not a model: its one line
+            path = resolve_model_path(learner.critic_model, "learner.critic_model")
+    except FileNotFoundError:
+        raise UserError(f"learner.critic_model={learner.critic_model!r} does not exist; point it at a "
+                        "sequence-classification model directory (the reward model)") from None
+    with user_input():
+        critic_config = AutoConfig.from_pretrained(path)
+    check_targets(critic_config, learner.lora, key="learner.critic_model", auto_class=AutoModel)
+
+
 def prepare(cfg):
     """Everything that can fail on user input, before any actor starts."""
     from transformers import AutoTokenizer
@@ -161,8 +183,7 @@ def prepare(cfg):
     policy_config = check_vocabulary(tokenizer, tokenizer_path, policy, "model.policy")
     check_policy_config(policy_config)
     if cfg.learner.lora.enabled:
-        from learner.lora import check_targets
-        check_targets(policy_config, cfg.learner.lora)
+        check_adapter_targets(cfg.learner, policy_config)
     if cfg.reward.model:
         check_reward_model(cfg.reward.model, tokenizer, tokenizer_path)
         if cfg.reward.normalize:  # the actors would fail on it one by one: refuse here, in one line

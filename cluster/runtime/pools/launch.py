@@ -123,6 +123,8 @@ def learner_line(pools) -> str:
     h = pools.learner.health()[0]
     share = h["trainable_parameters"] / max(h["parameters"], 1)
     what = f"a LoRA adapter of rank {h['lora_rank']}" if h["lora_rank"] else "every parameter"
+    if h.get("lora_critic"):
+        what += " on the policy and one on the critic"
     return (f"learner: trains {what}: {h['trainable_parameters']:,} of {h['parameters']:,} parameters "
             f"({share:.2%})")
 

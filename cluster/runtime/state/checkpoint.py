@@ -25,7 +25,8 @@ RESUME_DIR = "checkpoints/resume"
 PINNED_KEYS = ("model.policy", "model.tokenizer", "learner.replicas", "learner.zero_stage",
                "data.path", "data.field", "data.seed", "data.prompts_per_step", "data.eval_prompts",
                "generator.sampling.n", "reference.model", "learner.dtype", "learner.critic",
-               "learner.lora.rank", "learner.lora.alpha", "learner.lora.target_modules")
+               "learner.critic_model", "learner.lora.rank", "learner.lora.alpha", "learner.lora.target_modules",
+               "learner.lora.critic")
 # Pinned as resolved, not as written: model.dtype=auto may differ on another machine, and a
 # null critic follows ppo.advantage (the learner state holds a value model or not).
 RESOLVED = {"learner.dtype": lambda cfg: cfg.precision()["learner"][0],
