@@ -80,7 +80,16 @@ def check_targets(model_config, lora: LoraConfig, *, key: str = "model.policy", 
     check_base(model_config, key)
     with torch.device("meta"):
         model = (auto_class or AutoModelForCausalLM).from_config(model_config)
-    return len(adapter_layers(add_adapter(model, lora)))
+    layers = adapter_layers(add_adapter(model, lora))
+    # vLLM serves adapters on the decoder's linear layers; one on the vocabulary's layers would
+    # be refused by every generator at the first push, so refuse it here, before anything starts.
+    vocab = {id(m) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    named = [name for name, m in model.named_modules() if id(m) in vocab and m in layers]
+    if named:
+        raise UserError(f"learner.lora.target_modules adapts {', '.join(sorted(set(named)))}: the generators' "
+                        "engine serves adapters on the decoder's linear layers only; leave the embeddings "
+                        "and the output head out (all-linear does)")
+    return len(layers)
 
 
 def adapter_layers(module: nn.Module) -> list:

@@ -62,6 +62,17 @@ def test_targets_that_match_nothing_list_the_models_layers(policy_path):
         adapters.check_targets(config, LoraConfig(rank=8, target_modules=("qkv",)))
 
 
+@pytest.mark.parametrize("targets", [("q_proj", "lm_head"), ("embed_tokens",)])
+def test_adapters_on_the_vocabulary_layers_are_refused(policy_path, targets):
+    """vLLM refuses them at the first push (a run that fails after its start-up): refused up front."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(policy_path)
+    with pytest.raises(UserError, match=rf"adapts (model\.)?{targets[-1]}: the generators' engine serves "
+                                        "adapters on the decoder's linear layers only"):
+        adapters.check_targets(config, LoraConfig(rank=8, target_modules=targets))
+
+
 def test_a_quantized_base_is_refused(policy_path):
     from transformers import AutoConfig
 
