@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.vs_trl import run_tether
+from bench.vs_trl import BenchError, run_tether
 
 SIDES = {"reference pool": [], "reference.on_learner": ["reference.on_learner=true"]}
 
@@ -40,6 +41,7 @@ def parse_args(argv):
 
 def one_side(wl: dict, args, name: str) -> dict:
     run_dir = Path(args.out) / name.replace(" ", "-").replace(".", "-")
+    shutil.rmtree(run_dir, ignore_errors=True)  # the bench's own folder: each run starts afresh
     extra = [f"learner.lora.rank={args.rank}", "learner.optim.lr=1e-4", *SIDES[name]]
     bench_args = SimpleNamespace(prompts=args.prompts, new_tokens=args.new_tokens, dtype=args.dtype)
     result = run_tether(wl, bench_args, "shared", {}, args.steps, run_dir, extra=extra)
@@ -70,7 +72,10 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     wl = sized_workload(json.loads(build_workload().read_text()), args.policy_size, with_value=True)
-    results = [one_side(wl, args, name) for name in SIDES]
+    try:
+        results = [one_side(wl, args, name) for name in SIDES]
+    except BenchError as e:
+        raise SystemExit(str(e)) from None
     print(f"policy {args.policy_size}, {args.dtype}, LoRA rank {args.rank}, {args.prompts} prompts x "
           f"{args.new_tokens} tokens, {args.steps} steps")
     print(table(results))

@@ -292,6 +292,8 @@ class LearnerConfig(RankConfig):
     kl_loss_estimator: Optional[KLEstimator] = setting(
         None, "ppo.kl.placement=loss: the KL estimator (k2 | k3) added to the loss as beta x its aggregate, "
               "the gradient flowing through the policy's log-probs; None: the KL is in the reward")
+    reference_threads: int = setting(0, "reference.on_learner: CPU threads rank 0 scores the reference with "
+                                        "(the scorers' share of the node); 0: the learner's own")
 
     def validate(self, world_size: int = 1, *, ppo_at: str = "learner.ppo") -> None:
         super().validate(world_size)

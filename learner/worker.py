@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from core.infra.threads import fit_threads
+from core.infra.threads import fit_threads, torch_threads
 from core.infra.transfer import pull_args
 from learner import rendezvous
 from learner.checkpoint import Checkpointer
@@ -120,7 +120,8 @@ class LearnerWorker:
         reference pool's call, actors.reference.Reference): the policy with its LoRA adapter
         off (``reference.on_learner``), and what the pull moved between nodes. Rank 0 alone."""
         (rollouts,), moved = pull_args(rollouts)
-        return self.objective.reference_logprobs(rollouts), moved
+        with torch_threads(getattr(self.config, "reference_threads", 0)):
+            return self.objective.reference_logprobs(rollouts), moved
 
     def apply(self, call: Callable, batch):
         """``call(objective, batch)``: a call of this objective's own (the reward model's

@@ -8,6 +8,7 @@ calls fit_threads() first thing in its constructor, on its own node.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -23,3 +24,19 @@ def fit_threads() -> int:
 
         torch.set_num_threads(threads)
     return threads
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """torch's intra-op threads set to ``threads`` inside the block (0: left as they are): an
+    actor whose one call runs beside other work on the node (the learner scoring the reference
+    while the reward model scores) takes its share of the cores for that call only."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(min(threads, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

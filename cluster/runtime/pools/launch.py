@@ -129,6 +129,14 @@ def learner_line(pools) -> str:
             f"({share:.2%})")
 
 
+def learner_rank_config(cfg: TetherConfig, threads: dict):
+    """The ranks' config; with reference.on_learner, the threads rank 0 scores the reference with."""
+    config = cfg.learner_config()
+    if cfg.reference.on_learner:
+        config = replace(config, reference_threads=threads["reference"])
+    return config
+
+
 def _assemble(cfg: TetherConfig, pools: tuple, learner, buffer, learner_pg) -> Pools:
     generators, references, rewards = pools
     if cfg.reference.on_learner:  # learner rank 0 scores the reference: no pool of its own
@@ -157,8 +165,8 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, co
         for pool, pgs in zip(pools, reserved):
             launched.append(pool.launch(pgs))
         learner_start = _Background(lambda: LearnerGroup(
-            model=policy_path, config=cfg.learner_config(), world_size=lp.replicas, num_cpus_per_rank=lp.num_cpus,
-            num_gpus_per_rank=lp.num_gpus, placement_group=learner_pg,
+            model=policy_path, config=learner_rank_config(cfg, threads), world_size=lp.replicas,
+            num_cpus_per_rank=lp.num_cpus, num_gpus_per_rank=lp.num_gpus, placement_group=learner_pg,
             env={**actor_env(cfg), **thread_env(threads["learner"])}))
         buffer = BufferSlot(capacity=cfg.buffer.capacity, env=actor_env(cfg), node_labels=cfg.buffer.node_labels,
                             placement_timeout_s=cfg.resources.placement_timeout_s)

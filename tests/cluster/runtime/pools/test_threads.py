@@ -25,6 +25,20 @@ def test_reference_and_reward_model_score_together(tmp_path):
 
 
 @pytest.mark.unit
+def test_the_learner_scoring_the_reference_is_one_of_the_scorers(tmp_path):
+    """reference.on_learner: learner rank 0 scores beside the reward model, so each takes half the
+    cores for that phase (both at full width oversubscribe the node); the learner trains on all."""
+    from cluster.runtime.pools.launch import learner_rank_config
+
+    overrides = ["reward.function=null", f"reward.model={tmp_path}", "learner.lora.rank=8",
+                 "reference.on_learner=true", "reference.model=null"]
+    threads = plan(2, *overrides)
+    assert threads["reference"] == threads["reward"] == 1 and threads["learner"] == 2
+    assert learner_rank_config(load_config(None, overrides), threads).reference_threads == 1
+    assert learner_rank_config(load_config(None, []), plan(2)).reference_threads == 0  # a pool scores it
+
+
+@pytest.mark.unit
 def test_a_judge_replica_hosts_an_engine_like_a_generator():
     """reward.judge: the reward replica scores with the reference (it computes), its vLLM engine
     runs in the actor's process on CPU with unbound threads, and on GPU keeps vLLM's layout."""
