@@ -1,9 +1,11 @@
 """Resumable learner state on disk: a DeepSpeed checkpoint plus the policy in HF format."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
+from learner import lora as adapters
 from learner.collectives import Collectives
 from learner.export import WeightExporter
 
@@ -21,8 +23,9 @@ class Checkpointer:
         out = Path(out_dir)
         # With a LoRA adapter the frozen base (and an adapted critic's) is left out: it is the model
         # the run started from, which a resume loads again before these weights.
-        self.engine.save_checkpoint(str(out / DS_DIR), tag=f"step{step}", client_state={"tether_step": step},
-                                    exclude_frozen_parameters=self.lora)
+        with adapters.frozen_state_left_out(self.engine.module) if self.lora else contextlib.nullcontext():
+            self.engine.save_checkpoint(str(out / DS_DIR), tag=f"step{step}", client_state={"tether_step": step},
+                                        exclude_frozen_parameters=self.lora)
         self.save_pretrained_policy(out / POLICY_DIR, with_lm=not self.lora)
         self.comm.barrier()  # the directory is complete when any rank returns
         return str(out)

@@ -112,6 +112,25 @@ def adapter_disabled(module: nn.Module):
             layer.enable_adapters(True)
 
 
+@contextlib.contextmanager
+def frozen_state_left_out(module: nn.Module):
+    """``module.state_dict()`` without its frozen parameters inside the block, under every name
+    one goes by: DeepSpeed's ``exclude_frozen_parameters`` drops the names ``named_parameters``
+    yields, which lists a tied weight once, so a tied output head (``lm_head.weight``, the size
+    of the embeddings) stayed in every LoRA checkpoint."""
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def drop(_module, state, prefix, _metadata):
+        for name in frozen:
+            state.pop(prefix + name, None)
+
+    handle = module.register_state_dict_post_hook(drop)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def is_adapter_param(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 

@@ -151,6 +151,10 @@ def test_a_resume_restores_the_critic_adapter_exactly(policy_path, reward_path, 
     a.train(rollouts)
     a.save(tmp_path / "ckpt")
     saved = a.full_state_dict()
+    [states] = (tmp_path / "ckpt").glob("deepspeed/*/mp_rank_00_model_states.pt")
+    kept = torch.load(states, weights_only=False)["module"]
+    # only what trains: not the frozen bases, nor the tied output head under its second name
+    assert kept and [k for k in kept if ".lora_" not in k and not k.startswith("value_head.")] == []
     a.train(rollouts)
     b = LearnerWorker(rank=0, world_size=1, model=policy_path, config=cfg)
     assert max_abs_diff(b.full_state_dict(), saved) > 1e-4  # built afresh: the load has something to restore
