@@ -210,10 +210,13 @@ class PPOObjective(Objective):
     def _score(self, batch: Batch, values_only: bool = False):
         """(logprobs, values, own-set logprobs), each [B, R] float32 under the current weights,
         micro-batch by micro-batch (policy.forward's ``with_own_set``). ``values_only``: the
-        log-probs are None. Every rank runs as many forwards (under ZeRO-3 each is a collective):
-        a rank with fewer micro-batches repeats a row, its outputs unused."""
+        log-probs are None. Under ZeRO-3 every forward is a collective, so every rank runs as many
+        (a rank with fewer micro-batches repeats a row, its outputs unused); below it no collective
+        runs here, so rank 0 may score alone (reference.on_learner)."""
         groups = self._groups(batch, by_length=False)  # in order: a row's batch-mates as they always were
-        (most,) = self.comm.max([len(groups)])
+        most = len(groups)
+        if self.engine.zero_optimization_stage() == 3:
+            (most,) = self.comm.max([most])
         outs = [torch.zeros(batch.response_mask.shape, device=batch.response_mask.device) for _ in range(3)]
         for k in range(int(most)):
             rows = torch.as_tensor(groups[min(k, len(groups) - 1)], device=outs[0].device)
