@@ -118,6 +118,9 @@ class PPOConfig:
     ppo_epochs: int = setting(1, "passes over the batch per train() call")
     minibatch_size: int = setting(8, "rollouts per optimizer step, summed over all ranks")
     micro_batch_size: int = setting(2, "rollouts per forward/backward on one rank (gradient accumulation)")
+    packing: bool = setting(True, "each micro-batch as one row of its real tokens, no padding (learner/packing.py)")
+    max_tokens_per_micro_batch: int = setting(0, "with packing: micro-batches of at most this many tokens, not "
+                                                 "micro_batch_size rows (a longer rollout alone); 0 = off")
     clip_low: float = setting(0.2, "ratio clipped below at 1 - clip_low")
     clip_high: Optional[float] = setting(None, "ratio clipped above at 1 + clip_high; None = clip_low")
     dual_clip: Optional[float] = setting(None, "c > 1 caps negative-advantage loss at -A*c; None disables")
@@ -149,6 +152,8 @@ class PPOConfig:
         for name in ("ppo_epochs", "minibatch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 _fail(f"{p}.{name}={getattr(self, name)} must be >= 1")
+        if self.max_tokens_per_micro_batch < 0 or (self.max_tokens_per_micro_batch and not self.packing):
+            _fail(f"{p}.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: use >= 0, with {p}.packing=true")
         per_step = world_size * self.micro_batch_size
         if self.minibatch_size % per_step:
             _fail(f"{p}.minibatch_size={self.minibatch_size} is not divisible by world_size*micro_batch_size="
@@ -168,10 +173,6 @@ class PPOConfig:
             _fail(f"{p}.gamma={self.gamma} and {p}.lam={self.lam} must be in [0, 1]")
         if not (self.is_cap >= 1 and math.isfinite(self.is_cap)):
             _fail(f"{p}.is_cap={self.is_cap} must be a finite number >= 1 (weights above it are capped)")
-
-    def micro_batches(self, world_size: int) -> int:
-        """Micro-batches per optimizer step on one rank (gradient accumulation steps)."""
-        return self.minibatch_size // (world_size * self.micro_batch_size)
 
 
 @config_class

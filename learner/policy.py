@@ -27,8 +27,9 @@ from core.infra.architectures import load_pretrained
 from core.infra.dtypes import torch_dtype
 from core.logprobs import entropy_from_logits, logprobs_from_logits
 from learner import lora as adapters
-from learner.batch import Batch, response_slice
+from learner.batch import Batch
 from learner.lora_config import LoraConfig
+from learner.packing import PackedResponses, PaddedResponses
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,19 @@ def copy_tokenizer(source: Optional[str], out: Path) -> None:
         src = Path(source) / name
         if src.is_file() and not (out / name).exists():
             shutil.copy2(src, out / name)
+
+
+def _token_outputs(logits, tokens, temperature, top_k, top_p, kept_ids, with_entropy, with_own_set) -> tuple:
+    """(logprobs, entropy or None[, own-set logprobs]) of ``tokens`` [b, n] under ``logits``
+    [b, n, V] (``kept_ids`` [b, n, K] or None): policy.forward's per-token outputs."""
+    truncation = dict(top_k=top_k, top_p=top_p, kept_ids=kept_ids)
+    logprobs = logprobs_from_logits(logits, tokens, temperature, **truncation)
+    entropy = entropy_from_logits(logits, temperature, tokens=tokens, **truncation) if with_entropy else None
+    if not with_own_set:
+        return logprobs, entropy
+    # Without the sampler's sets, logprobs are of the own set already.
+    own = logprobs if kept_ids is None else logprobs_from_logits(logits, tokens, temperature, top_k=top_k, top_p=top_p)
+    return logprobs, entropy, own
 
 
 class HFWrapper(nn.Module):
@@ -111,8 +125,9 @@ class PolicyWithValueHead(HFWrapper):
                    use_cache=False)
         return out.last_hidden_state
 
-    def _lm(self, input_ids, attention_mask, position_ids, keep: int = 0):
-        """(logits of the last ``keep`` positions, all when 0; the body's last hidden state [B, T, H]).
+    def _lm(self, input_ids, attention_mask, position_ids, keep=0):
+        """(logits of the last ``keep`` positions, all when 0, or of the positions in a 1-D index
+        tensor ``keep``; the body's last hidden state [B, T, H]).
 
         The LM's own forward makes the logits, so whatever a family does after its head
         (Gemma's final soft-capping, a logit scale) is done as vLLM does it, with no per-family
@@ -142,44 +157,40 @@ class PolicyWithValueHead(HFWrapper):
         return nn.functional.linear(hidden.float(), head.weight.float(), bias).squeeze(-1)
 
     def forward(self, input_ids, attention_mask, position_ids, *, prompt_len: Optional[int] = None,
-                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, kept_ids=None,
-                with_entropy: bool = True, values_only: bool = False, with_own_set: bool = False):
-        """Without ``prompt_len``: (logits [B, T, V], values [B, T] float32) at every position.
+                packed: Optional[PackedResponses] = None, temperature: float = 1.0, top_k: int = 0,
+                top_p: float = 1.0, kept_ids=None, with_entropy: bool = True, values_only: bool = False,
+                with_own_set: bool = False):
+        """Without ``prompt_len`` or ``packed``: (logits [B, T, V], values [B, T] float32) at every position.
 
         With ``prompt_len`` = P (the batch layout of learner.batch): (logprobs, values,
-        entropy), each [B, R] for the response tokens input_ids[:, P:]; the LM head runs on
-        those columns only (``logits_to_keep``). Log-probs and entropy are of the sampled distribution: logits /
-        temperature, renormalised over the sampler's kept sets ``kept_ids`` [B, R, K] when
-        given, else truncated by top_k/top_p as these weights would sample (core.sampling).
-        ``values_only``: (None, values, None); a separate critic then runs without the policy
-        body. ``with_own_set``: a 4th output, the log-probs under the set these weights would
-        keep themselves (-inf outside it: the off-policy weight's proximal policy). One entry
-        point, so DeepSpeed's engine wraps every forward.
+        entropy), each [B, R] for the response tokens input_ids[:, P:]. With ``packed``
+        (learner/packing.py): input_ids and position_ids are one packed row [1, T],
+        attention_mask is None, and the outputs are the same [B, R] of the batch it was packed
+        from (zeros where it has no token). Either way the LM head runs where a logit predicts
+        a response token only (``logits_to_keep``). Log-probs and entropy are of the sampled
+        distribution: logits / temperature, renormalised over the sampler's kept sets
+        ``kept_ids`` [B, R, K] when given, else truncated by top_k/top_p as these weights would
+        sample (core.sampling). ``values_only``: (None, values, None); a separate critic then
+        runs without the policy body. ``with_own_set``: a 4th output, the log-probs under the
+        set these weights would keep themselves (-inf outside it: the off-policy weight's
+        proximal policy). One entry point, so DeepSpeed's engine wraps every forward.
         """
-        R = None if prompt_len is None else input_ids.shape[1] - prompt_len
-        cols = lambda t: response_slice(t, prompt_len, R)  # noqa: E731
-        if values_only and prompt_len is not None and self.critic_body is not None:
-            return None, self._values(None, input_ids, attention_mask, position_ids, cols), None
-        if prompt_len is None:
-            logits, hidden = self._lm(input_ids, attention_mask, position_ids)
-            return logits, self._values(hidden, input_ids, attention_mask, position_ids)
+        inputs = (input_ids, attention_mask, position_ids)
+        if prompt_len is None and packed is None:
+            logits, hidden = self._lm(*inputs)
+            return logits, self._values(hidden, *inputs)
+        where = packed if packed is not None else PaddedResponses(input_ids, prompt_len)
+        if values_only and self.critic_body is not None:
+            return None, where.scatter(self._values(None, *inputs, where.hidden)), None
         if values_only:
-            hidden = cols(self._hidden(body_of(self.lm), input_ids, attention_mask, position_ids))
-            return None, self._values(hidden, input_ids, attention_mask, position_ids, cols), None
-        # The head runs on the response columns only: the logits at P-1 .. T-2 predict tokens P .. T-1.
-        logits, hidden = self._lm(input_ids, attention_mask, position_ids, keep=R + 1)
-        logits, hidden = logits[:, :R], cols(hidden)
-        tokens = input_ids[:, prompt_len:]
-        truncation = dict(top_k=top_k, top_p=top_p, kept_ids=kept_ids)
-        logprobs = logprobs_from_logits(logits, tokens, temperature, **truncation)
-        entropy = (entropy_from_logits(logits, temperature, tokens=tokens, **truncation)
-                   if with_entropy else None)
-        values = self._values(hidden, input_ids, attention_mask, position_ids, cols)
-        if with_own_set:  # without the sampler's sets, logprobs are of the own set already
-            own = logprobs if kept_ids is None else logprobs_from_logits(
-                logits, tokens, temperature, top_k=top_k, top_p=top_p)
-            return logprobs, values, entropy, own
-        return logprobs, values, entropy
+            hidden = where.hidden(self._hidden(body_of(self.lm), *inputs))
+            return None, where.scatter(self._values(hidden, *inputs, where.hidden)), None
+        logits, hidden = self._lm(*inputs, keep=where.keep)
+        logits, hidden = where.logits(logits), where.hidden(hidden)
+        outs = _token_outputs(logits, where.tokens, temperature, top_k, top_p, where.select(kept_ids),
+                              with_entropy, with_own_set)
+        values = self._values(hidden, *inputs, where.hidden)
+        return tuple(where.scatter(t) for t in (outs[0], values, *outs[1:]))
 
     def response_logprobs_values(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True,
                                  *, top_k: int = 0, top_p: float = 1.0):

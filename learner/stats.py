@@ -30,6 +30,8 @@ class UpdateStats:
     tokens: float = 0.0          # valid response tokens seen (each epoch counts again)
     grad_norm_sum: float = 0.0   # pre-clip global gradient norm, summed over optimizer steps
     optimizer_steps: int = 0
+    fed: float = 0.0             # positions the update's forwards ran on, padding included
+    real: float = 0.0            # of which real tokens (prompt + response)
     lr: float = 0.0              # the learning rate of the last optimizer step
 
     def add_micro_batch(self, *, policy_loss: float, value_loss: float, entropy_sum: float,
@@ -47,6 +49,10 @@ class UpdateStats:
         self.optimizer_steps += 1
         self.lr = lr
 
+    def add_forward(self, *, fed: float, real: float) -> None:
+        self.fed += fed
+        self.real += real
+
     def copy(self) -> "UpdateStats":
         return replace(self)
 
@@ -63,14 +69,14 @@ class UpdateStats:
     def metrics(self, reduce: Reduce, *, world_size: int, with_ptx: bool, with_kl_loss: bool = False,
                 with_values: bool = True) -> dict:
         """The ``ppo/*`` metrics over all ranks (one all-reduce; every rank must call)."""
-        pg, vf, ptx, ent, kl, clip, vf_clip, tokens, kl_loss, kl_in_loss = reduce(
+        pg, vf, ptx, ent, kl, clip, vf_clip, tokens, kl_loss, kl_in_loss, fed, real = reduce(
             [self.policy_loss, self.value_loss, self.ptx_loss, self.entropy_sum, self.approx_kl_sum,
-             self.clip_sum, self.vf_clip_sum, self.tokens, self.kl_loss, self.kl_sum])
+             self.clip_sum, self.vf_clip_sum, self.tokens, self.kl_loss, self.kl_sum, self.fed, self.real])
         steps = max(self.optimizer_steps, 1)  # the same on every rank
         out = {"ppo/policy_loss": pg / steps, "ppo/value_loss": vf / steps,
                "ppo/entropy": ent / tokens, "ppo/approx_kl": kl / tokens, "ppo/clip_frac": clip / tokens,
                "ppo/vf_clip_frac": vf_clip / tokens, "ppo/grad_norm": self.grad_norm_sum / steps,
-               "ppo/lr": self.lr}
+               "ppo/lr": self.lr, "perf/learner_padding_frac": 1.0 - real / fed if fed else 0.0}
         if not with_values:  # no critic: nothing was regressed
             del out["ppo/value_loss"], out["ppo/vf_clip_frac"]
         if with_ptx:

@@ -29,6 +29,7 @@ from learner.config import LearnerConfig
 from learner.lora import adapter_disabled
 from learner.minibatches import minibatch_plan, split_rows, visit_order
 from learner.objective import Objective
+from learner.packing import Packed, Padded, row_groups, row_lengths
 from learner.policy import PolicyWithValueHead
 from learner.stats import UpdateStats, merge_rank_metrics
 
@@ -45,6 +46,7 @@ class PPOObjective(Objective):
         self.kl_coef = 0.0  # beta of the KL loss term in the current train()
         self.critic = self.config.value_model != "none"  # a value model to train (gae), or none
         self.row_offset = 0  # this rank's first row in the global batch (the shards in rank order)
+        self.layout = Packed if self.config.ppo.packing else Padded  # how a micro-batch enters the forward
 
     @classmethod
     def load_module(cls, model: str, config: LearnerConfig) -> tuple:
@@ -66,7 +68,7 @@ class PPOObjective(Objective):
         batch = collate(shard, self.pad_id).to(self.device)
         metrics = self._prepare(batch, shard)
         stats = UpdateStats()
-        epochs = [self._minibatches(counts, step, e) for e in range(self.config.ppo.ppo_epochs)]
+        epochs = self._agreed([self._minibatches(counts, step, e) for e in range(self.config.ppo.ppo_epochs)], batch)
         # What a rank short of rows trains: a row with no valid token (zero loss, whole graph).
         blank = dataclasses.replace(batch[:1], response_mask=torch.zeros_like(batch.response_mask[:1])).trimmed()
         ptx = self._ptx_slices(ptx_rows, sum(map(len, epochs)))
@@ -146,8 +148,8 @@ class PPOObjective(Objective):
         return int(global_tokens), counts
 
     def _forward(self, mb: Batch, with_entropy: bool, values_only: bool = False, with_own_set: bool = False):
-        return self.engine(mb.input_ids, mb.attention_mask, mb.position_ids, prompt_len=mb.prompt_len,
-                           temperature=self.config.temperature, top_k=self.config.top_k,
+        args, where = self.layout.inputs(mb)  # padded rows, or one packed row (learner/packing.py)
+        return self.engine(*args, **where, temperature=self.config.temperature, top_k=self.config.top_k,
                            top_p=self.config.top_p, kept_ids=mb.kept_ids, with_entropy=with_entropy,
                            values_only=values_only, with_own_set=with_own_set)
 
@@ -208,19 +210,39 @@ class PPOObjective(Objective):
     def _score(self, batch: Batch, values_only: bool = False):
         """(logprobs, values, own-set logprobs), each [B, R] float32 under the current weights,
         micro-batch by micro-batch (policy.forward's ``with_own_set``). ``values_only``: the
-        log-probs are None."""
-        R, outs = batch.response_len, ([], [], [])
-        for mic in batch.split(self.config.ppo.micro_batch_size):
+        log-probs are None. Under ZeRO-3 every forward is a collective, so every rank runs as many
+        (a rank with fewer micro-batches repeats a row, its outputs unused); below it no collective
+        runs here, so rank 0 may score alone (reference.on_learner)."""
+        groups = self._groups(batch, by_length=False)  # in order: a row's batch-mates as they always were
+        most = len(groups)
+        if self.engine.zero_optimization_stage() == 3:
+            (most,) = self.comm.max([most])
+        outs = [torch.zeros(batch.response_mask.shape, device=batch.response_mask.device) for _ in range(3)]
+        for k in range(int(most)):
+            rows = torch.as_tensor(groups[min(k, len(groups) - 1)], device=outs[0].device)
+            mic = batch[rows if k < len(groups) else rows[:1]].trimmed()
             if values_only:
-                _, v, _ = self._forward(mic.trimmed(), with_entropy=False, values_only=True)
-                parts = (None, v, None)
+                parts = (None, self._forward(mic, with_entropy=False, values_only=True)[1], None)
             else:
-                lp, v, _, own = self._forward(mic.trimmed(), with_entropy=False, with_own_set=True)
+                lp, v, _, own = self._forward(mic, with_entropy=False, with_own_set=True)
                 parts = (lp, v, own)
             for out, t in zip(outs, parts):
-                if t is not None:  # trimmed columns were padding: put them back as zeros
-                    out.append(torch.nn.functional.pad(t.float(), (0, R - t.shape[1])))
-        return tuple(torch.cat(out) if out else None for out in outs)
+                if t is not None and k < len(groups):  # trimmed columns were padding: they stay zeros
+                    out[rows, :t.shape[1]] = t.float()
+        return (None, outs[1], None) if values_only else tuple(outs)
+
+    def _groups(self, mb: Batch, by_length: bool = True) -> list[np.ndarray]:
+        """Row indices of each micro-batch of ``mb`` (learner/packing.py row_groups)."""
+        cfg = self.config.ppo
+        return row_groups(row_lengths(mb), cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, by_length=by_length)
+
+    def _agreed(self, epochs: list, batch: Batch) -> list:
+        """The minibatch plans with the micro-batch count every rank runs: the most any rank's
+        rows need. With a token budget that depends on the rows' lengths, so it takes one
+        all-reduce (without, it is the plan's count, which the shard sizes alone give)."""
+        local = [len(self._groups(batch[rows])) if len(rows) else 0 for plan in epochs for rows, _ in plan]
+        most = iter(int(n) for n in self.comm.max(local))
+        return [[(rows, next(most)) for rows, _ in plan] for plan in epochs]
 
     def _value_metrics(self, b: Batch) -> dict:
         m = b.response_mask.double()
@@ -274,12 +296,10 @@ class PPOObjective(Objective):
         ``blank`` fills the micro-batches this rank has no rows for. ``probe``: a list that
         collects each micro-batch's (learner log-probs, behaviour log-probs, mask)."""
         n_tok, n_seq = self.comm.sum([mb.num_tokens(), float((mb.response_mask.sum(1) > 0).sum())])
-        # Length-sorted micro-batches pad less; the minibatch (so the gradient) is unchanged.
-        lengths = mb.response_mask.sum(1) + mb.attention_mask[:, :mb.prompt_len].sum(1)
-        ordered = mb[torch.argsort(lengths, stable=True)]
-        micros = [m.trimmed() for m in ordered.split(self.config.ppo.micro_batch_size)]
+        micros = [mb[rows].trimmed() for rows in self._groups(mb)]
         micros += [blank] * (n_micro - len(micros))
         for i, mic in enumerate(micros):
+            stats.add_forward(fed=self.layout.fed(mic), real=float(mic.attention_mask.sum()))
             self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1 and ptx is None)
             loss = self._micro_loss(mic, n_tok, n_seq, horizon, stats, probe)
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)

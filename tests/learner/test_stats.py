@@ -11,6 +11,7 @@ def rank_stats(scale: float) -> UpdateStats:
     for tokens in (4.0, 6.0):  # two micro-batches, then one optimizer step, twice
         s.add_micro_batch(policy_loss=0.5 * scale, value_loss=2.0 * scale, entropy_sum=3.0 * tokens,
                           approx_kl=0.01 * scale, clip_frac=0.5, vf_clip_frac=0.25 * scale, tokens=tokens)
+        s.add_forward(fed=10.0 * scale, real=5.0 + tokens)  # the forward ran on padding too
     s.add_optimizer_step(grad_norm=1.0, lr=1e-3)
     s.ptx_loss += 2.0 * scale
     s.add_optimizer_step(grad_norm=3.0, lr=2e-3)
@@ -38,6 +39,7 @@ def test_metrics_over_two_ranks_by_hand():
         "ppo/grad_norm": (1.0 + 3.0) / 2,               # rank-local: DeepSpeed's norm is global already
         "ppo/lr": 2e-3,                                 # the last step's
         "ppo/ptx_loss": (2.0 + 6.0) / (2 * 2),          # mean over steps and ranks
+        "perf/learner_padding_frac": 1 - (20 + 20) / (20 + 60),  # padded positions over all fed, both ranks
     })
     assert set(a.metrics(lambda xs: list(xs), world_size=1, with_ptx=False)) == set(got) - {"ppo/ptx_loss"}
 

@@ -61,6 +61,8 @@ MEANINGS: dict[str, str] = {
     "perf/learner_seconds": "time of one learner rank's train() call",
     "perf/learner_group_seconds": "time of the learner group's train(), sharding included",
     "perf/learner_tokens_per_s": "response tokens per second through the learner",
+    "perf/learner_padding_frac": "fraction of the positions the update's forwards ran on that were padding "
+                                 "(0 with ppo.packing)",
     "perf/startup_seconds": "process start to a run ready to step (step 0 only)",
     **{f"perf/startup_{phase}_seconds": f"start-up phase: {meaning} (step 0 only)" for phase, meaning in (
         ("imports", "interpreter and imports"), ("prepare", "models, tokenizer and data checked"),
