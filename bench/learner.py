@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import statistics
@@ -274,8 +275,12 @@ def run_rounds(args, updates: dict) -> dict:
 
 
 def reset_peak_rss() -> bool:
-    """Reset this process's peak-RSS mark (VmHWM) to its RSS now; False where the kernel refuses
-    (the mark is then the process's peak so far)."""
+    """Hand the heap's free pages back (glibc's malloc_trim: another side's freed activations
+    would otherwise stay resident and hide this side's), then reset this process's peak-RSS
+    mark (VmHWM) to its RSS now; False where the kernel refuses (the mark is then the
+    process's peak so far)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
