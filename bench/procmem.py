@@ -29,6 +29,11 @@ def _status_bytes(pid: int, key: str) -> int:
     return 0
 
 
+def rss_bytes(pid: int) -> int:
+    """VmRSS (resident memory now) of one live process in bytes; 0 once it is gone."""
+    return _status_bytes(pid, "VmRSS:")
+
+
 def peak_rss_bytes(pid: int) -> int:
     """VmHWM (the kernel's peak-RSS mark) of one live process in bytes; 0 once it is gone."""
     return _status_bytes(pid, "VmHWM:")

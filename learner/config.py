@@ -118,7 +118,8 @@ class PPOConfig:
     ppo_epochs: int = setting(1, "passes over the batch per train() call")
     minibatch_size: int = setting(8, "rollouts per optimizer step, summed over all ranks")
     micro_batch_size: int = setting(2, "rollouts per forward/backward on one rank (gradient accumulation)")
-    packing: bool = setting(False, "each micro-batch as one row of its real tokens, no padding (learner/packing.py)")
+    packing: bool = setting(False, "each micro-batch as one row of its real tokens, no padding, attended per "
+                                   "sequence (learner/packing.py, learner/varlen_attention.py)")
     max_tokens_per_micro_batch: int = setting(0, "with packing: micro-batches of at most this many tokens, not "
                                                  "micro_batch_size rows (a longer rollout alone); 0 = off")
     clip_low: float = setting(0.2, "ratio clipped below at 1 - clip_low")

@@ -8,7 +8,9 @@ there is NO attention mask. From those position ids transformers builds a block-
 causal mask (masking_utils.find_packed_sequence_indices: a new sequence starts wherever the
 position does not grow by 1), for sdpa and eager attention alike, and flash-attention reads
 them as sequence boundaries. An all-ones attention mask instead would switch that detection
-off and let every sequence attend to the ones before it, silently: never pass one.
+off and let every sequence attend to the ones before it, silently: never pass one. A model on
+varlen attention (learner/varlen_attention.py) takes the boundaries as offsets instead
+(``cu_seq_lens``) and attends within each sequence, with no T x T mask at all.
 
 The LM head runs only where a logit predicts a response token (``logits_to_keep`` as an index
 tensor), so a family's own head and whatever follows it (Gemma-2's final soft-capping) run
@@ -69,6 +71,7 @@ class PackedResponses:
     rows: Tensor          # [N] int64: that token's row in [B, R]
     cols: Tensor          # [N] int64: its column in [B, R]
     shape: tuple          # (B, R)
+    cu_seq_lens: Tensor   # [B+1] int64 on the CPU: where each row's sequence starts in the packed row, then T
 
     @property
     def keep(self) -> Tensor:
@@ -108,7 +111,8 @@ def pack(batch: Batch) -> PackedResponses:
     rows, cols = real[:, P:].nonzero(as_tuple=True)             # [N] each, row-major
     return PackedResponses(input_ids=batch.input_ids[real][None], position_ids=batch.position_ids[real][None],
                            positions=at[rows, P + cols] - 1, rows=rows, cols=cols,
-                           shape=(len(batch), batch.response_len))
+                           shape=(len(batch), batch.response_len),
+                           cu_seq_lens=torch.nn.functional.pad(real.sum(1).cumsum(0), (1, 0)).cpu())
 
 
 class Padded:

@@ -30,6 +30,7 @@ from learner import lora as adapters
 from learner.batch import Batch
 from learner.lora_config import LoraConfig
 from learner.packing import PackedResponses, PaddedResponses
+from learner.varlen_attention import boundaries, use_varlen
 
 log = logging.getLogger(__name__)
 
@@ -120,35 +121,42 @@ class PolicyWithValueHead(HFWrapper):
         self.critic_source: Optional[str] = None  # the checkpoint the critic body was loaded from
         disable_dropout(self)
 
-    def _hidden(self, body: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    def use_varlen(self) -> dict:
+        """Packed rows attend per sequence (learner/varlen_attention.py) in the LM and a critic
+        body, where their families allow; -> the attention each runs packed rows with."""
+        bodies = {"lm": self.lm, "critic": self.critic_body}
+        return {name: use_varlen(body) for name, body in bodies.items() if body is not None}
+
+    def _hidden(self, body: nn.Module, input_ids, attention_mask, position_ids, cu_seq_lens=None) -> torch.Tensor:
         out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False)
+                   use_cache=False, **boundaries(body, cu_seq_lens))
         return out.last_hidden_state
 
-    def _lm(self, input_ids, attention_mask, position_ids, keep=0):
+    def _lm(self, input_ids, attention_mask, position_ids, keep=0, cu_seq_lens=None):
         """(logits of the last ``keep`` positions, all when 0, or of the positions in a 1-D index
         tensor ``keep``; the body's last hidden state [B, T, H]).
 
         The LM's own forward makes the logits, so whatever a family does after its head
         (Gemma's final soft-capping, a logit scale) is done as vLLM does it, with no per-family
         code here; a hook on the body keeps its last hidden state for the value head.
+        ``cu_seq_lens``: a packed row's sequence offsets (learner/varlen_attention.py).
         """
         seen = []
         hook = body_of(self.lm).register_forward_hook(lambda _module, _args, out: seen.append(out[0]))
         try:
             out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, logits_to_keep=keep)
+                          use_cache=False, logits_to_keep=keep, **boundaries(self.lm, cu_seq_lens))
         finally:
             hook.remove()
         return out.logits, seen[-1]
 
-    def _values(self, policy_hidden, input_ids, attention_mask, position_ids, cols=None):
+    def _values(self, policy_hidden, input_ids, attention_mask, position_ids, cols=None, cu_seq_lens=None):
         if self.value_head is None:  # no critic: zeros, no parameters, nothing to train
             return policy_hidden.new_zeros(policy_hidden.shape[:2], dtype=torch.float32)
         if self.critic_body is None:
             hidden = policy_hidden
         else:
-            hidden = self._hidden(self.critic_body, input_ids, attention_mask, position_ids)
+            hidden = self._hidden(self.critic_body, input_ids, attention_mask, position_ids, cu_seq_lens)
             hidden = hidden if cols is None else cols(hidden)
         # The head computes in fp32 whatever the weights' dtype: a bf16 matmul would round the
         # values (and so the value loss and GAE) to bf16's 3 significant digits.
@@ -180,16 +188,17 @@ class PolicyWithValueHead(HFWrapper):
             logits, hidden = self._lm(*inputs)
             return logits, self._values(hidden, *inputs)
         where = packed if packed is not None else PaddedResponses(input_ids, prompt_len)
+        cu = None if packed is None else packed.cu_seq_lens
         if values_only and self.critic_body is not None:
-            return None, where.scatter(self._values(None, *inputs, where.hidden)), None
+            return None, where.scatter(self._values(None, *inputs, where.hidden, cu)), None
         if values_only:
-            hidden = where.hidden(self._hidden(body_of(self.lm), *inputs))
-            return None, where.scatter(self._values(hidden, *inputs, where.hidden)), None
-        logits, hidden = self._lm(*inputs, keep=where.keep)
+            hidden = where.hidden(self._hidden(body_of(self.lm), *inputs, cu))
+            return None, where.scatter(self._values(hidden, *inputs, where.hidden, cu)), None
+        logits, hidden = self._lm(*inputs, keep=where.keep, cu_seq_lens=cu)
         logits, hidden = where.logits(logits), where.hidden(hidden)
         outs = _token_outputs(logits, where.tokens, temperature, top_k, top_p, where.select(kept_ids),
                               with_entropy, with_own_set)
-        values = self._values(hidden, *inputs, where.hidden)
+        values = self._values(hidden, *inputs, where.hidden, cu)
         return tuple(where.scatter(t) for t in (outs[0], values, *outs[1:]))
 
     def response_logprobs_values(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True,

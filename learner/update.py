@@ -52,6 +52,8 @@ class PPOObjective(Objective):
     def load_module(cls, model: str, config: LearnerConfig) -> tuple:
         policy = PolicyWithValueHead.from_pretrained(model, critic=config.value_model,
                                                      critic_model=config.critic_model, lora=config.lora)
+        if config.ppo.packing:  # packed rows attend per sequence, not over the whole row (where the family allows)
+            policy.use_varlen()
         return policy, policy.lm
 
     def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None,

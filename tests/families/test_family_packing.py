@@ -2,7 +2,8 @@
 sequences with restarting position ids and no attention mask must give what the padded batch
 gives, and no sequence may see another, with the family's own attention (eager for Gemma-2's
 soft-capping, sliding windows shorter than the sequences) in the policy and in a separate
-critic body of the same family."""
+critic body of the same family; then the same on varlen attention (learner/varlen_attention.py),
+which every family but Gemma-2 (soft-capping: it keeps eager attention) takes."""
 import dataclasses
 
 import numpy as np
@@ -14,6 +15,9 @@ from core.rollout import Rollout
 from learner.batch import collate
 from learner.packing import pack
 from learner.policy import PolicyWithValueHead
+from learner.varlen_attention import VARLEN
+
+KEEP_THEIR_ATTENTION = {"gemma2": "eager"}  # attention logit soft-capping
 
 
 def ragged(pad_id, vocab=900, seed=0):
@@ -24,23 +28,36 @@ def ragged(pad_id, vocab=900, seed=0):
                             prompt_index=i, sample_index=0) for i, (p, r) in enumerate(lengths)], pad_id)
 
 
+def packed_outputs(model, b):
+    """(outputs of the packed batch, outputs with sequence 0's tokens changed)."""
+    changed = b.input_ids.clone()
+    changed[0, b.attention_mask[0].bool()] = torch.randint(3, 900, (int(b.attention_mask[0].sum()),))
+    p, q = pack(b), pack(dataclasses.replace(b, input_ids=changed))
+    with torch.no_grad():
+        return model(p.input_ids, None, p.position_ids, packed=p), model(q.input_ids, None, q.position_ids, packed=q)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_packed_forward_gives_the_padded_outputs_and_sequences_stay_apart(family):
     model = PolicyWithValueHead.from_pretrained(build_family_policy(family), critic="separate",
                                                 critic_model=str(build_family_reward(family))).eval()
     b = ragged(model.config.pad_token_id)
-    p, m = pack(b), b.response_mask != 0
+    m = b.response_mask != 0
     with torch.no_grad():
         padded = model(b.input_ids, b.attention_mask, b.position_ids, prompt_len=b.prompt_len)
-        packed = model(p.input_ids, None, p.position_ids, packed=p)
-        changed = b.input_ids.clone()
-        changed[0, b.attention_mask[0].bool()] = torch.randint(3, 900, (int(b.attention_mask[0].sum()),))
-        q = pack(dataclasses.replace(b, input_ids=changed))
-        other = model(q.input_ids, None, q.position_ids, packed=q)
-    gaps = [float((x - y)[m].abs().max()) for x, y in zip(padded, packed)]
-    print(f"{family} ({model.lm.config._attn_implementation}): packed vs padded log-prob, value, entropy "
-          f"gaps {', '.join(f'{g:.1e}' for g in gaps)}")
-    assert max(gaps) < 1e-5 and float(packed[1][m].abs().max()) > 1e-3  # the critic's values, not zeros
-    assert not torch.equal(packed[0][0], other[0][0])
-    assert all(torch.equal(x[1:], y[1:]) for x, y in zip(packed, other))  # the other sequences: to the bit
+    for attention in ("own", "varlen"):
+        if attention == "varlen":
+            expected = KEEP_THEIR_ATTENTION.get(family, VARLEN)
+            assert model.use_varlen() == {"lm": expected, "critic": expected}
+            assert model.lm.config._attn_implementation == expected  # a family that keeps its own: as loaded
+        packed, other = packed_outputs(model, b)
+        gaps = [float((x - y)[m].abs().max()) for x, y in zip(padded, packed)]
+        print(f"{family} ({model.lm.config._attn_implementation}): packed vs padded log-prob, value, entropy "
+              f"gaps {', '.join(f'{g:.1e}' for g in gaps)}")
+        assert max(gaps) < 1e-5 and float(packed[1][m].abs().max()) > 1e-3  # the critic's values, not zeros
+        assert not torch.equal(packed[0][0], other[0][0])
+        assert all(torch.equal(x[1:], y[1:]) for x, y in zip(packed, other))  # the other sequences: to the bit
+    with torch.no_grad():  # the padded forward of a model on varlen attention: as before, to the bit
+        again = model(b.input_ids, b.attention_mask, b.position_ids, prompt_len=b.prompt_len)
+    assert all(torch.equal(x, y) for x, y in zip(padded, again))
