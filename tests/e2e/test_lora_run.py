@@ -57,6 +57,7 @@ def test_checkpoints_keep_the_adapter_and_exports_load(lora_run, policy_path):
     assert (want - got).abs().max() < 1e-4  # merged (in fp32) = base + adapter
 
 
+@pytest.mark.slow  # the learner's exact LoRA resume is in the default tier (tests/learner/test_lora_critic.py)
 def test_resume_continues_the_lora_run_exactly(lora_run, tmp_path):
     copy = tmp_path / "lora-resumed"
     shutil.copytree(lora_run, copy)
