@@ -231,8 +231,9 @@ class RankConfig(TrainerConfig):
         """(items per optimizer step over all ranks, items per forward on one rank)."""
         raise NotImplementedError
 
-    def deepspeed_config(self, world_size: int) -> dict:
-        """The DeepSpeed config dict; batch sizes mirror batch_sizes() (DeepSpeed checks their product)."""
+    def deepspeed_config(self, world_size: int, trainable: int | None = None) -> dict:
+        """The DeepSpeed config dict; batch sizes mirror batch_sizes() (DeepSpeed checks their product).
+        trainable: the module's trainable parameter count, which caps the gradient bucket."""
         batch, micro = self.batch_sizes()
         bf16 = self.dtype == "bfloat16"
         # Gradients accumulate over micro-batches in fp32 (bf16 sums lose ~0.4% of the minibatch
@@ -246,7 +247,8 @@ class RankConfig(TrainerConfig):
             "train_batch_size": batch,
             "gradient_clipping": self.optim.grad_clip,
             # overlap_comm needs streams; nothing to overlap with on CPU and simpler to reason about.
-            "zero_optimization": {"stage": stage, "overlap_comm": False},
+            "zero_optimization": {"stage": stage, "overlap_comm": False,
+                                  "reduce_bucket_size": reduce_bucket_size(trainable)},
             "bf16": {"enabled": bf16},
             "data_types": {"grad_accum_dtype": "fp32"},
             "zero_allow_untested_optimizer": True,  # plain torch AdamW / SGD under ZeRO
@@ -254,6 +256,19 @@ class RankConfig(TrainerConfig):
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,
         }
+
+
+# DeepSpeed's default gradient bucket, in elements.
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
+
+
+def reduce_bucket_size(trainable: int | None) -> int:
+    """Elements per gradient bucket: DeepSpeed's default, or the trainable count where that is
+    smaller. ZeRO-3 allocates one bucket per gradient dtype up front (2 GB each in fp32 at the
+    default), which a model of fewer parameters never fills; the sums do not depend on it."""
+    if not trainable:
+        return DEEPSPEED_REDUCE_BUCKET
+    return max(1, min(DEEPSPEED_REDUCE_BUCKET, int(trainable)))
 
 
 @config_class

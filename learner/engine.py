@@ -24,11 +24,13 @@ def build_engine(model: str, config: RankConfig, world_size: int, *, load: Calla
     policy.train()  # HF loads in eval mode; checkpointing needs train mode (dropout is off anyway)
     optim = config.optim
     # Only what trains gets optimizer state: with a LoRA adapter the frozen base has none.
-    optimizer = optim.build([p for p in policy.parameters() if p.requires_grad])
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = optim.build(trainable)
     # A plain closure: LambdaLR then leaves it out of its state_dict (checkpoints stay picklable).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s))
+    ds_config = config.deepspeed_config(world_size, sum(p.numel() for p in trainable))
     engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=config.deepspeed_config(world_size), dist_init_required=False)
+                                           config=ds_config, dist_init_required=False)
     if world_size == 1 and config.zero_stage == 0:
         # Alone, a rank has no gradients to average, but DeepSpeed still flattens, all-reduces
         # and copies back every gradient after each backward (~70 ms a step for 32M params on

@@ -57,6 +57,16 @@ def test_deepspeed_config_mirrors_ppo_sizes():
     assert ds["zero_optimization"]["stage"] == 3
 
 
+def test_the_gradient_bucket_is_no_bigger_than_what_trains():
+    """ZeRO-3 allocates its gradient bucket per dtype up front: DeepSpeed's default would reserve
+    2 GB per rank for a model of a million parameters (and a process running several engines
+    ran out of address space to fork)."""
+    config = LearnerConfig(zero_stage=3)
+    assert config.deepspeed_config(1, trainable=919_809)["zero_optimization"]["reduce_bucket_size"] == 919_809
+    assert config.deepspeed_config(1, trainable=7 * 10**9)["zero_optimization"]["reduce_bucket_size"] == 5 * 10**8
+    assert config.deepspeed_config(1)["zero_optimization"]["reduce_bucket_size"] == 5 * 10**8
+
+
 # ------------------------------------------------------------------------ batch layout
 
 
