@@ -14,6 +14,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # CI budget: GRPO learns in tests/e2e/test_arithmetic_task.py, the critic-free resume in tests/learner
 def test_grpo_learns_without_a_critic_and_resumes(cluster, tmp_path):
     # bf16, as users run it where the CPU has it: the learning margin below is that precision's
     args = [f"run.dir={tmp_path}", "run.name=grpo", "run.eval_every=12", "run.checkpoint_every=6",
@@ -69,8 +70,8 @@ def test_dynamic_sampling_trains_no_flat_prompt_and_refills_the_step(cluster, tm
 
 @pytest.mark.parametrize("estimator, overrides", [
     ("rloo", ["learner.replicas=2"]),
-    ("reinforce_pp", ["learner.replicas=2"]),
-    # the slow tier: variants of the two above, their math covered by tests/core (CI budget)
+    pytest.param("reinforce_pp", ["learner.replicas=2"], marks=pytest.mark.slow),
+    # the slow tier: variants of the one above, their math covered by tests/core (CI budget)
     pytest.param("reinforce_pp_baseline", [], marks=pytest.mark.slow),
     pytest.param("grpo", ["ppo.group_std=false"], marks=pytest.mark.slow),  # Dr. GRPO: no division by the std
 ], ids=["rloo-2-ranks", "reinforce_pp-2-ranks", "reinforce_pp_baseline", "dr-grpo"])

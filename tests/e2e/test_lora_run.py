@@ -69,6 +69,7 @@ def test_resume_continues_the_lora_run_exactly(lora_run, tmp_path):
     assert all(original[3][k] == resumed[3][k] for k in keys if not isinstance(original[3][k], float))
 
 
+@pytest.mark.slow  # CI budget: the on-learner reference in tests/cluster/runtime/pools/test_learner_reference.py
 def test_the_learner_scores_the_reference_as_the_pool_does(lora_run, tmp_path):
     """reference.on_learner: no reference actor; learner rank 0 scores the base (its adapter off),
     and the run is the pool's run to rounding: the same samples, KL within 1e-4 nats a sequence."""
