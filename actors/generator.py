@@ -255,7 +255,7 @@ class Generator:
             logprobs, kept, incomplete = kept_set.read_completion(
                 token_ids, completion.logprobs, kept_set.logprobs_to_read(s.top_k, self._vocab_size))
         else:
-            logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs)]
+            logprobs = kept_set.read_sampled(token_ids, completion.logprobs)
         version = self.weights.version()
         versions = token_versions(completion.weight_versions, len(token_ids), version)
         rollout = Rollout(prompt_ids=np.asarray(prompt, dtype=np.int64),

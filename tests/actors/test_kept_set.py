@@ -27,7 +27,7 @@ def test_the_read_covers_ties_past_k():
     assert kept_set.logprobs_to_read(20, 30) == -1  # the margin reaches the vocabulary: read it all
     assert kept_set.logprobs_to_read(0, 1024) == -1  # top_p alone
     assert kept_set.logprob_request(20, 1.0, 1024)["logprobs"] == 40
-    assert kept_set.logprob_request(0, 1.0, 1024) == {"logprobs": 0}
+    assert kept_set.logprob_request(0, 1.0, 1024) == {"logprobs": 0, "flat_logprobs": True, "detokenize": False}
 
 
 def test_finite_entries_are_the_kept_set_and_a_read_without_a_dropped_token_is_incomplete():
@@ -41,3 +41,12 @@ def test_finite_entries_are_the_kept_set_and_a_read_without_a_dropped_token_is_i
     assert kept.tolist() == [[3, 7, 9, -1], [2, 5, 6, 8]]
     assert incomplete == 1
     assert kept_set.read_completion([7, 2], logprobs, read=-1)[2] == 0  # the whole vocabulary was read
+
+
+def test_an_untruncated_read_takes_the_sampled_tokens_entries():
+    logprobs = flat([[(7, -0.5)], [(2, -1.25)], [(9, -3.0)]])
+    assert kept_set.read_sampled([7, 2, 9], logprobs).tolist() == [-0.5, -1.25, -3.0]
+    with pytest.raises(ValueError, match="not the 3 sampled tokens"):
+        kept_set.read_sampled([7, 4, 9], logprobs)
+    with pytest.raises(ValueError, match="for 3 positions that are not the 2 sampled tokens"):
+        kept_set.read_sampled([7, 2], logprobs)
