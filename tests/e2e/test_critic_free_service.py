@@ -14,7 +14,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # CI budget: GRPO learns in tests/e2e/test_arithmetic_task.py, the critic-free resume in tests/learner
+@pytest.mark.slow  # CI budget: GRPO learns in test_arithmetic_task.py; the critic-free resume in tests/learner
 def test_grpo_learns_without_a_critic_and_resumes(cluster, tmp_path):
     # bf16, as users run it where the CPU has it: the learning margin below is that precision's
     args = [f"run.dir={tmp_path}", "run.name=grpo", "run.eval_every=12", "run.checkpoint_every=6",

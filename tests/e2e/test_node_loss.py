@@ -143,7 +143,7 @@ def scoring(ledger) -> bool:
     return any(c.state is ChunkState.SCORING for c in ledger.in_flight())
 
 
-@pytest.mark.slow  # CI budget: the default suite loses a node carrying two roles (below); scaling in tests/e2e/test_scale.py
+@pytest.mark.slow  # CI budget: the default suite loses a node carrying two roles (below); scaling: test_scale.py
 def test_losing_the_scorers_node_mid_step_then_scaling_onto_a_new_node(run):
     """The reference and the reward die together with their node while scoring; both are
     replaced on the spare node, the step's chunks are scored again, no prompt is lost. Then a
