@@ -50,6 +50,8 @@ from core.infra.weights import WEIGHT_UPDATE_GROUP
 from core.kl import AdaptiveKLController, FixedKLController
 from learner.group import LearnerRankDied
 
+TAKE_POLL_S = 1.0  # how often a take waiting in the buffer looks for a failed producer
+
 log = logging.getLogger("tether")
 
 
@@ -174,7 +176,7 @@ class Driver:
                 *shards, summary_ref = buffer.take.options(num_returns=world + 1).remote(
                     n, world_size=world, min_version=min_version, current_version=self.version,
                     timeout=cfg.buffer.timeout_s, drop_surplus=trim)
-                batch = ray.get(summary_ref)
+                batch = self._wait_for_take(summary_ref)
             except RayActorError:
                 if alive(buffer):
                     raise
@@ -182,6 +184,13 @@ class Driver:
                 continue
             self.rollouts.ledger.consumed(batch.consumed)
             return shards, batch
+
+    def _wait_for_take(self, summary_ref):
+        """The take's summary; while the buffer waits for rollouts, a producer that failed ends
+        the wait with its error (else the take would sit out the buffer's whole timeout)."""
+        while not ray.wait([summary_ref], timeout=TAKE_POLL_S, fetch_local=True)[0]:
+            self.producer.check()
+        return ray.get(summary_ref)
 
     def ptx_rows(self):
         """This step's PTX rows: ptx.batch_size per optimizer step of the update, chosen by the

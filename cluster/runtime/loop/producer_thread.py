@@ -48,9 +48,13 @@ class ProducerThread:
         except Exception as e:  # noqa: BLE001 - surfaced by take() in the main thread
             self._error = e
 
-    def take(self) -> Produced:
+    def check(self) -> None:
+        """Raise what ended the thread, if something did."""
         if self._error is not None:
             raise self._error
+
+    def take(self) -> Produced:
+        self.check()
         with self._lock:
             out, self._pending = self._pending, Produced()
         return out

@@ -50,6 +50,11 @@ class StepProducer(ABC):
     def available(self, full: int) -> int:
         """Rollouts the take may ask the buffer for, ``full`` being one step's worth."""
 
+    def check(self) -> None:  # noqa: B027 - a no-op unless production runs apart from the take
+        """Raise what stopped production for good, if something did: a take waiting in the buffer
+        looks here between waits, so it ends with the cause instead of the buffer's timeout."""
+        return None
+
     @abstractmethod
     def requeue_lost_buffer(self) -> None:
         """After a buffer died: queue the prompts it held to be generated again. Called from the
@@ -171,6 +176,9 @@ class AsyncProducer(StepProducer):
     def available(self, full: int) -> int:
         """A full step: the take waits in the buffer until the thread has stored it."""
         return full
+
+    def check(self) -> None:
+        self._thread.check()
 
     def requeue_lost_buffer(self) -> None:
         """A lost buffer's prompts are queued for the thread, which generates them admitted or not."""

@@ -126,3 +126,38 @@ def test_the_stop_does_not_wait_for_a_generate_call_in_flight(cluster):
         assert generators.acquire().load == 1  # the abandoned call no longer counts as the replica's load
     finally:
         handle.release.remote()
+
+
+@ray.remote
+class SilentBuffer:
+    """A buffer whose take waits out its whole timeout: no rollout ever arrives."""
+
+    def take(self, n, **kwargs):
+        import time
+        time.sleep(kwargs.get("timeout", 600))
+        raise TimeoutError("buffer: waited out its timeout")
+
+
+@pytest.mark.integration
+def test_a_failed_producer_ends_a_take_waiting_in_the_buffer_with_its_error(cluster, tmp_path):
+    """The take does not sit out the buffer's timeout (10 minutes by default) when the producer
+    thread has failed: it ends with the producer's error within a poll."""
+    import time
+
+    driver = _driver(tmp_path)
+
+    def issue():
+        raise ValueError("the generator returned something unreadable")
+
+    driver.prompts.issue = issue
+    buffer = SilentBuffer.remote()
+    driver.pools = SimpleNamespace(learner=SimpleNamespace(world_size=1),
+                                   buffer_slot=SimpleNamespace(id="buffer-0", handle=buffer))
+    driver.producer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match="unreadable"):
+            driver._take()
+    finally:
+        driver.metrics.close()
+    assert time.monotonic() - t0 < driver.cfg.buffer.timeout_s / 2
