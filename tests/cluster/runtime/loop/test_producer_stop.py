@@ -133,8 +133,7 @@ class SilentBuffer:
     """A buffer whose take waits out its whole timeout: no rollout ever arrives."""
 
     def take(self, n, **kwargs):
-        import time
-        time.sleep(kwargs.get("timeout", 600))
+        threading.Event().wait(kwargs.get("timeout", 600))  # no rollout arrives: never set
         raise TimeoutError("buffer: waited out its timeout")
 
 
