@@ -6,6 +6,10 @@ the learner's updates leaked into it). Log-probs are of the distribution the gen
 samples from: log_softmax(logits / T), and with top-k/top-p sampling renormalised over the
 set of tokens the sampler kept at each position (the rollout's ``kept_ids``, core.sampling),
 so the KL penalty compares like with like.
+
+A forward scores a length-sorted chunk of ``batch_size`` sequences, with ``packing`` as one
+row of their real tokens (core/packed_rows.py: no padding, each sequence attended alone),
+else padded prompt | response (core.layout).
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ from core.infra.threads import fit_threads
 from core.infra.transfer import Pull, Transfer, pull_args
 from core.layout import pad_prompt_response, position_ids
 from core.logprobs import logprobs_from_logits
+from core.packed_rows import pack_sequences
 from core.sampling import check_truncation, is_truncated, pad_kept_ids
+from core.varlen_attention import use_varlen
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +102,7 @@ class Reference:
     """Token log-probs of given (prompt, response) pairs under a frozen causal LM."""
 
     def __init__(self, *, model: str, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 dtype: str = "float32", batch_size: int = 16, device: str | None = None):
+                 dtype: str = "float32", batch_size: int = 16, packing: bool = True, device: str | None = None):
         from transformers import AutoModelForCausalLM
 
         fit_threads()
@@ -127,6 +133,10 @@ class Reference:
         # Computing the LM head only over response positions saves a [B, P, V] tensor.
         params = inspect.signature(self.model.forward).parameters
         self._logits_to_keep = "logits_to_keep" in params
+        self.packing = bool(packing)
+        if self.packing:  # a packed row attends per sequence where the family allows (else its mask keeps them apart)
+            use_varlen(self.model)
+        self._forward = self._forward_packed if self.packing else self._forward_padded
         self._counts = {"calls": 0, "sequences": 0, "tokens": 0, "seconds": 0.0}
 
     def logprobs(self, prompt_ids_batch: list[np.ndarray], response_ids_batch: list[np.ndarray],
@@ -182,8 +192,27 @@ class Reference:
         return [np.asarray(k, dtype=np.int64) for k in kept_ids_batch]
 
     @torch.inference_mode()
-    def _forward(self, prompts: list[np.ndarray], responses: list[np.ndarray],
-                 kept: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    def _forward_packed(self, prompts: list[np.ndarray], responses: list[np.ndarray],
+                        kept: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The chunk's sequences as one packed row (core/packed_rows.py): no padding at all."""
+        row = pack_sequences([np.concatenate([p, r]) for p, r in zip(prompts, responses)], self.device)
+        at = row.predicting([p.size for p in prompts])  # [N] columns predicting the response tokens
+        if self._logits_to_keep:
+            logits = self.model(**row.inputs(self.model), use_cache=False, logits_to_keep=at).logits  # [1, N, V]
+        else:
+            logits = self.model(**row.inputs(self.model), use_cache=False).logits[:, at]
+        kept_t = None
+        if kept is not None:  # [B, R, K] -> [1, N, K]: each response token's kept set, in packed order
+            rows = np.repeat(np.arange(len(responses)), [r.size for r in responses])
+            cols = np.concatenate([np.arange(r.size) for r in responses])
+            kept_t = torch.from_numpy(pad_kept_ids(kept)[rows, cols][None]).to(self.device)
+        lp = logprobs_from_logits(logits.float(), row.input_ids[:, at + 1], self.temperature, kept_ids=kept_t)
+        lp = lp[0].cpu().numpy().astype(np.float32)
+        return [part.copy() for part in np.split(lp, np.cumsum([r.size for r in responses])[:-1])]
+
+    @torch.inference_mode()
+    def _forward_padded(self, prompts: list[np.ndarray], responses: list[np.ndarray],
+                        kept: list[np.ndarray] | None = None) -> list[np.ndarray]:
         # Every response starts at column P (core.layout), so one slice of the logits serves the batch.
         P = max(p.size for p in prompts)
         R = max(r.size for r in responses)
@@ -204,6 +233,7 @@ class Reference:
     def health(self) -> dict:
         return {"role": "reference", "ok": True, "pid": os.getpid(), "model": self.model_path,
                 "device": str(self.device),
-                "dtype": str(self.dtype).replace("torch.", ""), "temperature": self.temperature,
+                "dtype": str(self.dtype).replace("torch.", ""), "packing": self.packing,
+                "temperature": self.temperature,
                 "top_k": self.top_k, "top_p": self.top_p,
                 **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()}}

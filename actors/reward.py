@@ -37,6 +37,8 @@ from core.infra.errors import type_and_first_line
 from core.infra.threads import fit_threads
 from core.infra.transfer import Pull, Transfer, pull_args
 from core.layout import pad_right, pool_last_token
+from core.packed_rows import pack_sequences
+from core.varlen_attention import use_varlen
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +148,9 @@ class Reward:
     The function path needs ``tokenizer`` (a path) to decode tokens to text and hands the
     pairs to a text scorer (actors/scoring.py); the model path ignores it and feeds
     prompt+response token ids straight to the model, so the reward model must share the
-    policy's vocabulary. ``batch_size`` bounds a model forward; a function is called once per
-    ``score`` call. ``gold`` (a function spec, needs ``tokenizer``) is the evaluation-only
+    policy's vocabulary. ``batch_size`` bounds a model forward, which runs its sequences as one
+    packed row (core/packed_rows.py) with ``packing``, else right-padded; a function is called
+    once per ``score`` call. ``gold`` (a function spec, needs ``tokenizer``) is the evaluation-only
     score of ``gold_scores``: what the proxy reward stands in for. A function (or gold) call
     that does not return within ``timeout_s`` leaves its items invalid and goes on in an
     abandoned thread (actors/timed_call.py); the replica serves the next call. ``columns``: the
@@ -161,7 +164,7 @@ class Reward:
     """
 
     def __init__(self, *, model: str | None = None, function: str | None = None,
-                 tokenizer: str | None = None, batch_size: int = 16, dtype: str = "float32",
+                 tokenizer: str | None = None, batch_size: int = 16, packing: bool = True, dtype: str = "float32",
                  device: str | None = None, normalize: bool = False, gold: str | None = None,
                  timeout_s: float = 60.0, columns: PromptColumns | None = None, url: str | None = None,
                  http: dict | None = None, sandbox: dict | None = None, judge: dict | None = None):
@@ -171,7 +174,7 @@ class Reward:
                              f"(got model={model!r}, function={function!r}, url={url!r}, judge={judge!r})")
         if batch_size < 1:
             raise ValueError(f"Reward: batch_size must be >= 1, got {batch_size}")
-        self.batch_size = int(batch_size)
+        self.batch_size, self.packing = int(batch_size), bool(packing)
         self.text_source = {"url": url} if url else {"judge": judge["model"]} if judge else {"function": function}
         self.model_path = None
         self.model = self.text_tokenizer = None
@@ -218,6 +221,9 @@ class Reward:
         self.model = m.to(self.device).eval()
         self.model.requires_grad_(False)
         self._head = head
+        if self.packing:  # a packed row attends per sequence where the family allows (else its mask keeps them apart)
+            use_varlen(self.model)
+        self._forward = self._forward_packed if self.packing else self._forward_padded
         try:
             tokenizer = load_tokenizer(self.model_path, "Reward")
         except ValueError:
@@ -296,7 +302,15 @@ class Reward:
         return finalise(raw, f"reward model {self.model_path}")
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[np.ndarray]) -> np.ndarray:
+    def _forward_packed(self, seqs: list[np.ndarray]) -> np.ndarray:
+        """The sequences as one packed row; the head at each sequence's last token."""
+        row = pack_sequences(seqs, self.device)
+        hidden = self.model.base_model(**row.inputs(self.model), use_cache=False).last_hidden_state  # [1, T, H]
+        last = torch.from_numpy(row.ends - 1).to(self.device)
+        return self._head(hidden[0, last]).float().squeeze(-1).cpu().numpy()
+
+    @torch.inference_mode()
+    def _forward_padded(self, seqs: list[np.ndarray]) -> np.ndarray:
         ids, mask = pad_right(seqs, self.pad_id)
         ids_t = torch.from_numpy(ids).to(self.device)
         mask_t = torch.from_numpy(mask).to(self.device)
@@ -317,7 +331,7 @@ class Reward:
     def health(self) -> dict:
         if self.model is not None:
             dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-            source = {"model": self.model_path, "dtype": dtype}
+            source = {"model": self.model_path, "dtype": dtype, "packing": self.packing}
         else:  # the scorer's own counters (a judge's include its engine's dtype)
             source = {**self.text_source, "scorer": self.scorer.name, **self.scorer.stats()}
         return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device),

@@ -15,7 +15,7 @@ minibatches of forward, clipped policy + value loss, backward and an AdamW step.
   - torch: the loop written out by hand with torch.optim.AdamW (fused, as tether builds it), no DeepSpeed;
   - tether: learner.worker.LearnerWorker (one rank, DeepSpeed ZeRO, as a run uses it);
   - tether-packed: the same with ppo.packing (padding-free micro-batches, varlen attention:
-    learner/varlen_attention.py); tether-packed-masked: packed rows on sdpa's block-diagonal
+    core/varlen_attention.py); tether-packed-masked: packed rows on sdpa's block-diagonal
     mask instead (what ppo.packing ran before varlen attention), to tell the two apart.
 
 --ragged: responses of 8 to 256 tokens ending at EOS, prompts of 8 to 128 (seeded; the
@@ -345,10 +345,15 @@ def main(argv=None) -> int:
     updates, params = build_sides(args, wl, batch, device)
     report_sides(args, record, run_rounds(args, updates))
     report_mfu(args, wl, record, params, device)
-    out = Path(args.out)
+    write_record(args.out, record)
+    return 0
+
+
+def write_record(path: str, record: dict) -> None:
+    """The run's figures as JSON at ``path`` (folders made)."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -118,8 +118,8 @@ class PPOConfig:
     ppo_epochs: int = setting(1, "passes over the batch per train() call")
     minibatch_size: int = setting(8, "rollouts per optimizer step, summed over all ranks")
     micro_batch_size: int = setting(2, "rollouts per forward/backward on one rank (gradient accumulation)")
-    packing: bool = setting(False, "each micro-batch as one row of its real tokens, no padding, attended per "
-                                   "sequence (learner/packing.py, learner/varlen_attention.py)")
+    packing: bool = setting(True, "each micro-batch as one row of its real tokens, no padding, attended per "
+                                  "sequence (learner/packing.py, core/varlen_attention.py); false: padded rows")
     max_tokens_per_micro_batch: int = setting(0, "with packing: micro-batches of at most this many tokens, not "
                                                  "micro_batch_size rows (a longer rollout alone); 0 = off")
     clip_low: float = setting(0.2, "ratio clipped below at 1 - clip_low")
@@ -278,6 +278,8 @@ class SupervisedConfig(RankConfig):
     cluster.config.stages.StageConfig.learner_config())."""
     batch_size: int = setting(8, "rows per optimizer step, over all learner ranks")
     micro_batch_size: int = setting(4, "rows per forward/backward on one rank (gradient accumulation)")
+    packing: bool = setting(True, "each micro-batch as one row of its real tokens, no padding, attended per "
+                                  "sequence")
     seed: int = setting(0, "seeds the score-head init")
 
     def validate(self, world_size: int = 1) -> None:

@@ -9,7 +9,7 @@ causal mask (masking_utils.find_packed_sequence_indices: a new sequence starts w
 position does not grow by 1), for sdpa and eager attention alike, and flash-attention reads
 them as sequence boundaries. An all-ones attention mask instead would switch that detection
 off and let every sequence attend to the ones before it, silently: never pass one. A model on
-varlen attention (learner/varlen_attention.py) takes the boundaries as offsets instead
+varlen attention (core/varlen_attention.py) takes the boundaries as offsets instead
 (``cu_seq_lens``) and attends within each sequence, with no T x T mask at all.
 
 The LM head runs only where a logit predicts a response token (``logits_to_keep`` as an index
@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from core.packed_rows import pack_sequences
 from learner.batch import Batch, response_slice
 
 Tensor = torch.Tensor
@@ -113,6 +114,21 @@ def pack(batch: Batch) -> PackedResponses:
                            positions=at[rows, P + cols] - 1, rows=rows, cols=cols,
                            shape=(len(batch), batch.response_len),
                            cu_seq_lens=torch.nn.functional.pad(real.sum(1).cumsum(0), (1, 0)).cpu())
+
+
+def pack_examples(examples: Sequence[Sequence[np.ndarray]], device=None) -> PackedResponses:
+    """Token sequences, each given in parts (e.g. (prompt, response)) whose LAST part is what
+    the outputs are of, as one packed row: the last parts' tokens in the [B, R] layout (R the
+    longest last part). Every sequence needs a token before its last part (what predicts it)."""
+    heads = [sum(len(a) for a in parts[:-1]) for parts in examples]
+    if min(heads, default=0) < 1:
+        raise ValueError("pack_examples: every sequence needs a token before its last part (a prompt)")
+    row = pack_sequences([np.concatenate(parts).astype(np.int64) for parts in examples], device)
+    lasts = [len(parts[-1]) for parts in examples]
+    rows = torch.from_numpy(np.repeat(np.arange(len(examples)), lasts)).to(row.input_ids.device)
+    cols = torch.from_numpy(np.concatenate([np.arange(n) for n in lasts]).astype(np.int64)).to(rows.device)
+    return PackedResponses(input_ids=row.input_ids, position_ids=row.position_ids, positions=row.predicting(heads),
+                           rows=rows, cols=cols, shape=(len(examples), max(lasts)), cu_seq_lens=row.cu_seq_lens)
 
 
 class Padded:

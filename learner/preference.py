@@ -20,7 +20,9 @@ from torch import nn
 from core.infra.architectures import load_pretrained
 from core.infra.dtypes import torch_dtype
 from core.layout import pool_last_token
+from core.packed_rows import PackedRow, pack_sequences
 from core.preference import bradley_terry_loss
+from core.varlen_attention import use_varlen
 from learner import lora as adapters
 from learner.lora_config import LoraConfig
 from learner.policy import HFWrapper, copy_tokenizer, disable_dropout
@@ -43,8 +45,13 @@ class RewardModule(HFWrapper):
         self.lora: Optional[LoraConfig] = None  # set when the body carries a LoRA adapter (learner/lora.py)
         disable_dropout(self)
 
-    def forward(self, input_ids, attention_mask) -> torch.Tensor:
-        """[B, T] right-padded ids and mask -> [B] float32 scores."""
+    def forward(self, input_ids, attention_mask, packed: Optional[PackedRow] = None) -> torch.Tensor:
+        """[B, T] right-padded ids and mask -> [B] float32 scores; or ``packed`` (input_ids and
+        attention_mask None): the scores of its sequences, each at its last token."""
+        if packed is not None:
+            hidden = self.model.base_model(**packed.inputs(self.model), use_cache=False).last_hidden_state
+            last = torch.from_numpy(packed.ends - 1).to(hidden.device)
+            return self.model.score(hidden[0, last]).squeeze(-1).float()
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                        use_cache=False).last_hidden_state
         return self.model.score(pool_last_token(hidden, attention_mask)).squeeze(-1).float()
@@ -97,7 +104,15 @@ class PreferenceObjective(SupervisedObjective):
     @classmethod
     def load_module(cls, model: str, config) -> tuple:
         module = RewardModule.from_pretrained(model, lora=config.lora)
+        if config.packing:  # packed rows attend per sequence, not over the whole row (where the family allows)
+            use_varlen(module.model)
         return module, module.model
+
+    def _forward(self, seqs: list[tuple]) -> torch.Tensor:
+        """[n] float32 scores of (prompt_ids, response_ids) items: one packed row, or right-padded."""
+        if self.config.packing:
+            return self.engine(None, None, packed=pack_sequences([np.concatenate(s) for s in seqs], self.device))
+        return self.engine(*collate_sequences(seqs, self.pad_id, self.device)[:2])
 
     def train(self, pairs: list[Pair], *, step: int = 0, margin: float = 0.0) -> dict:
         """One optimizer step per ``batch_size`` pairs (over all ranks); every rank calls it
@@ -140,13 +155,11 @@ class PreferenceObjective(SupervisedObjective):
         LearnerGroup.apply: a call of this objective's own)."""
         out = []
         for items, weight in self._micro_batches(list(sequences), pad_to_ranks=True):
-            s = self.engine(*collate_sequences(items, self.pad_id, self.device)[:2])
+            s = self._forward(items)
             if weight:
                 out.append(s.cpu().numpy())
         return np.concatenate(out).astype(np.float32)
 
     def _scores(self, items: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
-        seqs = [(p, c) for p, c, _ in items] + [(p, r) for p, _, r in items]
-        ids, attn, _ = collate_sequences(seqs, self.pad_id, self.device)
-        s = self.engine(ids, attn)
+        s = self._forward([(p, c) for p, c, _ in items] + [(p, r) for p, _, r in items])
         return s[:len(items)], s[len(items):]

@@ -19,6 +19,7 @@ import torch
 from core.layout import pad_right, position_ids
 from core.preference import response_nll
 from learner.objective import Objective
+from learner.packing import pack_examples
 from learner.policy import PolicyWithValueHead
 
 Example = tuple  # (prompt_ids [P] int64, response_ids [R] int64): one SFT example
@@ -91,10 +92,16 @@ class SFTObjective(SupervisedObjective):
 
     name = "sft"
 
+    def __init__(self, **parts) -> None:
+        super().__init__(**parts)
+        self._loss = self._packed_loss if self.config.packing else self._padded_loss
+
     @classmethod
     def load_module(cls, model: str, config) -> tuple:
         """The policy with a shared value head, which SFT keeps at zero weight (see above)."""
         policy = PolicyWithValueHead.from_pretrained(model, critic="shared", critic_model=None, lora=config.lora)
+        if config.packing:  # packed rows attend per sequence, not over the whole row (where the family allows)
+            policy.use_varlen()
         return policy, policy.lm
 
     def train(self, examples: list[Example], *, step: int = 0) -> dict:
@@ -128,7 +135,16 @@ class SFTObjective(SupervisedObjective):
         total, tokens = self.comm.sum([total, tokens])
         return {"loss": total / tokens, "tokens": int(tokens)}
 
-    def _loss(self, items: list[Example], normalizer: Optional[float]) -> torch.Tensor:
+    def _packed_loss(self, items: list[Example], normalizer: Optional[float]) -> torch.Tensor:
+        """The micro-batch as one packed row (learner/packing.py): the response tokens' summed
+        negative log-likelihood over ``normalizer`` (None: their count), as ``_padded_loss``."""
+        packed = pack_examples(items, self.device)
+        logprobs, values, _ = self.engine(packed.input_ids, None, packed.position_ids, packed=packed,
+                                          with_entropy=False)
+        count = float(len(packed.positions))
+        return -logprobs.sum() / (count if normalizer is None else normalizer) + values.sum() * 0.0
+
+    def _padded_loss(self, items: list[Example], normalizer: Optional[float]) -> torch.Tensor:
         ids, attn, loss_mask = collate_sequences(items, self.pad_id, self.device)
         logits, values = self.engine(ids, attn, position_ids(attn))
         # The value head joins the graph at zero weight so ZeRO's gradient reductions line up.

@@ -76,6 +76,8 @@ class GeneratorPoolConfig(PoolConfig):
 class ReferencePoolConfig(PoolConfig):
     """The reference: the frozen model of the KL penalty."""
     batch_size: int = setting(16, "sequences per forward pass")
+    packing: bool = setting(True, "each forward's sequences as one row of their real tokens, no padding, "
+                                  "attended per sequence")
     model: Optional[str] = setting(None, "the frozen model of the KL penalty; null = the policy the run "
                                          "starts from (the SFT model)")
     on_learner: bool = setting(False, "with learner.lora: learner rank 0 scores the reference, the policy with its "
@@ -95,6 +97,8 @@ class RewardPoolConfig(PoolConfig):
     url: Optional[str] = setting(None, "... a reward server's http(s) URL, POSTed OpenRLHF's remote reward "
                                        "payload ({query, prompts, labels} -> {rewards}; README)")
     batch_size: int = setting(16, "sequences per forward pass of the reward model")
+    packing: bool = setting(True, "the reward model's forwards as one row of their sequences' real tokens, no "
+                                  "padding, attended per sequence")
     normalize: bool = setting(False, "standardise reward-model scores with the reward_stats.json beside "
                                      "reward.model")
     gold: Optional[str] = setting(None, "eval only: a `module:function(prompts, responses) -> floats` scored on "

@@ -60,6 +60,8 @@ class StageTrainConfig:
     epochs: int = setting(1, "passes over the training rows")
     batch_size: int = setting(8, "rows per optimizer step, over all learner ranks")
     micro_batch_size: int = setting(4, "rows per forward/backward on one rank (gradient accumulation)")
+    packing: bool = setting(True, "each micro-batch as one row of its real tokens, no padding, attended per "
+                                  "sequence")
 
 
 @config_class
@@ -96,7 +98,8 @@ class StageConfig(RootConfig):
         trainer = {f.name: getattr(self.learner, f.name) for f in fields(TrainerConfig)}
         t = self.train
         return SupervisedConfig(**{**trainer, "critic": "shared", "critic_model": None},
-                                batch_size=t.batch_size, micro_batch_size=t.micro_batch_size, seed=self.run.seed)
+                                batch_size=t.batch_size, micro_batch_size=t.micro_batch_size, packing=t.packing,
+                                seed=self.run.seed)
 
     def validate(self) -> None:
         t, d, lp = self.train, self.data, self.learner

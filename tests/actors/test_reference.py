@@ -32,9 +32,11 @@ def _direct(model, prompt, response, temperature):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_matches_direct_hf_computation(policy_path, hf_model, temperature):
-    ref = Reference(model=policy_path, temperature=temperature, batch_size=16)
+def test_matches_direct_hf_computation(policy_path, hf_model, temperature, packing):
+    """Packed (the chunk as one row of real tokens) or padded, each sequence scores as alone."""
+    ref = Reference(model=policy_path, temperature=temperature, batch_size=16, packing=packing)
     prompts, responses = _batch()
     got = ref.logprobs(prompts, responses)
     assert [g.shape for g in got] == [(len(r),) for r in responses]
@@ -48,9 +50,10 @@ def test_matches_direct_hf_computation(policy_path, hf_model, temperature):
 
 
 @pytest.mark.integration
-def test_batch_equals_one_by_one(policy_path):
+@pytest.mark.parametrize("packing", [True, False])
+def test_batch_equals_one_by_one(policy_path, packing):
     # batch_size 2 over 5 items of mixed length exercises chunking and order restoration.
-    ref = Reference(model=policy_path, batch_size=2)
+    ref = Reference(model=policy_path, batch_size=2, packing=packing)
     prompts, responses = _batch(seed=1)
     batched = ref.logprobs(prompts, responses)
     for p, r, b in zip(prompts, responses, batched):
@@ -143,3 +146,23 @@ def test_runs_unchanged_as_ray_actor(policy_path, ray_cluster):
     for a, b in zip(remote, local):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert ray.get(actor.health.remote())["sequences"] == len(prompts)
+
+
+@pytest.mark.integration
+def test_packed_and_padded_agree_over_truncated_kept_sets(policy_path):
+    """With top-k sampling each token renormalises over its own kept set; packing moves the
+    sets with their tokens (kept sets of different widths per rollout, an empty response)."""
+    prompts, responses = _batch(seed=2)
+    rng = np.random.default_rng(3)
+    kept = []
+    for i, r in enumerate(responses):
+        k = rng.integers(2, 1024, size=(r.size, 3 + i))
+        k[:, 0] = r  # the sampled token is always in its set
+        k[:, -1] = -1  # padding inside a set
+        kept.append(k)
+    packed, padded = (Reference(model=policy_path, top_k=20, batch_size=3, packing=p).logprobs(
+        prompts, responses, kept) for p in (True, False))
+    for a, b, r in zip(packed, padded, responses):
+        assert a.shape == b.shape == (r.size,)
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert all((a <= 0).all() and (a >= -np.log(8)).all() for a in packed if a.size)  # over sets of <= 8

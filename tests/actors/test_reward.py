@@ -44,9 +44,13 @@ def _rollouts(prompts, responses):
 
 
 @pytest.mark.integration
-def test_model_batched_equals_unbatched_and_hf(rm, reward_path):
+@pytest.mark.parametrize("packing", [True, False])
+def test_model_batched_equals_unbatched_and_hf(rm, reward_path, packing):
+    """Packed (one row per forward) or right-padded, a score is that of the sequence alone."""
     from transformers import AutoModelForSequenceClassification
 
+    rm = rm if packing else Reward(model=reward_path, batch_size=3, packing=False)
+    assert rm.health()["packing"] is packing
     prompts, responses = _batch()
     res = rm.score(prompts, responses)
     assert isinstance(res, ScoreResult) and res.scores.dtype == np.float32

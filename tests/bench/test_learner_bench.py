@@ -31,3 +31,15 @@ def test_fixed_rollouts_are_as_before_and_packed_sides_parse():
     assert all(r.response_ids.size == 16 and r.finish_reason == "length" for r in batch)
     assert parse_args(["--sides", "tether,tether-packed,tether-packed-masked", "--ragged"]).sides == [
         "tether", "tether-packed", "tether-packed-masked"]
+
+
+def test_the_scorers_bench_counts_what_each_layout_feeds():
+    from bench.scorers import fed_tokens
+
+    batch = rollouts(WORKLOAD, 40, 16, ragged=True)
+    real = sum(r.prompt_ids.size + r.response_ids.size for r in batch)
+    assert fed_tokens(batch, "reference", packing=True) == fed_tokens(batch, "reward", packing=True) == real
+    # right-padded whole rows pad less than prompt | response, and both more than nothing
+    assert real < fed_tokens(batch, "reward", packing=False) < fed_tokens(batch, "reference", packing=False)
+    fixed = rollouts(WORKLOAD, 40, 16)
+    assert fed_tokens(fixed, "reference", packing=False) == sum(r.prompt_ids.size + 16 for r in fixed)

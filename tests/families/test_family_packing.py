@@ -2,7 +2,7 @@
 sequences with restarting position ids and no attention mask must give what the padded batch
 gives, and no sequence may see another, with the family's own attention (eager for Gemma-2's
 soft-capping, sliding windows shorter than the sequences) in the policy and in a separate
-critic body of the same family; then the same on varlen attention (learner/varlen_attention.py),
+critic body of the same family; then the same on varlen attention (core/varlen_attention.py),
 which every family but Gemma-2 (soft-capping: it keeps eager attention) takes."""
 import dataclasses
 
@@ -12,10 +12,10 @@ import torch
 
 from cluster.demo.families import FAMILIES, build_family_policy, build_family_reward
 from core.rollout import Rollout
+from core.varlen_attention import VARLEN
 from learner.batch import collate
 from learner.packing import pack
 from learner.policy import PolicyWithValueHead
-from learner.varlen_attention import VARLEN
 
 KEEP_THEIR_ATTENTION = {"gemma2": "eager"}  # attention logit soft-capping
 
@@ -61,3 +61,24 @@ def test_the_packed_forward_gives_the_padded_outputs_and_sequences_stay_apart(fa
     with torch.no_grad():  # the padded forward of a model on varlen attention: as before, to the bit
         again = model(b.input_ids, b.attention_mask, b.position_ids, prompt_len=b.prompt_len)
     assert all(torch.equal(x, y) for x, y in zip(padded, again))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_scorers_packed_give_their_padded_scores(family):
+    """The reference's log-probs and the reward model's scores, packed (the default) and padded,
+    on ragged sequences most of which pass a sliding window of 8."""
+    from actors.reference import Reference
+    from actors.reward import Reward
+
+    rng = np.random.default_rng(1)
+    lengths = [(2, 25), (14, 1), (5, 17), (9, 4), (3, 30)]
+    prompts = [rng.integers(3, 900, p) for p, _ in lengths]
+    responses = [rng.integers(3, 900, r) for _, r in lengths]
+    policy, reward = str(build_family_policy(family)), str(build_family_reward(family))
+    ref = [Reference(model=policy, device="cpu", packing=p).logprobs(prompts, responses) for p in (True, False)]
+    gap = max(float(np.abs(a - b).max()) for a, b in zip(*ref))
+    scores = [Reward(model=reward, device="cpu", packing=p).score(prompts, responses).scores for p in (True, False)]
+    print(f"{family}: reference packed vs padded {gap:.1e}, reward {float(np.abs(scores[0] - scores[1]).max()):.1e}")
+    assert gap < 1e-5 and np.allclose(scores[0], scores[1], atol=1e-5, rtol=0)
+    assert len(set(np.round(scores[0], 4))) == len(lengths)  # scores that depend on the sequence

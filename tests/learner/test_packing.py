@@ -10,12 +10,12 @@ import torch
 from helpers import make_rollouts, max_abs_diff, sgd_config
 
 from core.rollout import Rollout, shard_rollouts
+from core.varlen_attention import VARLEN
 from learner.batch import collate
 from learner.group import LearnerGroup
 from learner.minibatches import minibatch_plan, visit_order
 from learner.packing import pack, row_groups, token_bins
 from learner.policy import PolicyWithValueHead
-from learner.varlen_attention import VARLEN
 from learner.worker import LearnerWorker
 
 TOL = 1e-5
@@ -220,7 +220,7 @@ def update(policy_path, reward_path, rollouts, **options):
     cfg = config(reward_path=reward_path, **options)
     torch.manual_seed(0)
     w = LearnerWorker(rank=0, world_size=1, model=policy_path, config=cfg)
-    # Packed rows attend per sequence (learner/varlen_attention.py); padded ones keep sdpa.
+    # Packed rows attend per sequence (core/varlen_attention.py); padded ones keep sdpa.
     assert w.engine.module.lm.config._attn_implementation == (VARLEN if options["packing"] else "sdpa")
     before = w.full_state_dict()
     metrics = w.train(rollouts)

@@ -78,14 +78,14 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
         return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
                                              runtime_env=env("reference"), **options).remote(
             model=r.model or policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
-            top_p=g.sampling.top_p, batch_size=r.batch_size, dtype=dtype["reference"])
+            top_p=g.sampling.top_p, batch_size=r.batch_size, packing=r.packing, dtype=dtype["reference"])
 
     judge = w.judge.scorer_kwargs(judge_path(w.judge.model), dtype["reward"], cfg.run.seed) if w.judge.model else None
 
     def reward(rid, index, options):
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
                                           runtime_env=env("reward"), **options).remote(
-            model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size,
+            model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size, packing=w.packing,
             normalize=w.normalize, gold=w.gold, dtype=dtype["reward"],
             timeout_s=w.timeout_s, url=w.url, http=asdict(w.http), sandbox=asdict(w.sandbox), judge=judge,
             columns=columns_ref)  # every replica, replacements too: the one reference
