@@ -12,43 +12,25 @@ mappings, which is what a numpy array or a Python list grows; unlike RLIMIT_AS i
 count address space that libraries reserve without using it): past it an allocation raises
 MemoryError in the worker, and that pair is invalid.
 
-Each worker is a fresh interpreter (``sys.executable``), never a fork of the replica (a Ray
-actor has threads; a forked copy of a held lock deadlocks): what multiprocessing's ``spawn``
-does, without its re-run of the parent's ``__main__`` (in a Ray actor, Ray's worker script; in
-a user's script, maybe code without a main guard that would start a run). It gets the
-replica's sys.path, so what the replica imports, it imports; it talks over a socket pair with
-multiprocessing's Connection. Each watches its parent and exits when it is gone, so a replica
-that dies leaves no worker behind.
+Workers are fresh interpreters (actors/worker_process.py) that leave with the replica.
 """
 from __future__ import annotations
 
-import json
 import os
-import resource
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
 import numpy as np
 
 from actors.scoring import ColumnBinding, Columns, ScoreResult, as_number, load_function
+from actors.worker_process import entry_args, how_it_died, kill, spawn, stop_all, worker_setup
 from core.infra.errors import type_and_first_line
 
 # How long a worker may take to start and import the function (a verifier imports sympy, a model...).
 START_TIMEOUT_S = 120.0
-
-
-def _watch_parent(parent: int) -> None:
-    """Exit when the replica that started this worker is gone (its pid no longer our parent)."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)
 
 
 def _one_score(out, name: str) -> tuple[float, str | None]:
@@ -68,11 +50,7 @@ def _one_score(out, name: str) -> tuple[float, str | None]:
 
 def worker_main(conn, spec: str, key: str, name: str, memory_mb: int, parent: int) -> None:
     """One worker: import the function, say so, then score one pair per message until told to stop."""
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the replica's to handle
-    if memory_mb:
-        limit = int(memory_mb) << 20
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    worker_setup(parent, memory_mb)
     try:
         fn = load_function(spec, key)
     except (ValueError, MemoryError) as e:
@@ -116,23 +94,17 @@ class _Call:
 
 
 def _entry() -> None:
-    """``python -c`` of a worker: its socket's fd and its settings come as arguments."""
-    fd, spec, key, name, memory_mb, parent = json.loads(sys.argv[1])
-    worker_main(Connection(fd), spec, key, name, memory_mb, parent)
+    """``python -c`` of a worker: its socket and its settings come as arguments."""
+    conn, args = entry_args()
+    worker_main(conn, *args)
 
 
 class _Worker:
     """One worker process and the pair it is scoring: (index, deadline) or None."""
 
     def __init__(self, spec: str, key: str, name: str, memory_mb: int):
-        mine, theirs = socket.socketpair()
-        args = json.dumps([theirs.fileno(), spec, key, name, memory_mb, os.getpid()])
-        # The replica's sys.path, as multiprocessing's spawn hands it on: a function it can import, the worker can.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen([sys.executable, "-c", "from actors.sandbox import _entry; _entry()", args],
-                                     pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
-        theirs.close()
-        self.conn = Connection(mine.detach())
+        self.proc, self.conn = spawn("from actors.sandbox import _entry; _entry()",
+                                     [spec, key, name, memory_mb, os.getpid()])
         self.ready = False
         self.error: str | None = None  # why it could not start
         self.started = time.monotonic()
@@ -142,20 +114,10 @@ class _Worker:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL by its own pid, reap it, close the socket."""
-        if self.alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.conn.close()
+        kill(self.proc, self.conn)
 
     def how_it_died(self) -> str:
-        try:
-            code = self.proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            return "stopped answering"
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
-        return f"exited with status {code}"
+        return how_it_died(self.proc)
 
 
 class SandboxScorer:
@@ -296,15 +258,5 @@ class SandboxScorer:
 
     def close(self) -> None:
         """Ask each worker to stop, then SIGKILL whatever has not, and reap them all."""
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for w in self._workers:
-            try:
-                w.proc.wait(2.0)
-            except subprocess.TimeoutExpired:
-                pass
-            w.kill()
+        stop_all(self._workers)
         self._workers = []
