@@ -13,10 +13,15 @@ from core.masked import check_masked, check_shapes, require, zero_pad
 Tensor = torch.Tensor
 
 
-def _last_valid_index(fn: str, mask: Tensor) -> Tensor:
-    valid = mask != 0
+def last_valid_column(mask: Tensor) -> Tensor:
+    """[B] int64 the column of each row's last valid token of ``mask`` [B, T], gaps allowed
+    (a multi-turn transcript's environment tokens); -1 for a row without one."""
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    last = torch.where(valid, positions, -1).amax(dim=1)
+    return torch.where(mask != 0, positions, -1).amax(dim=1)
+
+
+def _last_valid_index(fn: str, mask: Tensor) -> Tensor:
+    last = last_valid_column(mask)
     if bool((last < 0).any()):
         rows = (last < 0).nonzero().flatten().tolist()
         raise ValueError(f"{fn}: rows {rows} of mask have no valid tokens")
@@ -76,6 +81,11 @@ def gae(
     rewards, values, mask: [B, T]. The value after the last valid token is 0 (the
     episode ends at EOS or truncation). Returns (advantages, returns), both [B, T],
     detached, 0 on padding; returns = advantages + values, before any whitening.
+
+    Masked columns inside a row (a multi-turn transcript's environment tokens) are skipped,
+    not ends: the recursion carries across them, so a turn's last token bootstraps from the
+    value at the next turn's first token, and gamma and lam count valid tokens only. A row
+    with gaps gets what it would get with those columns removed (0 there).
     """
     check_masked("gae", mask, rewards=rewards, values=values)
     # Zeroing padding makes V(after last valid token) = 0 and keeps garbage out.
@@ -86,11 +96,13 @@ def gae(
     running = torch.zeros_like(v[:, 0])
     advantages = [None] * v.shape[1]
     for t in reversed(range(v.shape[1])):
+        valid = m[:, t] != 0
         delta = r[:, t] + gamma * next_value - v[:, t]
-        # Redundant for right padding (zeros stay zero); guards masks with interior gaps.
-        running = (delta + gamma * lam * running) * m[:, t]
-        advantages[t] = running
-        next_value = v[:, t]
+        step = delta + gamma * lam * running
+        # Right padding comes first in this scan, while running and next_value are still 0.
+        running = torch.where(valid, step, running)
+        next_value = torch.where(valid, v[:, t], next_value)
+        advantages[t] = torch.where(valid, step, torch.zeros_like(step))
     adv = torch.stack(advantages, dim=1)
     return adv, adv + v
 

@@ -20,9 +20,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
-from core.advantages import gae
+from core.advantages import gae, last_valid_column
 from core.choices import ESTIMATOR_TABLE, EstimatorRow, estimator_row
-from core.layout import last_token_index
 from core.masked import check_masked, check_shapes, local_sums, require, whiten, zero_pad
 
 Tensor = torch.Tensor
@@ -119,12 +118,14 @@ def group_std(scores: Tensor, group: Tensor, population=None) -> Tensor:
 
 
 def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """[B, T] the discounted sum of ``rewards`` [B, T] from each valid token to the row's end."""
+    """[B, T] the discounted sum of ``rewards`` [B, T] from each valid token to the row's end;
+    masked columns inside a row are skipped (gamma counts valid tokens), 0 there."""
     r = zero_pad(rewards.detach(), mask)
+    valid = mask != 0
     running = torch.zeros_like(r[:, 0])
     out = [None] * r.shape[1]
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
+        running = torch.where(valid[:, t], r[:, t] + gamma * running, running)
         out[t] = running
     return zero_pad(torch.stack(out, dim=1), mask)
 
@@ -148,7 +149,7 @@ def score_with_kl_penalty(x: AdvantageInputs, shaped: Tensor, gamma: float) -> T
     statistics see the score alone, so beta keeps its meaning whatever the group's spread
     (OpenRLHF's rloo / group_norm / reinforce_baseline; REINFORCE++'s per-token KL)."""
     rows = torch.arange(x.mask.shape[0], device=x.mask.device)
-    last = last_token_index((x.mask != 0).long())
+    last = last_valid_column(x.mask).clamp(min=0)  # a row without tokens: its zeros stay zeros
     rewards = zero_pad(x.rewards.detach().to(torch.float32), x.mask)
     # In the rewards' own precision: the score on the last token cancels exactly.
     kl_penalty = rewards.index_put((rows, last), -x.scores.detach().to(torch.float32), accumulate=True)

@@ -215,3 +215,46 @@ def test_group_estimators_shape_the_score_then_add_the_kl_penalty(name):
         want = whiten(want.double(), x.mask).float()
     adv, _ = estimator(name).fn(x, EstimatorOptions())
     assert torch.allclose(adv, want, atol=1e-5), (adv, want)
+
+
+GAPPED = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0], [1, 0, 1, 0, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1],
+                       [1, 1, 1, 0, 0, 0, 1, 0], [1, 0, 0, 0, 0, 1, 0, 0], [1, 1, 0, 1, 0, 0, 0, 0]],
+                      dtype=torch.float32)  # a multi-turn transcript's environment tokens inside rows
+
+
+def _squeezed(t, mask):
+    """Each row's valid columns moved to its front (the row with its gaps removed), NaN after."""
+    out = torch.full_like(t, NAN)
+    for i, m in enumerate(mask):
+        valid = t[i][m != 0]
+        out[i, :valid.numel()] = valid
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8)])
+def test_masked_columns_inside_a_row_are_skipped_not_ends(name, gamma, lam):
+    """A row with gaps (environment tokens between the policy's turns) gets the advantages and
+    returns of the same row with those columns removed, and 0 in them: the recursions carry
+    across a gap (a turn's last token sees the next turn's value and the final score), gamma and
+    lam count valid tokens, and what sits in a gap never leaks in."""
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(6, generator=gen)
+    last = GAPPED.shape[1] - 1 - GAPPED.flip(1).argmax(1)
+    rewards = (-0.05 * torch.rand(6, 8, generator=gen)).index_put((torch.arange(6), last), scores, accumulate=True)
+    rewards = torch.where(GAPPED != 0, rewards, torch.full_like(rewards, NAN))
+    values = torch.where(GAPPED != 0, torch.randn(6, 8, generator=gen), torch.full_like(rewards, NAN))
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    opt = EstimatorOptions(gamma=gamma, lam=lam)
+    gapped = estimator(name).fn(AdvantageInputs(rewards=rewards, scores=scores, mask=GAPPED, group=group,
+                                                values=values), opt)
+    squeezed_mask = _squeezed(GAPPED, GAPPED).nan_to_num(0.0)
+    plain = estimator(name).fn(AdvantageInputs(rewards=_squeezed(rewards, GAPPED), scores=scores, mask=squeezed_mask,
+                                               group=group, values=_squeezed(values, GAPPED)), opt)
+    for got, want in zip(gapped, plain):
+        if want is None:
+            assert got is None
+            continue
+        assert bool((got[GAPPED == 0] == 0).all()) and torch.isfinite(got).all()
+        assert torch.allclose(_squeezed(got, GAPPED).nan_to_num(0.0), want, atol=1e-6), name
+        assert not torch.allclose(want[:, 0], torch.zeros(6))  # the first token sees the whole row
