@@ -104,7 +104,7 @@ def _non_empty(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray],
     keep, refs, kept_scores = [], [], []
     for r, ref, s in zip(rollouts, ref_logprobs, scores):
         ref = np.asarray(ref, dtype=np.float32).reshape(-1)
-        if r.response_ids.size == 0:
+        if r.trained_tokens == 0:  # nothing the policy sampled: nothing to train
             continue
         if ref.shape != r.response_ids.shape:
             raise ValueError(f"annotate: {_name(r)} has {r.response_ids.size} response tokens but "
@@ -132,7 +132,9 @@ def _kl_and_rewards(keep: list[Rollout], refs: list[np.ndarray], scores: np.ndar
     for row, (r, ref) in enumerate(zip(keep, refs)):
         behaviour[row, :r.response_ids.size] = r.behaviour_logprobs
         reference[row, :r.response_ids.size] = ref
-        mask[row, :r.response_ids.size] = True
+        # Only the policy's tokens: an environment's get no KL and no reward, the score goes on
+        # the last token the policy sampled.
+        mask[row, :r.response_ids.size] = True if r.action_mask is None else r.action_mask
     with torch.no_grad():
         mask_t = torch.from_numpy(mask)
         kl = kl_estimate(torch.from_numpy(behaviour), torch.from_numpy(reference), kl_estimator)

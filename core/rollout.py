@@ -31,6 +31,10 @@ class Rollout:
     # kept at each position, -1 padding a row; the reference and the learner renormalise
     # over this set (core.sampling). None: untruncated sampling, the whole vocabulary.
     kept_ids: np.ndarray = None
+    # [R] bool: True where the policy sampled the token (trained on), False where an environment
+    # wrote it (a multi-turn transcript's observations: context for the next turn, never trained,
+    # no KL, no reward). The transcript ends on a policy token. None: every token is the policy's.
+    action_mask: np.ndarray = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)
@@ -56,6 +60,13 @@ class Rollout:
                                  f"[{self.response_ids.size}, K] (one kept set per response token)")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Rollout: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
+        if self.action_mask is not None:
+            self.action_mask = _checked_action_mask(self.action_mask, self.response_ids.size)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens the policy sampled (all of them without an action mask)."""
+        return self.response_ids.size if self.action_mask is None else int(self.action_mask.sum())
 
     @property
     def truncated(self) -> bool:
@@ -66,6 +77,18 @@ class Rollout:
     def partial(self) -> bool:
         """Sampled by more than one policy version (a weight push landed mid-response)."""
         return bool(self.token_versions.size) and int(self.token_versions[-1]) != self.policy_version
+
+
+def _checked_action_mask(mask, n: int) -> np.ndarray:
+    """[n] bool; a ValueError unless it holds 0/1 values, one per response token, the last 1."""
+    raw = np.asarray(mask)
+    if raw.shape != (n,) or not np.isin(raw, (0, 1)).all():
+        raise ValueError(f"Rollout: action_mask must be {n} values of 0/1 (one per response token), "
+                         f"got shape {raw.shape}")
+    out = raw.astype(bool)
+    if n and not out[-1]:
+        raise ValueError("Rollout: action_mask must end on a policy token (a transcript ends with the policy's turn)")
+    return out
 
 
 @dataclass

@@ -132,7 +132,8 @@ def collate(rollouts: Sequence[ScoredRollout | Rollout], pad_id: int) -> Batch:
                  for k in ("response_mask", "behaviour_logprobs", "reference_logprobs", "rewards")}
     for row, r in enumerate(rollouts):
         n = r.response_ids.size
-        per_token["response_mask"][row, :n] = 1.0
+        # From here response_mask means "trained": an environment's tokens are context only.
+        per_token["response_mask"][row, :n] = 1.0 if r.action_mask is None else r.action_mask
         per_token["behaviour_logprobs"][row, :n] = r.behaviour_logprobs
         # Plain Rollouts (no reference / rewards yet) collate too: for scoring only.
         if getattr(r, "reference_logprobs", None) is not None:

@@ -133,7 +133,7 @@ class PPOObjective(Objective):
         """Agree across ranks on sizes before any collective that depends on them:
         (global tokens, rows on each rank)."""
         n = len(shard)
-        tokens = sum(int(r.response_ids.size) for r in shard)
+        tokens = sum(r.trained_tokens for r in shard)
         (no_tokens,) = self.comm.max([float(tokens == 0)])
         (global_tokens,) = self.comm.sum([tokens])
         counts = [int(row[0]) for row in self.comm.gather_rows([[n]])]
