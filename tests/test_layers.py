@@ -28,7 +28,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYER = {"core.infra": 0, "core": 0.5, "actors": 1, "learner": 1,
-         "cluster.config": 2, "cluster.demo": 2, "cluster.rewards": 2,
+         "cluster.config": 2, "cluster.demo": 2, "cluster.rewards": 2, "cluster.envs": 2,
          "cluster.data": 3,
          "cluster.nodes": 3,
          "cluster.job": 4,
