@@ -216,6 +216,36 @@ class Generator:
         return GenerationResult(rollouts=rollouts, skipped_prompts=skipped, generated_tokens=tokens,
                                 seconds=seconds, version=self.weights.version(), incomplete_kept_sets=incomplete)
 
+    def sample_turns(self, transcripts: list[list[int]], room: list[int], keys: list[tuple[int, int, int]]) -> list:
+        """One round of multi-turn episodes (actors/episodes.py): each transcript's exact ids
+        continued by one turn of at most its ``room`` tokens, ending at EOS; each turn seeded by
+        (seed, version, its key: prompt index, sample index, turn). -> one episodes.Turn each."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        from actors.episodes import Turn
+
+        s = self.sampling
+        if is_truncated(s.top_k, s.top_p):
+            raise ValueError(f"{self.name}: episodes sample from the whole distribution for now; set "
+                             "generator.sampling.top_k=0 and top_p=1")
+        logprobs = kept_set.logprob_request(0, 1.0, self._vocab_size)
+        params = [SamplingParams(temperature=s.temperature, max_tokens=int(r), n=1,
+                                 seed=int(np.random.SeedSequence([s.seed, self.weights.version(), *key])
+                                          .generate_state(1)[0] >> 1),
+                                 output_kind=RequestOutputKind.FINAL_ONLY, **logprobs) for r, key in zip(room, keys)]
+        with self._turns.sampling():
+            outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in transcripts], params,
+                                         use_tqdm=False, lora_request=self.weights.adapter)
+        turns = []
+        for out in outputs:
+            (c,) = out.outputs
+            ids = list(c.token_ids)
+            turns.append(Turn(token_ids=ids, logprobs=kept_set.read_sampled(ids, c.logprobs),
+                              ended=c.finish_reason == "stop"))
+        return turns
+
     def _step_engine(self, prompts: list[list[int]], prompt_indices: list[int]) -> list:
         """LLM.generate, stepping the engine here so that a weight push can take its turn
         between two steps. Returns the finished RequestOutputs in prompt order."""

@@ -1,0 +1,67 @@
+"""The episode loop's ends (actors/episodes.py) with a scripted sampler and the real environment
+workers: done, max_turns, the token budget (the transcript still ends on a policy token), and
+an environment that hangs or raises, which ends that episode invalid and no other."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.env_workers import EnvironmentWorkers
+from actors.episodes import EpisodeRunner, Turn
+from actors.transcript import ObservationTokens
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/actors/counter_envs.py
+
+pytestmark = pytest.mark.integration
+ACTIONS = {7: "go", 8: "hang", 9: "raise"}  # a turn's first id says what the Counter is told
+
+
+class Tokens:
+    """A stand-in tokenizer for observations: one id per character (no chat template)."""
+    eos_token_id, chat_template = 2, None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [100 + ord(c) % 100 for c in text]}
+
+
+def scripted(first_ids):
+    """Every turn is 3 tokens: the prompt index's action id, then 5, 2 (room permitting)."""
+    def sample(transcripts, room, keys):
+        return [Turn([first_ids[p], 5, 2][:r], np.full(min(3, r), -1.0, np.float32), r >= 3)
+                for (p, _, _), r in zip(keys, room)]
+    return sample
+
+
+def run(first_ids, *, max_turns=5, max_tokens=200, columns=None):
+    workers = EnvironmentWorkers("counter_envs:Counter", workers=2, step_timeout_s=1.0)
+    try:
+        runner = EpisodeRunner(workers=workers, observations=ObservationTokens(Tokens()),
+                               decode=lambda ids: ACTIONS[ids[0]], max_turns=max_turns, max_tokens=max_tokens,
+                               max_turn_tokens=3)
+        prompts = [([1, 2, 3], i, "silent", (columns or {})) for i in range(len(first_ids))]
+        return runner.run(prompts, 1, scripted(first_ids)), workers.stats()
+    finally:
+        workers.close()
+
+
+def test_the_environment_ends_the_episode_with_its_reward():
+    (ep,), _ = run([7])
+    assert (ep.turns, ep.finish_reason, ep.score, ep.error) == (3, "stop", 1.0, None)
+    assert ep.mask == [True] * 3 + [False] * 6 + [True] * 3 + [False] * 6 + [True] * 3  # "\nok 1\n" is 6 ids
+    assert ep.rollout(version=4).trained_tokens == 9 and ep.logprobs[3:9] == [0.0] * 6
+
+
+@pytest.mark.parametrize("kw, turns", [(dict(max_turns=2), 2), (dict(max_tokens=14), 2), (dict(max_tokens=11), 2)])
+def test_budgets_end_the_episode_on_a_policy_token(kw, turns):
+    (ep,), _ = run([7], **kw)
+    assert ep.turns == turns and ep.finish_reason == "length" and ep.mask[-1] and ep.error is None
+    assert len(ep.response) <= kw.get("max_tokens", 200)
+
+
+def test_an_environment_that_hangs_or_raises_ends_its_episode_only():
+    (go, hang, boom), stats = run([7, 8, 9])
+    assert go.error is None and go.score == 1.0
+    assert "did not answer within env.step_timeout_s=1 s" in hang.error and np.isnan(hang.score)
+    assert "Counter.step raised RuntimeError: the game broke" in boom.error
+    assert stats["timeouts"] == 1 and stats["errors"] == 1 and stats["env_workers"] == 2
