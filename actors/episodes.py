@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from actors.env_workers import EnvironmentWorkers
+from actors.scoring import ScoreResult
 from actors.transcript import ObservationTokens
 from core.rollout import Rollout
 
@@ -64,7 +65,8 @@ class Episode:
     def rollout(self, version: int) -> Rollout:
         return Rollout(prompt_ids=self.prompt_ids, response_ids=self.response, behaviour_logprobs=self.logprobs,
                        finish_reason=self.finish_reason, policy_version=version, prompt_index=self.prompt_index,
-                       sample_index=self.sample_index, action_mask=np.asarray(self.mask, dtype=bool))
+                       sample_index=self.sample_index, action_mask=np.asarray(self.mask, dtype=bool),
+                       env_score=self.score, env_error=self.error)
 
     @property
     def score(self) -> float:
@@ -76,12 +78,13 @@ class EpisodeRunner:
     """Episodes against ``workers``' environment, observations tokenized by ``observations``."""
 
     def __init__(self, *, workers: EnvironmentWorkers, observations: ObservationTokens, decode: Callable,
-                 max_turns: int, max_tokens: int, max_turn_tokens: int):
+                 max_turns: int, max_tokens: int, max_turn_tokens: int, max_context: int = 1 << 30):
         if min(max_turns, max_tokens, max_turn_tokens) < 1:
             raise ValueError(f"EpisodeRunner: max_turns={max_turns}, max_tokens={max_tokens} and "
                              f"max_turn_tokens={max_turn_tokens} must be >= 1")
         self.workers, self.observations, self.decode = workers, observations, decode
         self.max_turns, self.max_tokens, self.max_turn_tokens = max_turns, max_tokens, max_turn_tokens
+        self.max_context = max_context  # the engine's max_model_len: prompt and transcript together
         self._next_id = 0
 
     def run(self, prompts: list[tuple[list[int], int, str, dict]], n: int, sample: Sample) -> list[Episode]:
@@ -101,6 +104,18 @@ class EpisodeRunner:
         self.workers.call({ep.episode_id: ("close",) for ep in episodes if not ep.error})
         return episodes
 
+    def play(self, prompts: list[tuple[list[int], int]], columns, tokenizer, n: int, sample: Sample,
+             version: int) -> list[Rollout]:
+        """``run`` on (prompt ids, prompt index) pairs, the environment given each prompt's text
+        and its row of ``columns`` (core/columns.py); -> the episodes' Rollouts."""
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in prompts]
+        rows = [(ids, idx, text, columns.row(idx) if idx in columns else {})
+                for (ids, idx), text in zip(prompts, texts)]
+        return [ep.rollout(version) for ep in self.run(rows, n, sample)]
+
+    def close(self) -> None:
+        self.workers.close()
+
     def _reset(self, episodes: list[Episode], texts: dict) -> None:
         out = self.workers.call({ep.episode_id: ("reset", *texts[ep.episode_id]) for ep in episodes})
         for ep in episodes:
@@ -111,7 +126,13 @@ class EpisodeRunner:
                 ep.prompt_ids += self.observations.ids(got.result)
 
     def _turn(self, live: list[Episode], sample: Sample) -> None:
-        room = [min(self.max_turn_tokens, self.max_tokens - len(ep.response)) for ep in live]
+        room = [min(self.max_turn_tokens, self.max_tokens - len(ep.response),
+                    self.max_context - len(ep.prompt_ids) - len(ep.response)) for ep in live]
+        for ep in [ep for ep, r in zip(live, room) if r < 1]:
+            ep.done = True  # no room for another turn (a first turn: an empty, untrained episode)
+        live, room = [ep for ep, r in zip(live, room) if r >= 1], [r for r in room if r >= 1]
+        if not live:
+            return
         turns = sample([ep.prompt_ids + ep.response for ep in live], room,
                        [(ep.prompt_index, ep.sample_index, ep.turns) for ep in live])
         answering = {}
@@ -140,3 +161,34 @@ class EpisodeRunner:
                     ep.done = True  # the observation leaves no room for a turn: end on the policy's
                 else:
                     ep.add(obs, None, trained=False)
+
+
+def episode_runner(env: dict, tokenizer, max_context: int, name: str) -> EpisodeRunner:
+    """The runner a generator plays episodes with: ``env`` as cluster.config.env.EnvConfig's
+    runner_kwargs give it, observations rendered by the policy's ``tokenizer``."""
+    workers = EnvironmentWorkers(env["spec"], key="env.environment", workers=env["workers"],
+                                 step_timeout_s=env["step_timeout_s"], memory_mb=env["memory_mb"])
+    try:
+        observations = ObservationTokens(tokenizer, role=env["observation_role"], plain_format=env["plain_format"],
+                                         name=f"{name}'s tokenizer")
+    except ValueError:
+        workers.close()
+        raise
+    return EpisodeRunner(workers=workers, observations=observations,
+                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                         max_turns=env["max_turns"], max_tokens=env["max_tokens"],
+                         max_turn_tokens=env["max_turn_tokens"], max_context=max_context)
+
+
+def environment_scores(rollouts: list[Rollout]) -> ScoreResult:
+    """The episodes' own scores (their environment rewards summed) as a reward's result: an
+    invalid episode's item invalid, one line per reason with its count."""
+    scores = np.array([np.nan if r.env_score is None else r.env_score for r in rollouts], dtype=np.float32)
+    valid = np.isfinite(scores)
+    reasons: dict[str, int] = {}
+    for r, ok in zip(rollouts, valid):
+        if not ok:
+            why = r.env_error or "the rollout was not played against an environment"
+            reasons[why] = reasons.get(why, 0) + 1
+    errors = [f"{why} ({n} of {len(rollouts)} episodes invalid)" for why, n in reasons.items()]
+    return ScoreResult(np.where(valid, scores, np.nan).astype(np.float32), valid, errors)

@@ -28,9 +28,11 @@ import numpy as np
 from actors import kept_set
 from actors.config import EngineConfig, SamplingConfig
 from actors.engine_turns import EngineTurns
+from actors.episodes import Turn, episode_runner
 from actors.reference import resolve_model_path
 from actors.vllm_support import check_served, start_engine
 from actors.weight_receiver import GPU_TRANSFER, EngineWeights
+from core.columns import PromptColumns
 from core.infra.threads import fit_threads
 from core.infra.weights import WEIGHT_UPDATE_GROUP
 from core.rollout import Rollout
@@ -104,11 +106,14 @@ class Generator:
 
     def __init__(self, *, model: str, sampling: SamplingConfig | dict | None = None,
                  engine: EngineConfig | dict | None = None, name: str = "generator",
-                 tensor_parallel: int = 1, weight_sync: str = "cpu", partial_rollouts: bool = False) -> None:
+                 tensor_parallel: int = 1, weight_sync: str = "cpu", partial_rollouts: bool = False,
+                 env: dict | None = None, columns: PromptColumns | None = None) -> None:
         """tensor_parallel: GPUs the engine spans (a pool resource). weight_sync: the learner's
         transport, "cpu" (load_weights of safetensors buckets), "nccl" or "ipc" (vLLM's NCCL or
         CUDA IPC weight transfer on GPU, on top of "cpu"). partial_rollouts: a weight push lands
-        between two engine steps of a generate call rather than after it (module docstring)."""
+        between two engine steps of a generate call rather than after it (module docstring).
+        env: multi-turn episodes (cluster.config.env.EnvConfig.runner_kwargs; actors/episodes.py)
+        instead of single responses, the environments given each prompt row's ``columns``."""
         fit_threads()
         model = resolve_model_path(model, name)
         if weight_sync not in ("cpu", *GPU_TRANSFER):
@@ -133,6 +138,9 @@ class Generator:
         self.start_seconds = time.perf_counter() - t0
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         kept_set.check_vocab(self.sampling.top_k, self.sampling.top_p, self._vocab_size, name)
+        self.columns = columns if columns is not None else PromptColumns()
+        self.episodes = None if env is None else episode_runner(env, self._llm.get_tokenizer(),
+                                                                self.engine.max_model_len, name)
         log.info("%s: vLLM engine up in %.1fs", name, self.start_seconds)
 
     def _start_engine(self, model: str):
@@ -198,6 +206,8 @@ class Generator:
             return GenerationResult(rollouts=[], skipped_prompts=skipped, version=self.weights.version())
 
         t0 = time.perf_counter()
+        if self.episodes is not None:
+            return self._play(keep, skipped, t0)
         if self.partial_rollouts:
             outputs = self._step_engine([ids for ids, _ in keep], [idx for _, idx in keep])
         else:
@@ -216,6 +226,15 @@ class Generator:
         return GenerationResult(rollouts=rollouts, skipped_prompts=skipped, generated_tokens=tokens,
                                 seconds=seconds, version=self.weights.version(), incomplete_kept_sets=incomplete)
 
+    def _play(self, keep: list[tuple[list[int], int]], skipped: list[int], t0: float) -> GenerationResult:
+        """generate() as multi-turn episodes (actors/episodes.py): the policy's tokens count."""
+        rollouts = self.episodes.play(keep, self.columns, self._llm.get_tokenizer(), self.sampling.n,
+                                      self.sample_turns, self.weights.version())
+        tokens = sum(r.trained_tokens for r in rollouts)
+        self._generated_total += tokens
+        return GenerationResult(rollouts=rollouts, skipped_prompts=skipped, generated_tokens=tokens,
+                                seconds=time.perf_counter() - t0, version=self.weights.version())
+
     def sample_turns(self, transcripts: list[list[int]], room: list[int], keys: list[tuple[int, int, int]]) -> list:
         """One round of multi-turn episodes (actors/episodes.py): each transcript's exact ids
         continued by one turn of at most its ``room`` tokens, ending at EOS; each turn seeded by
@@ -223,8 +242,6 @@ class Generator:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-
-        from actors.episodes import Turn
 
         s = self.sampling
         if is_truncated(s.top_k, s.top_p):

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from actors.episodes import environment_scores
 from actors.http_reward import HTTPScorer
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
 from actors.sandbox import SandboxScorer
@@ -167,7 +168,8 @@ class Reward:
                  tokenizer: str | None = None, batch_size: int = 16, packing: bool = True, dtype: str = "float32",
                  device: str | None = None, normalize: bool = False, gold: str | None = None,
                  timeout_s: float = 60.0, columns: PromptColumns | None = None, url: str | None = None,
-                 http: dict | None = None, sandbox: dict | None = None, judge: dict | None = None):
+                 http: dict | None = None, sandbox: dict | None = None, judge: dict | None = None,
+                 from_environment: bool = False):
         fit_threads()
         if sum(x is not None for x in (model, function, url, judge)) != 1:
             raise ValueError("Reward: give exactly one of model=, function=, url= or judge= "
@@ -175,6 +177,7 @@ class Reward:
         if batch_size < 1:
             raise ValueError(f"Reward: batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.packing = int(batch_size), bool(packing)
+        self.from_environment = bool(from_environment)  # score_rollouts passes the episodes' own scores on
         self.text_source = {"url": url} if url else {"judge": judge["model"]} if judge else {"function": function}
         self.model_path = None
         self.model = self.text_tokenizer = None
@@ -258,7 +261,15 @@ class Reward:
 
     def score_rollouts(self, rollouts: list) -> ScoreResult:
         """score() of Rollouts, for a caller that passes the generator's output by reference;
-        their columns are looked up by prompt_index (none when one is not a dataset id)."""
+        their columns are looked up by prompt_index (none when one is not a dataset id). With
+        ``from_environment``: the episodes' environment scores (actors/episodes.py)."""
+        if self.from_environment:
+            result = environment_scores(rollouts)
+            for key, n in (("calls", 1), ("items", len(rollouts)), ("invalid_items", result.n_invalid)):
+                self._counts[key] += n
+            for msg in result.errors:
+                log.warning("%s", msg)
+            return result
         return self.score([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
                           self.rollout_columns(rollouts))
 

@@ -35,6 +35,10 @@ class Rollout:
     # wrote it (a multi-turn transcript's observations: context for the next turn, never trained,
     # no KL, no reward). The transcript ends on a policy token. None: every token is the policy's.
     action_mask: np.ndarray = None
+    # A multi-turn episode's environment rewards summed (actors/episodes.py), and why the episode
+    # is invalid (its score then NaN); both None for a rollout no environment played.
+    env_score: float = None
+    env_error: str = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)

@@ -18,6 +18,7 @@ from typing import Optional
 
 from actors.config import EngineConfig, SamplingConfig
 from cluster.config import loader
+from cluster.config.env import EnvConfig, check_env
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.pools import check_pools
 from cluster.config.reward_http import RewardHTTPConfig, check_reward_http
@@ -245,6 +246,7 @@ class TetherConfig(RootConfig):
     ppo: PPOSection
     data: DataConfig
     ptx: PTXConfig
+    env: EnvConfig
     run: RunConfig
     resources: ResourcesConfig
 
@@ -257,7 +259,8 @@ class TetherConfig(RootConfig):
         return LearnerConfig(**trainer, ppo=PPOConfig(**pick(self.ppo, PPOConfig)),
                              seed=self.run.seed, temperature=self.generator.sampling.temperature,
                              top_k=self.generator.sampling.top_k, top_p=self.generator.sampling.top_p,
-                             max_new_tokens=self.generator.sampling.max_new_tokens,
+                             max_new_tokens=self.env.max_tokens if self.env.enabled else
+                             self.generator.sampling.max_new_tokens,
                              kl_loss_estimator=self.ppo.kl.estimator if self.ppo.kl.placement == "loss" else None)
 
     @property
@@ -310,6 +313,7 @@ def validate(cfg: TetherConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
     _check_ptx(cfg)
+    check_env(cfg.env, mode=cfg.run.mode, top_k=cfg.generator.sampling.top_k, top_p=cfg.generator.sampling.top_p)
     # Every learner rank trains on whole prompt groups (core.rollout.shard_rollouts): one at least.
     if cfg.data.prompts_per_step < cfg.learner.replicas:
         raise ConfigError(f"config: data.prompts_per_step={cfg.data.prompts_per_step} is below "

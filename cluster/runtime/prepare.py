@@ -198,6 +198,8 @@ def prepare(cfg):
     if cfg.reward.judge.model:
         check_judge(cfg.reward.judge, train_set.columns.names)
     probe_reward(cfg.reward, train_set)
+    if cfg.env.enabled:
+        probe_environment(cfg.env, train_set)
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 
@@ -240,6 +242,25 @@ def probe_reward(reward, train_set) -> None:
         from actors.http_reward import probe_server
         with user_input():  # the user's server, answering
             probe_server(reward.url, prompts, responses, columns=columns, **asdict(reward.http))
+
+
+def probe_environment(env, train_set) -> None:
+    """Start the environment in a worker and reset it on the first training prompt, with its
+    columns, as a generator will: a class that cannot be imported or reset is refused here in
+    one line, before any actor starts."""
+    from actors.env_workers import EnvironmentWorkers
+
+    try:
+        workers = EnvironmentWorkers(env.environment, key="env.environment", workers=1,
+                                     step_timeout_s=env.step_timeout_s, memory_mb=env.memory_mb)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    try:
+        first = workers.call({0: ("reset", train_set.texts[0], train_set.columns.row(train_set.ids[0]))})[0]
+    finally:
+        workers.close()
+    if not first.ok:
+        raise UserError(f"env.environment {env.environment!r} failed on the first training prompt: {first.error}")
 
 
 def prepare_ptx(cfg, tokenizer_path: str):

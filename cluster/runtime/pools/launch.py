@@ -72,7 +72,9 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
             model=policy_path, name=rid, sampling=g.sampling,
             engine=replace(g.engine, dtype=dtype["generator"], max_lora_rank=lora_rank),
             tensor_parallel=g.tensor_parallel,
-            weight_sync=cfg.learner.weight_sync, partial_rollouts=cfg.run.mode == "async" and g.partial_rollouts)
+            weight_sync=cfg.learner.weight_sync, partial_rollouts=cfg.run.mode == "async" and g.partial_rollouts,
+            env=cfg.env.runner_kwargs(g.sampling.max_new_tokens) if cfg.env.enabled else None,
+            columns=columns_ref if cfg.env.enabled else None)
 
     def reference(rid, index, options):
         return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
@@ -88,7 +90,8 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
             model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size, packing=w.packing,
             normalize=w.normalize, gold=w.gold, dtype=dtype["reward"],
             timeout_s=w.timeout_s, url=w.url, http=asdict(w.http), sandbox=asdict(w.sandbox), judge=judge,
-            columns=columns_ref)  # every replica, replacements too: the one reference
+            columns=columns_ref,  # every replica, replacements too: the one reference
+            from_environment=cfg.env.enabled and cfg.env.reward == "environment")
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t,
                       node_labels=p.node_labels, strategy=p.strategy)

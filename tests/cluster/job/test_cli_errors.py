@@ -197,6 +197,13 @@ CASES = [
                  id="tokenizer-other-vocabulary"),
     pytest.param(["run.trackers=[tensorboard,wnadb]"], "run.trackers: 'wnadb' is unknown; use any of tensorboard, "
                  "wandb, mlflow", id="tracker-unknown"),
+    # -- environment (prepare) --
+    pytest.param(["env.environment=nowhere_env:Game"], "env.environment 'nowhere_env:Game': cannot import module",
+                 id="env-missing"),
+    pytest.param(["env.environment=os:getcwd"], "env.environment 'os:getcwd' is a builtin_function_or_method, not a "
+                 "class", id="env-not-a-class"),
+    pytest.param(["env.environment=cluster.envs:MalformedToolCall"], "has no reset and no step method",
+                 id="env-without-methods"),
     # -- reward (prepare) --
     pytest.param(["reward.function=no_such_module:score"], "cannot import module 'no_such_module'",
                  id="reward-module-unknown"),

@@ -1,0 +1,27 @@
+"""The env section: off by default, and every setting episodes cannot run with is one line naming the key."""
+import pytest
+
+from cluster.config.loader import ConfigError
+from cluster.config.ppo import load_config
+
+pytestmark = pytest.mark.unit
+ON = ["env.environment=cluster.envs:Calculator"]
+
+
+def test_episodes_are_off_by_default_and_their_budget_is_the_learners_horizon():
+    assert not load_config(None, []).env.enabled
+    cfg = load_config(None, ON + ["env.max_tokens=300"])
+    cfg.validate()
+    assert cfg.learner_config().max_new_tokens == 300  # seq-mean-token-sum-norm's constant divisor
+    assert cfg.env.runner_kwargs(64)["max_turn_tokens"] == 64
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["env.max_turns=0"], "env.max_turns=0"), (["env.step_timeout_s=0"], "env.step_timeout_s=0"),
+    (["env.plain_format=x"], "env.plain_format must hold {observation}"),
+    (["run.mode=async"], "run.mode=sync"), (["generator.sampling.top_k=5"], "top_k=0 and top_p=1"),
+    (["env.reward=judge"], "env.reward")])
+def test_settings_episodes_cannot_run_with_are_one_line(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ON + overrides).validate()
+    assert says in str(e.value) and "\n" not in str(e.value)
