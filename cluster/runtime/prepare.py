@@ -199,7 +199,7 @@ def prepare(cfg):
         check_judge(cfg.reward.judge, train_set.columns.names)
     probe_reward(cfg.reward, train_set)
     if cfg.env.enabled:
-        probe_environment(cfg.env, train_set)
+        probe_environment(cfg.env, train_set, tokenizer)
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
 
@@ -244,11 +244,19 @@ def probe_reward(reward, train_set) -> None:
             probe_server(reward.url, prompts, responses, columns=columns, **asdict(reward.http))
 
 
-def probe_environment(env, train_set) -> None:
+def probe_environment(env, train_set, tokenizer) -> None:
     """Start the environment in a worker and reset it on the first training prompt, with its
-    columns, as a generator will: a class that cannot be imported or reset is refused here in
-    one line, before any actor starts."""
+    columns, as a generator will, and render an observation with the policy's ``tokenizer``: a
+    class that cannot be imported or reset, or a chat template that cannot append observations
+    as exact ids, is refused here in one line, before any actor starts."""
     from actors.env_workers import EnvironmentWorkers
+    from actors.transcript import ObservationTokens
+
+    try:
+        ObservationTokens(tokenizer, role=env.observation_role, plain_format=env.plain_format,
+                          name="the policy's tokenizer")
+    except ValueError as e:
+        raise UserError(f"env.environment: {e} (env.observation_role={env.observation_role!r})") from None
 
     try:
         workers = EnvironmentWorkers(env.environment, key="env.environment", workers=1,
