@@ -31,10 +31,9 @@ from core.rollout import Rollout
 
 @dataclass
 class Turn:
-    """One sampled turn: its ids, their behaviour log-probs, whether it ended at end of turn."""
+    """One sampled turn: its ids and their behaviour log-probs."""
     token_ids: list[int]
     logprobs: np.ndarray
-    ended: bool
 
 
 # One round of sampling: (transcripts' exact ids, the room each turn has, each turn's key
@@ -109,8 +108,7 @@ class EpisodeRunner:
         """``run`` on (prompt ids, prompt index) pairs, the environment given each prompt's text
         and its row of ``columns`` (core/columns.py); -> the episodes' Rollouts."""
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in prompts]
-        rows = [(ids, idx, text, columns.row(idx) if idx in columns else {})
-                for (ids, idx), text in zip(prompts, texts)]
+        rows = [(ids, idx, text, columns.row(idx)) for (ids, idx), text in zip(prompts, texts)]
         return [ep.rollout(version) for ep in self.run(rows, n, sample)]
 
     def close(self) -> None:

@@ -259,8 +259,7 @@ class Generator:
         for out in outputs:
             (c,) = out.outputs
             ids = list(c.token_ids)
-            turns.append(Turn(token_ids=ids, logprobs=kept_set.read_sampled(ids, c.logprobs),
-                              ended=c.finish_reason == "stop"))
+            turns.append(Turn(token_ids=ids, logprobs=kept_set.read_sampled(ids, c.logprobs)))
         return turns
 
     def _step_engine(self, prompts: list[list[int]], prompt_indices: list[int]) -> list:

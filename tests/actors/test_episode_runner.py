@@ -28,7 +28,7 @@ class Tokens:
 def scripted(first_ids):
     """Every turn is 3 tokens: the prompt index's action id, then 5, 2 (room permitting)."""
     def sample(transcripts, room, keys):
-        return [Turn([first_ids[p], 5, 2][:r], np.full(min(3, r), -1.0, np.float32), r >= 3)
+        return [Turn([first_ids[p], 5, 2][:r], np.full(min(3, r), -1.0, np.float32))
                 for (p, _, _), r in zip(keys, room)]
     return sample
 
