@@ -8,7 +8,8 @@ a running one. One worker's requests run one after another, the workers side by 
 each request waits at most ``step_timeout_s``.
 
 Each answer is an ``Outcome``: the checked result, or why the episode ended invalid. The
-user's code raised or returned something invalid (``error``); the request passed its time
+user's code raised or returned something invalid (``error``; counted as ``malformed_actions``
+when ``step`` raised actors.environment.MalformedAction, else ``errors``); the request passed its time
 limit (``timed_out``: the worker is killed by its pid and a new one started); the worker died
 (``crashed``). A worker killed or dead takes the other episodes it held with it: their next
 request is answered ``lost``. Nothing the environment does raises here.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Optional
 
-from actors.environment import check_observation, check_step, load_environment
+from actors.environment import InvalidStep, MalformedAction, check_observation, check_step, load_environment
 from actors.worker_process import entry_args, how_it_died, kill, spawn, stop_all, worker_setup
 from core.infra.errors import type_and_first_line
 
@@ -56,7 +57,9 @@ def _answer(envs: dict, cls: type, name: str, episode: int, op: str, payload) ->
         return "ok", None
     except BaseException as e:  # noqa: BLE001 - user code, SystemExit included, costs its episode only
         envs.pop(episode, None)
-        return "error", str(e) if type(e).__name__ == "InvalidStep" else f"{name}.{op} raised {type_and_first_line(e)}"
+        if isinstance(e, MalformedAction):
+            return "malformed", str(e)
+        return "error", str(e) if isinstance(e, InvalidStep) else f"{name}.{op} raised {type_and_first_line(e)}"
 
 
 def worker_main(conn, spec: str, key: str, memory_mb: int, parent: int) -> None:
@@ -122,7 +125,7 @@ class EnvironmentWorkers:
                              f"> 0 and memory_mb={memory_mb} >= 0")
         self.spec, self.key, self.memory_mb = spec, key, int(memory_mb)
         self.step_timeout_s = float(step_timeout_s)
-        self.counts = {"timeouts": 0, "crashes": 0, "errors": 0, "lost": 0, "restarts": 0}
+        self.counts = {"timeouts": 0, "crashes": 0, "errors": 0, "malformed_actions": 0, "lost": 0, "restarts": 0}
         self._home: dict[int, _Worker] = {}  # running episode -> the worker holding its instance
         self._lost: dict[int, str] = {}      # episode -> why its worker is gone
         self._lock = threading.Lock()
@@ -206,7 +209,7 @@ class EnvironmentWorkers:
         w.job = None
         out[episode] = Outcome(result=result) if status == "ok" else Outcome(error=result)
         if status != "ok":
-            self.counts["errors"] += 1
+            self.counts["malformed_actions" if status == "malformed" else "errors"] += 1
         if status != "ok" or op == "close":  # the worker dropped the instance
             self._home.pop(episode, None)
 

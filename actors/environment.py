@@ -12,12 +12,14 @@ and one instance serves one episode::
         def step(self, action: str) -> tuple[str | None, float | None, bool, dict]:
             # the policy's turn as text -> (observation, reward, done, info): the observation is
             # shown before the next turn (None: nothing), the reward is this turn's (None: none),
-            # done ends the episode, info is free-form (counted where it holds numbers)
+            # done ends the episode, info is free-form (its "tool_calls" and "tool_errors"
+            # numbers at the episode's last step are counted in the metrics)
             ...
 
 A constructor takes no arguments. What the user's code returns is checked here, so a mistake
 is one line naming the class and what it returned (``InvalidStep``), and the episode that
-met it ends as invalid; the run goes on.
+met it ends as invalid; the run goes on. A ``step`` that cannot read the policy's action raises
+``MalformedAction`` with a one-line reason: the episode ends invalid, counted as the policy's.
 """
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ from actors.scoring import load_function
 
 class InvalidStep(ValueError):
     """An environment returned something that is not a valid reset or step result."""
+
+
+class MalformedAction(InvalidStep):
+    """Raised by an environment's ``step`` for an action it cannot read (e.g. a tool call that
+    does not parse): the policy's fault, not the environment's. The episode ends invalid and
+    is counted apart from the environment's own errors (``env/malformed_actions``)."""
 
 
 @dataclass

@@ -18,6 +18,8 @@ invalid, with the reason.
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -50,41 +52,62 @@ class Episode:
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)  # one per turn the environment answered with one
+    # (the turn's last token, its reward) for each turn the environment rewarded
+    rewards: list[tuple[int, float]] = field(default_factory=list)
     turns: int = 0
     done: bool = False
     finish_reason: str = "length"
     error: Optional[str] = None  # why the episode is invalid
+    info: dict = field(default_factory=dict)  # the environment's info at its last step
 
     def add(self, ids: list[int], logprobs, trained: bool) -> None:
         self.response += ids
         self.logprobs += list(logprobs) if trained else [0.0] * len(ids)
         self.mask += [trained] * len(ids)
 
-    def rollout(self, version: int) -> Rollout:
+    def rollout(self, version: int, by_turn: bool = False) -> Rollout:
+        """The episode as a Rollout; ``by_turn``: with its turn rewards placed (Rollout.turn_rewards)."""
+        placed = None
+        if by_turn and not self.error and self.response:
+            placed = np.zeros(len(self.response), np.float32)
+            for at, reward in self.rewards:
+                placed[at] += reward
         return Rollout(prompt_ids=self.prompt_ids, response_ids=self.response, behaviour_logprobs=self.logprobs,
                        finish_reason=self.finish_reason, policy_version=version, prompt_index=self.prompt_index,
                        sample_index=self.sample_index, action_mask=np.asarray(self.mask, dtype=bool),
-                       env_score=self.score, env_error=self.error)
+                       env_score=self.score, env_error=self.error, turn_rewards=placed)
 
     @property
     def score(self) -> float:
         """The environment's rewards summed; NaN for an invalid episode."""
-        return float("nan") if self.error else float(sum(self.rewards))
+        return float("nan") if self.error else float(sum(r for _, r in self.rewards))
 
 
 class EpisodeRunner:
     """Episodes against ``workers``' environment, observations tokenized by ``observations``."""
 
     def __init__(self, *, workers: EnvironmentWorkers, observations: ObservationTokens, decode: Callable,
-                 max_turns: int, max_tokens: int, max_turn_tokens: int, max_context: int = 1 << 30):
+                 max_turns: int, max_tokens: int, max_turn_tokens: int, max_context: int = 1 << 30,
+                 by_turn: bool = False):
+        """by_turn: each turn's reward goes on that turn's last token (Rollout.turn_rewards), not
+        the episode's sum on its last."""
         if min(max_turns, max_tokens, max_turn_tokens) < 1:
             raise ValueError(f"EpisodeRunner: max_turns={max_turns}, max_tokens={max_tokens} and "
                              f"max_turn_tokens={max_turn_tokens} must be >= 1")
         self.workers, self.observations, self.decode = workers, observations, decode
         self.max_turns, self.max_tokens, self.max_turn_tokens = max_turns, max_tokens, max_turn_tokens
         self.max_context = max_context  # the engine's max_model_len: prompt and transcript together
+        self.by_turn = by_turn
         self._next_id = 0
+        self._env_seconds, self._env_steps = 0.0, 0
+
+    def _call(self, requests: dict) -> dict:
+        """One round on the workers, timed: steps and seconds go into the call's counts."""
+        t0 = time.perf_counter()
+        out = self.workers.call(requests)
+        self._env_seconds += time.perf_counter() - t0
+        self._env_steps += sum(op == "step" for op, *_ in requests.values())
+        return out
 
     def run(self, prompts: list[tuple[list[int], int, str, dict]], n: int, sample: Sample) -> list[Episode]:
         """``n`` episodes of each (prompt ids, prompt index, prompt text, columns); -> the episodes."""
@@ -100,22 +123,28 @@ class EpisodeRunner:
             if not live:
                 break
             self._turn(live, sample)
-        self.workers.call({ep.episode_id: ("close",) for ep in episodes if not ep.error})
+        self._call({ep.episode_id: ("close",) for ep in episodes if not ep.error})
         return episodes
 
     def play(self, prompts: list[tuple[list[int], int]], columns, tokenizer, n: int, sample: Sample,
-             version: int) -> list[Rollout]:
+             version: int) -> tuple[list[Rollout], dict]:
         """``run`` on (prompt ids, prompt index) pairs, the environment given each prompt's text
-        and its row of ``columns`` (core/columns.py); -> the episodes' Rollouts."""
+        and its row of ``columns`` (core/columns.py); -> the episodes' Rollouts and the call's
+        counts (``episode_counts``)."""
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in prompts]
         rows = [(ids, idx, text, columns.row(idx)) for (ids, idx), text in zip(prompts, texts)]
-        return [ep.rollout(version) for ep in self.run(rows, n, sample)]
+        before = dict(self.workers.counts)
+        self._env_seconds, self._env_steps = 0.0, 0
+        episodes = self.run(rows, n, sample)
+        faults = {k: v - before.get(k, 0) for k, v in self.workers.counts.items() if k != "restarts"}
+        return [ep.rollout(version, self.by_turn) for ep in episodes], {
+            **episode_counts(episodes), **faults, "steps": self._env_steps, "step_seconds": self._env_seconds}
 
     def close(self) -> None:
         self.workers.close()
 
     def _reset(self, episodes: list[Episode], texts: dict) -> None:
-        out = self.workers.call({ep.episode_id: ("reset", *texts[ep.episode_id]) for ep in episodes})
+        out = self._call({ep.episode_id: ("reset", *texts[ep.episode_id]) for ep in episodes})
         for ep in episodes:
             got = out[ep.episode_id]
             if not got.ok:
@@ -141,7 +170,7 @@ class EpisodeRunner:
                 ep.done = True  # no room left: finish_reason stays "length"
             else:
                 answering[ep.episode_id] = ("step", self.decode(turn.token_ids))
-        out = self.workers.call(answering)
+        out = self._call(answering)
         for ep in live:
             if ep.episode_id not in out:
                 continue
@@ -149,8 +178,9 @@ class EpisodeRunner:
             if not got.ok:
                 ep.error = got.error
                 continue
+            ep.info = got.result.info
             if got.result.reward is not None:
-                ep.rewards.append(got.result.reward)
+                ep.rewards.append((len(ep.response) - 1, got.result.reward))
             if got.result.done:
                 ep.done, ep.finish_reason = True, "stop"
             elif got.result.observation is not None and ep.turns < self.max_turns:
@@ -175,18 +205,52 @@ def episode_runner(env: dict, tokenizer, max_context: int, name: str) -> Episode
     return EpisodeRunner(workers=workers, observations=observations,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          max_turns=env["max_turns"], max_tokens=env["max_tokens"],
-                         max_turn_tokens=env["max_turn_tokens"], max_context=max_context)
+                         max_turn_tokens=env["max_turn_tokens"], max_context=max_context,
+                         by_turn=env["reward_placement"] == "turn")
+
+
+# The info numbers an environment may report at an episode's last step, summed over episodes.
+INFO_COUNTS = ("tool_calls", "tool_errors")
+
+
+def episode_counts(episodes: list[Episode]) -> dict:
+    """What a batch of episodes did, as sums (the driver adds up calls and takes the means):
+    episodes, invalid ones, policy turns, the transcripts' policy and environment tokens, and
+    INFO_COUNTS from each episode's last info."""
+    out = {"episodes": len(episodes), "invalid": sum(ep.error is not None for ep in episodes),
+           "turns": sum(ep.turns for ep in episodes), "policy_tokens": sum(sum(ep.mask) for ep in episodes),
+           "env_tokens": sum(len(ep.mask) - sum(ep.mask) for ep in episodes)}
+    for key in INFO_COUNTS:
+        out[key] = sum(v for ep in episodes if isinstance(v := ep.info.get(key, 0), (int, float))
+                       and not isinstance(v, bool) and math.isfinite(v))
+    return out
 
 
 def environment_scores(rollouts: list[Rollout]) -> ScoreResult:
     """The episodes' own scores (their environment rewards summed) as a reward's result: an
     invalid episode's item invalid, one line per reason with its count."""
     scores = np.array([np.nan if r.env_score is None else r.env_score for r in rollouts], dtype=np.float32)
-    valid = np.isfinite(scores)
+    unplayed = "the rollout was not played against an environment"
+    return _void(ScoreResult(scores, np.isfinite(scores)), rollouts, unplayed)
+
+
+def void_invalid_episodes(result: ScoreResult, rollouts: list[Rollout]) -> ScoreResult:
+    """A reward's ``result`` on episodes' transcripts with each invalid episode's item made
+    invalid: an episode its environment failed is not scored, whatever the reward says."""
+    if not any(r.env_error for r in rollouts):
+        return result
+    failed = np.array([bool(r.env_error) for r in rollouts])
+    voided = ScoreResult(result.scores, result.valid & ~failed, list(result.errors), result.failed, result.counts)
+    return _void(voided, rollouts, "")
+
+
+def _void(result: ScoreResult, rollouts: list[Rollout], unknown: str) -> ScoreResult:
+    """``result`` with NaN at its invalid items and a line per episode failure reason and count."""
     reasons: dict[str, int] = {}
-    for r, ok in zip(rollouts, valid):
-        if not ok:
-            why = r.env_error or "the rollout was not played against an environment"
+    for r, ok in zip(rollouts, result.valid):
+        if not ok and (r.env_error or unknown):
+            why = r.env_error or unknown
             reasons[why] = reasons.get(why, 0) + 1
-    errors = [f"{why} ({n} of {len(rollouts)} episodes invalid)" for why, n in reasons.items()]
-    return ScoreResult(np.where(valid, scores, np.nan).astype(np.float32), valid, errors)
+    errors = result.errors + [f"{why} ({n} of {len(rollouts)} episodes invalid)" for why, n in reasons.items()]
+    scores = np.where(result.valid, result.scores, np.nan).astype(np.float32)
+    return ScoreResult(scores, result.valid, errors, result.failed, result.counts)

@@ -77,6 +77,7 @@ class GenerationSummary:
     seconds: float = 0.0
     version: int = 0                 # policy version that sampled them
     incomplete_kept_sets: int = 0    # positions whose kept set may hold more than was read (actors/kept_set.py)
+    episode_counts: tuple = ()       # multi-turn episodes: (name, number) pairs (actors/episodes.py)
 
     @property
     def tokens_per_second(self) -> float:
@@ -91,6 +92,7 @@ class GenerationResult:
     seconds: float = 0.0
     version: int = 0
     incomplete_kept_sets: int = 0
+    episode_counts: dict = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -98,7 +100,8 @@ class GenerationResult:
 
     def summary(self) -> GenerationSummary:
         return GenerationSummary(len(self.rollouts), tuple(self.skipped_prompts), self.generated_tokens,
-                                 self.seconds, self.version, self.incomplete_kept_sets)
+                                 self.seconds, self.version, self.incomplete_kept_sets,
+                                 tuple(sorted(self.episode_counts.items())))
 
 
 class Generator:
@@ -228,12 +231,13 @@ class Generator:
 
     def _play(self, keep: list[tuple[list[int], int]], skipped: list[int], t0: float) -> GenerationResult:
         """generate() as multi-turn episodes (actors/episodes.py): the policy's tokens count."""
-        rollouts = self.episodes.play(keep, self.columns, self._llm.get_tokenizer(), self.sampling.n,
-                                      self.sample_turns, self.weights.version())
+        rollouts, counts = self.episodes.play(keep, self.columns, self._llm.get_tokenizer(), self.sampling.n,
+                                              self.sample_turns, self.weights.version())
         tokens = sum(r.trained_tokens for r in rollouts)
         self._generated_total += tokens
         return GenerationResult(rollouts=rollouts, skipped_prompts=skipped, generated_tokens=tokens,
-                                seconds=time.perf_counter() - t0, version=self.weights.version())
+                                seconds=time.perf_counter() - t0, version=self.weights.version(),
+                                episode_counts=counts)
 
     def sample_turns(self, transcripts: list[list[int]], room: list[int], keys: list[tuple[int, int, int]]) -> list:
         """One round of multi-turn episodes (actors/episodes.py): each transcript's exact ids

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.episodes import environment_scores
+from actors.episodes import environment_scores, void_invalid_episodes
 from actors.http_reward import HTTPScorer
 from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
 from actors.sandbox import SandboxScorer
@@ -270,8 +270,9 @@ class Reward:
             for msg in result.errors:
                 log.warning("%s", msg)
             return result
-        return self.score([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
-                          self.rollout_columns(rollouts))
+        result = self.score([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
+                            self.rollout_columns(rollouts))
+        return void_invalid_episodes(result, rollouts)
 
     def rollout_columns(self, rollouts: list) -> Columns:
         """The rollouts' prompt rows' other fields, one value per rollout ({} without a table,

@@ -73,6 +73,31 @@ def per_token_rewards(
     return rewards.index_put((rows, last), score, accumulate=True)
 
 
+def per_turn_rewards(
+    kl: Tensor, turn_rewards: Tensor, mask: Tensor, beta: float, *,
+    truncated: Optional[Tensor] = None, truncation_penalty: float = 0.0, reward_clip: Optional[float] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Dense PPO rewards [B, T] of multi-turn episodes rewarded turn by turn, and [B] their sums
+    (the shaped scores).
+
+    kl, mask: as in ``per_token_rewards``; turn_rewards: [B, T] each turn's environment reward
+    on that turn's last token, 0 elsewhere. Each placed reward is clipped to +-reward_clip if
+    given; ``truncation_penalty`` is added on a truncated row's last valid token. Environment
+    tokens (mask 0) carry nothing.
+    """
+    fn = "per_turn_rewards"
+    check_shapes(fn, "mask", mask.shape, turn_rewards=turn_rewards)
+    require(reward_clip is None or reward_clip > 0, f"{fn}: reward_clip must be > 0 or None, got {reward_clip}")
+    placed = turn_rewards.to(kl.dtype)
+    if reward_clip is not None:
+        placed = placed.clamp(-reward_clip, reward_clip)
+    placed = zero_pad(placed, mask)
+    penalty = shaped_scores(torch.zeros(mask.shape[0], dtype=kl.dtype), truncated=truncated,
+                            truncation_penalty=truncation_penalty, dtype=kl.dtype)
+    rewards = per_token_rewards(kl, penalty, mask, beta) + placed
+    return rewards, placed.sum(dim=1) + penalty
+
+
 def gae(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> Tuple[Tensor, Tensor]:

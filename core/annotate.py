@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from core.advantages import per_token_rewards, shaped_scores
+from core.advantages import per_token_rewards, per_turn_rewards, shaped_scores
 from core.kl import kl_estimate
 from core.rollout import Rollout, ScoredRollout
 
@@ -68,7 +68,9 @@ def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], sc
     rewards_t = -beta * kl_t, plus on the last response token the score
     (clipped to +-reward_clip if given) plus truncation_penalty when
     finish_reason == "length" (the penalty is added: pass a negative number).
-    ScoredRollout.score keeps the raw score.
+    ScoredRollout.score keeps the raw score. A rollout with ``turn_rewards`` (an episode
+    rewarded turn by turn) gets them, each clipped, on its turns' last tokens instead of the
+    score on its last token (core.advantages.per_turn_rewards).
 
     Rollouts with an empty response have no token to carry a reward and are left
     out: the result keeps input order, and ``len(rollouts) - len(result)`` is the
@@ -144,4 +146,13 @@ def _kl_and_rewards(keep: list[Rollout], refs: list[np.ndarray], scores: np.ndar
         score = torch.from_numpy(scores.astype(np.float32))
         rewards = per_token_rewards(kl, score, mask_t.float(), beta, **shaping)
         shaped = shaped_scores(score, **shaping)
+        by_turn = torch.tensor([r.turn_rewards is not None for r in keep])
+        if bool(by_turn.any()):  # these rows' rewards sit on their turns' last tokens instead
+            turns = torch.zeros((B, T))
+            for row, r in enumerate(keep):
+                if r.turn_rewards is not None:
+                    turns[row, :r.response_ids.size] = torch.from_numpy(r.turn_rewards)
+            placed, placed_sum = per_turn_rewards(kl, turns, mask_t.float(), beta, **shaping)
+            rewards = torch.where(by_turn[:, None], placed, rewards)
+            shaped = torch.where(by_turn, placed_sum, shaped)
     return kl.numpy(), rewards.numpy(), shaped.numpy()

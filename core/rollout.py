@@ -39,6 +39,10 @@ class Rollout:
     # is invalid (its score then NaN); both None for a rollout no environment played.
     env_score: float = None
     env_error: str = None
+    # [R] float32: an episode rewarded turn by turn (env.reward_placement=turn): each turn's
+    # environment reward on that turn's last token, 0 elsewhere; the rewards go there instead of
+    # the score going on the last token. None: the score on the last token.
+    turn_rewards: np.ndarray = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)
@@ -66,6 +70,13 @@ class Rollout:
             raise ValueError(f"Rollout: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
         if self.action_mask is not None:
             self.action_mask = _checked_action_mask(self.action_mask, self.response_ids.size)
+        if self.turn_rewards is not None:
+            self.turn_rewards = np.asarray(self.turn_rewards, dtype=np.float32).reshape(-1)
+            trained = np.ones(self.response_ids.size, bool) if self.action_mask is None else self.action_mask
+            if (self.turn_rewards.shape != self.response_ids.shape or not np.isfinite(self.turn_rewards).all()
+                    or np.any(self.turn_rewards[~trained] != 0)):
+                raise ValueError(f"Rollout: turn_rewards must be {self.response_ids.size} finite values (one per "
+                                 "response token), 0 on the environment's tokens")
 
     @property
     def trained_tokens(self) -> int:
@@ -158,6 +169,13 @@ def shard_rollouts(rollouts: list, world_size: int) -> list[list]:
     return [[rollouts[i] for g in groups[a:b] for i in g] for a, b in zip(cuts, cuts[1:])]
 
 
+def trained_spans(action_mask: np.ndarray) -> list[list]:
+    """[[start, end, trained], ...]: the response's runs of policy (trained) and environment tokens."""
+    mask = np.asarray(action_mask, dtype=bool)
+    edges = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), mask.size]
+    return [[a, b, bool(mask[a])] for a, b in zip(edges, edges[1:]) if b > a]
+
+
 def staleness(rollouts: list, version: int) -> np.ndarray:
     """[N] int64: how many versions behind ``version`` the policy that sampled each rollout was."""
     return np.array([max(0, version - r.policy_version) for r in rollouts], dtype=np.int64)
@@ -194,7 +212,8 @@ class BatchSummary:
         samples = tuple({"prompt_ids": r.prompt_ids.tolist(), "response_ids": r.response_ids.tolist(),
                          "score": float(r.score), "kl_sum": float(np.sum(r.kl)),
                          "finish_reason": r.finish_reason, "policy_version": r.policy_version,
-                         "prompt_index": r.prompt_index}
+                         "prompt_index": r.prompt_index,
+                         **({} if r.action_mask is None else {"spans": trained_spans(r.action_mask)})}
                         for r in firsts)
         return cls(scores=np.array([r.score for r in rollouts], dtype=np.float64),
                    kl_sums=np.array([float(np.sum(r.kl)) for r in rollouts], dtype=np.float64),

@@ -7,6 +7,7 @@ from cluster.config.loader import ConfigError
 from core.infra.schema import config_class, setting
 
 EnvReward = Literal["environment", "pool"]
+RewardPlacement = Literal["episode", "turn"]
 
 
 @config_class
@@ -18,6 +19,10 @@ class EnvConfig:
     reward: EnvReward = setting("environment", "environment: an episode's score is its environment rewards "
                                                "summed (the reward.* scorer is not called) | pool: the reward "
                                                "pool scores the final transcript")
+    reward_placement: RewardPlacement = setting(
+        "episode", "with reward=environment: episode = the rewards summed as the episode's score, on its last "
+                   "token | turn = each turn's reward on that turn's last token (credit per turn for GAE; the "
+                   "score is still the sum)")
     max_turns: int = setting(4, "policy turns per episode at most")
     max_tokens: int = setting(512, "response tokens per episode at most, observations included")
     max_turn_tokens: int = setting(0, "tokens per turn at most (a turn also ends at EOS); 0 = "
@@ -41,7 +46,8 @@ class EnvConfig:
         return {"spec": self.environment, "max_turns": self.max_turns, "max_tokens": self.max_tokens,
                 "max_turn_tokens": self.max_turn_tokens or max_new_tokens, "workers": self.workers,
                 "step_timeout_s": self.step_timeout_s, "memory_mb": self.memory_mb,
-                "observation_role": self.observation_role, "plain_format": self.plain_format}
+                "observation_role": self.observation_role, "plain_format": self.plain_format,
+                "reward_placement": self.reward_placement}
 
 
 def check_env(env: EnvConfig, *, mode: str, top_k: int, top_p: float) -> None:
@@ -55,6 +61,9 @@ def check_env(env: EnvConfig, *, mode: str, top_k: int, top_p: float) -> None:
         raise ConfigError(f"config: env.step_timeout_s={env.step_timeout_s} must be > 0 (seconds)")
     if "{observation}" not in env.plain_format or not env.observation_role:
         raise ConfigError("config: env.plain_format must hold {observation} and env.observation_role a role name")
+    if env.reward_placement == "turn" and env.reward != "environment":
+        raise ConfigError("config: env.reward_placement=turn places the environment's rewards; it needs "
+                          "env.reward=environment (the pool scores whole transcripts)")
     if mode != "sync":
         raise ConfigError("config: env.environment runs episodes in run.mode=sync for now; set run.mode=sync")
     if top_k or top_p < 1:

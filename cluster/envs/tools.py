@@ -25,14 +25,14 @@ import json
 import re
 from typing import Callable, Optional
 
-from actors.environment import InvalidStep
+from actors.environment import MalformedAction
 from actors.scoring import ColumnBinding
 from core.infra.errors import type_and_first_line
 
 CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 
-class MalformedToolCall(InvalidStep):
+class MalformedToolCall(MalformedAction):
     """A tool call that cannot be read or run as written: the episode ends invalid."""
 
 

@@ -33,14 +33,17 @@ def scripted(first_ids):
     return sample
 
 
+def runner(workers, max_turns=5, max_tokens=200):
+    return EpisodeRunner(workers=workers, observations=ObservationTokens(Tokens()),
+                         decode=lambda ids: ACTIONS[ids[0]], max_turns=max_turns, max_tokens=max_tokens,
+                         max_turn_tokens=3)
+
+
 def run(first_ids, *, max_turns=5, max_tokens=200, columns=None):
     workers = EnvironmentWorkers("counter_envs:Counter", workers=2, step_timeout_s=1.0)
     try:
-        runner = EpisodeRunner(workers=workers, observations=ObservationTokens(Tokens()),
-                               decode=lambda ids: ACTIONS[ids[0]], max_turns=max_turns, max_tokens=max_tokens,
-                               max_turn_tokens=3)
         prompts = [([1, 2, 3], i, "silent", (columns or {})) for i in range(len(first_ids))]
-        return runner.run(prompts, 1, scripted(first_ids)), workers.stats()
+        return runner(workers, max_turns, max_tokens).run(prompts, 1, scripted(first_ids)), workers.stats()
     finally:
         workers.close()
 
@@ -65,3 +68,28 @@ def test_an_environment_that_hangs_or_raises_ends_its_episode_only():
     assert "did not answer within env.step_timeout_s=1 s" in hang.error and np.isnan(hang.score)
     assert "Counter.step raised RuntimeError: the game broke" in boom.error
     assert stats["timeouts"] == 1 and stats["errors"] == 1 and stats["env_workers"] == 2
+
+
+class Silent:
+    """Columns and a tokenizer for ``play``: every prompt decodes to "silent" (no first observation)."""
+    def row(self, index):
+        return {}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "silent"
+
+
+def test_play_counts_what_its_episodes_did():
+    workers = EnvironmentWorkers("counter_envs:Counter", workers=2, step_timeout_s=1.0)
+    try:
+        rollouts, counts = runner(workers).play([([1, 2, 3], 0), ([1, 2, 3], 2)], Silent(), Silent(), 2,
+                                                scripted([7, 0, 9]), version=3)
+    finally:
+        workers.close()
+    assert [r.env_error is None for r in rollouts] == [True, True, False, False]
+    # two episodes of three turns (9 policy, 12 observation tokens); two that raised at their first step
+    assert {k: counts[k] for k in ("episodes", "invalid", "turns", "policy_tokens", "env_tokens", "steps",
+                                   "errors", "timeouts", "malformed_actions")} == \
+        dict(episodes=4, invalid=2, turns=8, policy_tokens=24, env_tokens=24, steps=8, errors=2, timeouts=0,
+             malformed_actions=0)
+    assert counts["step_seconds"] > 0 and counts["tool_calls"] == 0

@@ -136,3 +136,35 @@ def test_reward_score_is_the_score_as_it_entered_the_rewards():
     assert [sr.reward_score for sr in out] == [float(w) for w in want]
     assert [float(sr.rewards[-1]) for sr in out] == [float(w) for w in want]
     assert out[0].reward_score == out[3].reward_score and out[0].score == 3.3
+
+
+def _episode(turn_rewards, finish="stop"):
+    """Two policy turns (columns 0-1 and 4-5) around an observation (2-3)."""
+    mask = np.array([1, 1, 0, 0, 1, 1], bool)
+    return Rollout(prompt_ids=[1, 2], response_ids=[5, 6, 7, 8, 9, 10],
+                   behaviour_logprobs=np.where(mask, -1.0, 0.0), finish_reason=finish, policy_version=0,
+                   prompt_index=0, sample_index=0, action_mask=mask, turn_rewards=turn_rewards)
+
+
+@pytest.mark.parametrize("clip, finish, placed, penalty", [
+    (None, "stop", [0, 0.5, 0, 0, 0, 2.0], 0.0), (1.0, "stop", [0, 0.5, 0, 0, 0, 1.0], 0.0),
+    (None, "length", [0, 0.5, 0, 0, 0, 2.0], -1.0)])
+def test_turn_rewards_land_on_each_turns_last_token(clip, finish, placed, penalty):
+    turns = _episode([0, 0.5, 0, 0, 0, 2.0], finish)
+    terminal = _episode(None, finish)
+    refs = [np.where(turns.action_mask, -1.25, 0.0).astype(np.float32)] * 2
+    by_turn, by_score = annotate([turns, terminal], refs, np.array([2.5, 2.5]), beta=0.1, reward_clip=clip,
+                                 truncation_penalty=-1.0)
+    kl = np.where(turns.action_mask, 0.25, 0.0)  # k1: behaviour - reference, none on the observation
+    np.testing.assert_allclose(by_turn.rewards, -0.1 * kl + np.array(placed) + [0, 0, 0, 0, 0, penalty], atol=1e-6)
+    assert by_turn.score == 2.5 and by_turn.reward_score == pytest.approx(sum(placed) + penalty)
+    # the same episode rewarded as a whole: the score (clipped) on its last token only
+    whole = min(2.5, clip or 9) + penalty
+    np.testing.assert_allclose(by_score.rewards, -0.1 * kl + [0, 0, 0, 0, 0, whole], atol=1e-6)
+
+
+def test_turn_rewards_must_sit_on_the_policys_tokens():
+    with pytest.raises(ValueError, match="0 on the environment's tokens"):
+        _episode([0, 0, 1.0, 0, 0, 0])
+    with pytest.raises(ValueError, match="6 finite values"):
+        _episode([0, 0, 0, 0, np.nan, 1.0])

@@ -37,3 +37,11 @@ def test_a_run_plays_episodes_and_trains_on_the_policys_tokens(env_cluster, tmp_
     for m in steps:
         # two turns of at most 12 tokens: the environment's reward per turn is at most 1, so 2 per episode
         assert 0 < m["reward/mean"] <= 2.0 and m["learner/tokens"] <= 16 * 24
+        # SayMore answers every turn and ends at the second: 2 turns unless a turn used up the budget
+        assert 1 <= m["episode/turns_mean"] <= 2 and 0 < m["episode/env_tokens_frac"] < 1
+        assert m["env/steps"] >= 16 and m["env/step_seconds"] > 0 and m["episode/invalid"] == m["env/errors"] == 0
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    turns = [[part["by"] for part in s["transcript"]] for s in samples]
+    assert turns and all(t[0] == t[-1] == "policy" and set(t) <= {"policy", "environment"} for t in turns)
+    assert any(t == ["policy", "environment", "policy"] for t in turns)
+    assert all("Again." in p["text"] for s in samples for p in s["transcript"] if p["by"] == "environment")

@@ -25,7 +25,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from cluster.runtime.loop.ledger import ChunkState, Ledger
-from cluster.runtime.observe.produced import Produced
+from cluster.runtime.observe.produced import Produced, add_counts
 from cluster.runtime.pools.pool import alive
 from core.infra.ray_calls import drain
 from core.infra.transfer import Pull, lost_with_a_node
@@ -139,6 +139,7 @@ class ChunkDispatcher:
         out.skipped_prompts += len(summary.skipped_prompts)
         out.incomplete_kept_sets += summary.incomplete_kept_sets
         out.tokens += summary.generated_tokens
+        out.episode_counts = add_counts(out.episode_counts, summary.episode_counts)
         tps.setdefault(job.replica, []).append(summary.tokens_per_second)
         pending.update(self._score(job.chunk_id, summary, job.rollouts_ref, shaping))
         return True

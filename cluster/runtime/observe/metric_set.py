@@ -109,6 +109,23 @@ MEANINGS: dict[str, str] = {
                         "refill, left out untrained",
     "eval/score_mean": "mean score on the held-out eval prompts (eval steps only)",
     "eval/response_len": "mean eval response length in tokens (eval steps only)",
+    "episode/turns_mean": "env.environment: the policy's turns per episode, mean over the step's episodes",
+    "episode/env_tokens_frac": "env.environment: share of the transcripts' response tokens the environment wrote "
+                               "(observations: context, never trained)",
+    "episode/invalid": "env.environment: episodes that ended invalid (an environment error, timeout, crash, "
+                       "malformed action or lost worker); their scores are invalid",
+    "env/steps": "env.environment: environment step calls this step (one per answered policy turn)",
+    "env/step_seconds": "env.environment: seconds the generators waited on their environments (resets, steps, "
+                        "closes), summed over generators",
+    "env/errors": "env.environment: requests whose environment code raised or returned something invalid",
+    "env/timeouts": "env.environment: requests that passed env.step_timeout_s (the worker was killed and replaced)",
+    "env/crashes": "env.environment: requests whose environment worker died (exit, signal, env.memory_mb)",
+    "env/malformed_actions": "env.environment: turns the environment could not read (MalformedAction, e.g. a "
+                             "tool call that does not parse)",
+    "env/lost": "env.environment: episodes lost with a worker that another episode's request killed",
+    "env/tool_calls": "env.environment: tool calls made, summed over episodes (the info['tool_calls'] an "
+                      "environment reports at an episode's last step)",
+    "env/tool_errors": "env.environment: tool calls that raised (info['tool_errors'] at an episode's last step)",
     "policy/version": "policy version the generators run",
     "pool/generator_replicas": "live generator replicas (cluster.scale changes it while the job runs)",
     "pool/reference_replicas": "live reference replicas",

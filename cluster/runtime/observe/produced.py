@@ -25,6 +25,7 @@ class Produced:
     per_generator_tps: dict = field(default_factory=dict)  # replica id -> tokens/s
     score_latency: dict = field(default_factory=dict)      # pool -> seconds of each scoring call
     reward_counts: dict = field(default_factory=dict)      # the reward calls' counters, summed: reward/<name>
+    episode_counts: dict = field(default_factory=dict)     # multi-turn episodes' counts, summed (episode_metrics)
     to_scorers: Transfer = Transfer()  # rollouts pulled by the reference and reward replicas
     to_buffer: Transfer = Transfer()   # rollouts, reference log-probs and scores pulled by the buffer
 
@@ -37,10 +38,30 @@ class Produced:
                  "empty_responses", "duplicate_chunks", "redispatched_chunks", "filtered_prompts",
                  "extra_rollouts", "incomplete_kept_sets", "generate_seconds", "score_seconds", "tokens",
                  "to_scorers", "to_buffer")}
-        counts = {k: self.reward_counts.get(k, 0) + other.reward_counts.get(k, 0)
-                  for k in self.reward_counts.keys() | other.reward_counts.keys()}
         return Produced(**sums, per_generator_tps={**self.per_generator_tps, **other.per_generator_tps},
-                        score_latency=latency, reward_counts=counts)
+                        score_latency=latency, reward_counts=add_counts(self.reward_counts, other.reward_counts),
+                        episode_counts=add_counts(self.episode_counts, other.episode_counts))
+
+
+def add_counts(a: dict, b) -> dict:
+    """Two sets of named counts summed name by name (``b``: a dict or (name, number) pairs)."""
+    out = dict(a)
+    for k, v in dict(b).items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+def episode_metrics(counts: dict) -> dict:
+    """The episode/* and env/* metrics of a step's summed episode counts ({} without episodes)."""
+    if not counts.get("episodes"):
+        return {}
+    tokens = counts["policy_tokens"] + counts["env_tokens"]
+    return {"episode/turns_mean": counts["turns"] / counts["episodes"],
+            "episode/env_tokens_frac": counts["env_tokens"] / max(tokens, 1),
+            "episode/invalid": counts["invalid"],
+            "env/steps": counts["steps"], "env/step_seconds": counts["step_seconds"],
+            **{f"env/{k}": counts.get(k, 0) for k in ("errors", "timeouts", "crashes", "malformed_actions",
+                                                     "lost", "tool_calls", "tool_errors")}}
 
 
 def kept_set_warning(produced: Produced) -> str:

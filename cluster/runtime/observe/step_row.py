@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.runtime.observe.produced import Produced, transfer_metrics
+from cluster.runtime.observe.produced import Produced, episode_metrics, transfer_metrics
 from core.infra.transfer import Transfer
 from learner.worker import TO_LEARNER
 
@@ -47,7 +47,7 @@ class StepRow:
                 "rollouts/incomplete_kept_sets": produced.incomplete_kept_sets,
                 "rollouts/duplicate_chunks": produced.duplicate_chunks,
                 "rollouts/redispatched_chunks": produced.redispatched_chunks,
-                **self._filter_metrics(produced, batch),
+                **self._filter_metrics(produced, batch), **episode_metrics(produced.episode_counts),
                 "policy/version": facts.version, "data/batches_issued": facts.batches_issued,
                 **{f"pool/{role}_replicas": n for role, n in facts.pool_sizes.items()},
                 "buffer/depth": batch.buffer_depth,
@@ -77,11 +77,17 @@ class StepRow:
 
 def decode_sample(tokenizer, row: dict, columns=None) -> dict:
     """One of a batch's sample rows as samples.jsonl holds it: prompt and response as text, and
-    under "columns" its prompt row's other fields (``columns``: core.columns.PromptColumns)."""
+    under "columns" its prompt row's other fields (``columns``: core.columns.PromptColumns). An
+    episode's row also has its "transcript": the response's turns in order, each {"by": "policy"
+    (trained) or "environment" (an observation, not trained), "tokens": n, "text": ...}."""
     dec = tokenizer.decode
     out = {"prompt": dec(row["prompt_ids"], skip_special_tokens=True),
            "response": dec(row["response_ids"], skip_special_tokens=True),
            **{k: row[k] for k in ("score", "kl_sum", "finish_reason", "policy_version")}}
+    if "spans" in row:
+        out["transcript"] = [{"by": "policy" if trained else "environment", "tokens": end - start,
+                              "text": dec(row["response_ids"][start:end], skip_special_tokens=False)}
+                             for start, end, trained in row["spans"]]
     if columns is not None and columns.names and "prompt_index" in row:
         out["columns"] = columns.row(row["prompt_index"])
     return out

@@ -25,3 +25,11 @@ def test_settings_episodes_cannot_run_with_are_one_line(overrides, says):
     with pytest.raises(ConfigError) as e:
         load_config(None, ON + overrides).validate()
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rewards_per_turn_need_the_environments_rewards():
+    cfg = load_config(None, ON + ["env.reward_placement=turn"])
+    cfg.validate()
+    assert cfg.env.runner_kwargs(64)["reward_placement"] == "turn"
+    with pytest.raises(ConfigError, match="needs env.reward=environment"):
+        load_config(None, ON + ["env.reward_placement=turn", "env.reward=pool"]).validate()

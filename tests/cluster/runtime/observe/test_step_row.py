@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from cluster.runtime.observe.metric_set import MEANINGS
-from cluster.runtime.observe.produced import Produced
-from cluster.runtime.observe.step_row import StepFacts, StepRow
+from cluster.runtime.observe.produced import Produced, episode_metrics
+from cluster.runtime.observe.step_row import StepFacts, StepRow, decode_sample
 from core.infra.transfer import Transfer
+from core.rollout import trained_spans
 from learner.worker import TO_LEARNER
 
 pytestmark = pytest.mark.unit
@@ -44,3 +45,34 @@ def test_every_key_of_the_row_is_a_listed_metric():
 def test_dynamic_sampling_keys_only_when_it_is_on():
     keys = {"rollouts/filtered_frac", "rollouts/extra_generated", "rollouts/surplus"}
     assert keys <= set(_row(filter_groups=True)) and not keys & set(_row(filter_groups=False))
+
+
+def test_episode_counts_sum_over_calls_and_become_the_episode_and_env_metrics():
+    one = {"episodes": 4, "invalid": 1, "turns": 10, "policy_tokens": 60, "env_tokens": 20, "steps": 9,
+           "step_seconds": 0.5, "errors": 1, "timeouts": 0, "crashes": 0, "malformed_actions": 0, "lost": 0,
+           "tool_calls": 3, "tool_errors": 1}
+    merged = Produced(episode_counts=one).merge(Produced(episode_counts={**one, "timeouts": 2}))
+    row = episode_metrics(merged.episode_counts)
+    assert set(row) <= set(MEANINGS)
+    assert row["episode/turns_mean"] == 2.5 and row["episode/env_tokens_frac"] == 0.25
+    assert (row["episode/invalid"], row["env/errors"], row["env/timeouts"], row["env/tool_calls"]) == (2, 2, 2, 6)
+    assert row["env/steps"] == 18 and row["env/step_seconds"] == 1.0
+    assert episode_metrics({}) == {} and "episode/turns_mean" not in _row(filter_groups=False)
+
+
+class Chars:
+    """Decodes id i as chr(i): the transcript's text shows exactly which ids each part holds."""
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_an_episodes_sample_shows_its_turns_and_which_tokens_were_trained():
+    mask = np.array([1, 1, 0, 0, 0, 1], dtype=bool)
+    row = {"prompt_ids": [72, 105], "response_ids": [97, 98, 60, 111, 62, 99], "score": 1.0, "kl_sum": 0.0,
+           "finish_reason": "stop", "policy_version": 2, "spans": trained_spans(mask)}
+    out = decode_sample(Chars(), row)
+    assert out["response"] == "ab<o>c" and trained_spans(mask) == [[0, 2, True], [2, 5, False], [5, 6, True]]
+    assert out["transcript"] == [{"by": "policy", "tokens": 2, "text": "ab"},
+                                 {"by": "environment", "tokens": 3, "text": "<o>"},
+                                 {"by": "policy", "tokens": 1, "text": "c"}]
+    assert "transcript" not in decode_sample(Chars(), {k: v for k, v in row.items() if k != "spans"})
