@@ -10,10 +10,11 @@ resumed or redispatched run samples what the original did.
 A transcript is the prompt (with ``reset``'s first observation after it), then the policy's
 turns and the observations between them; the policy's tokens are kept exactly as sampled (its
 ids are decoded for the environment, never encoded again), and ``action_mask`` marks them.
-A turn ends at the end-of-turn token or after ``max_turn_tokens``; the episode ends when the
-environment says done, after ``max_turns`` turns, or when ``max_tokens`` response tokens
-(observations included) leave no room for another turn; the transcript always ends on a
-policy token. An environment that fails (actors/env_workers.py's Outcome) ends its episode
+A turn ends at the end-of-turn token; the episode ends when the environment says done, after
+``max_turns`` turns, when a turn is cut before its end-of-turn token (``max_turn_tokens``, or
+the room ``max_tokens`` leaves: finish_reason "length", no step for it), or when ``max_tokens``
+response tokens (observations included) leave no room for another turn; the transcript always
+ends on a policy token. An environment that fails (actors/env_workers.py's Outcome) ends its episode
 invalid, with the reason.
 """
 from __future__ import annotations
@@ -150,7 +151,10 @@ class EpisodeRunner:
             if not got.ok:
                 ep.error = got.error
             elif got.result is not None:  # the first observation belongs to the prompt: never trained
-                ep.prompt_ids += self.observations.ids(got.result)
+                try:
+                    ep.prompt_ids = self.observations.after_prompt(ep.prompt_ids, got.result)
+                except ValueError as e:
+                    ep.error = str(e)
 
     def _turn(self, live: list[Episode], sample: Sample) -> None:
         room = [min(self.max_turn_tokens, self.max_tokens - len(ep.response),
@@ -166,8 +170,9 @@ class EpisodeRunner:
         for ep, turn in zip(live, turns):
             ep.add(turn.token_ids, turn.logprobs, trained=True)
             ep.turns += 1
-            if len(ep.response) >= self.max_tokens:
-                ep.done = True  # no room left: finish_reason stays "length"
+            cut = not turn.token_ids or turn.token_ids[-1] != self.observations.end_of_turn_id
+            if cut or len(ep.response) >= self.max_tokens:
+                ep.done = True  # cut before its end of turn, or no room left: finish_reason stays "length"
             else:
                 answering[ep.episode_id] = ("step", self.decode(turn.token_ids))
         out = self._call(answering)

@@ -12,6 +12,11 @@ and the next generation prompt. A tokenizer without a chat template appends
 
     obs = ObservationTokens(tokenizer, role="user")
     ids = obs.ids("<tool_response>84</tool_response>")   # what follows a turn that ended at obs.end_of_turn_id
+    prompt = obs.after_prompt(prompt_ids, "You are in a maze.")  # a first observation, before any turn
+
+A first observation (an environment's ``reset``) joins the prompt the same way: the prompt's
+generation prompt is taken off its end, and the template's rendering of the observation
+message and a new generation prompt goes in its place.
 
 A template for which the prefix does not hold (one that renders earlier turns differently once
 a new message follows) is refused with one line at construction.
@@ -58,16 +63,38 @@ class ObservationTokens:
                                    f"(id {self.end_of_turn_id}); a turn could not stop where the template ends it")
         return base[:ends[-1] + 1]
 
+    def after_prompt(self, prompt_ids: list[int], observation: str) -> list[int]:
+        """The prompt with a first observation after it, ready for the policy's first turn."""
+        if not self.chat:
+            return list(prompt_ids) + self.ids(observation)
+        user = self._render(BASE_CHAT[:1], False)
+        gen = self._render(BASE_CHAT[:1], True)
+        full = self._message(BASE_CHAT[:1], observation)
+        if gen[:len(user)] != user or full[:len(user)] != user:
+            raise ObservationError(f"{self.name}'s chat template renders a user message differently once the "
+                                   "generation prompt or another message follows; a first observation cannot be "
+                                   "appended as exact ids")
+        gen = gen[len(user):]
+        if list(prompt_ids[len(prompt_ids) - len(gen):]) != gen:
+            raise ObservationError(f"the prompt does not end in {self.name}'s chat generation prompt, so the "
+                                   "environment's first observation cannot follow it as a message; render the "
+                                   "prompts with the chat template (data.chat_template=true)")
+        return list(prompt_ids[:len(prompt_ids) - len(gen)]) + full[len(user):]
+
+    def _message(self, chat: list[dict], observation: str) -> list[int]:
+        """``chat`` with the observation as the next message, and the generation prompt."""
+        try:
+            return self._render(chat + [{"role": self.role, "content": observation}], True)
+        except Exception as e:  # noqa: BLE001 - a template's own refusal (e.g. a role it does not know)
+            raise ObservationError(f"{self.name}'s chat template cannot render a {self.role!r} message: "
+                                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
     def ids(self, observation: str) -> list[int]:
         """The ids to append after a turn that ended on ``end_of_turn_id``."""
         if not self.chat:
             text = self.plain_format.format(observation=observation)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        try:
-            full = self._render(BASE_CHAT + [{"role": self.role, "content": observation}], True)
-        except Exception as e:  # noqa: BLE001 - a template's own refusal (e.g. a role it does not know)
-            raise ObservationError(f"{self.name}'s chat template cannot render a {self.role!r} message: "
-                                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        full = self._message(BASE_CHAT, observation)
         if full[:len(self._base)] != self._base:
             raise ObservationError(f"{self.name}'s chat template renders the earlier turns differently once a "
                                    f"{self.role!r} message follows; observations cannot be appended as exact ids")

@@ -171,6 +171,8 @@ class DataConfig:
                                                        "arguments (null = all)")
     source_field: str = setting("source", "the field that names a row's source: reward/<source>/mean per step")
     chat_template: bool = setting(False, "wrap string prompts in the tokenizer's chat template, as the user turn")
+    system_prompt: Optional[str] = setting(None, "with chat_template: a system message before each prompt (a chat "
+                                                 "with a system message of its own keeps that)")
     max_prompt_tokens: Optional[int] = setting(None, "longer prompts are skipped and counted")
     prompts_per_step: int = setting(16, "prompts sampled per PPO step (x generator.sampling.n rollouts)")
     eval_prompts: int = setting(16, "held out for periodic evaluation")
@@ -358,6 +360,8 @@ def _check_data(data: DataConfig) -> None:
                           "or null to keep prompts of any length")
     if not data.split.strip():
         raise ConfigError(f"config: data.split={data.split!r} must name a split (default train)")
+    if data.system_prompt is not None and not data.chat_template:
+        raise ConfigError("config: data.system_prompt goes into the chat template; set data.chat_template=true")
     if data.config_name is not None and not data.config_name.strip():
         raise ConfigError(f"config: data.config_name={data.config_name!r} must name a config, or be null")
     if data.path is None and (data.split != "train" or data.config_name is not None):

@@ -37,35 +37,45 @@ def message_problem(messages: list) -> str | None:
     return None
 
 
-def chat_prompts(tok, prompts: list[str], tokenizer_path) -> list[str]:
+def chat_prompts(tok, prompts: list[str], tokenizer_path, system: str | None = None) -> list[str]:
     """Each prompt as the user turn of the tokenizer's chat template, ready for the reply."""
     if not getattr(tok, "chat_template", None):
         raise InputError(f"data.chat_template is true but the tokenizer at {tokenizer_path} has no "
                          f"chat_template; set data.chat_template: false or use a chat model's tokenizer")
-    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in prompts]
+    return render_chats(tok, [[{"role": "user", "content": p}] for p in prompts], tokenizer_path, "", system)
 
 
-def render_chats(tok, chats: list[list[dict]], tokenizer_path, column: str) -> list[str]:
-    """Each chat through the tokenizer's template, ending where the assistant's reply begins."""
+def render_chats(tok, chats: list[list[dict]], tokenizer_path, column: str, system: str | None = None) -> list[str]:
+    """Each chat through the tokenizer's template, ending where the assistant's reply begins;
+    ``system`` (data.system_prompt) first where the chat has no system message of its own."""
     if not getattr(tok, "chat_template", None):
         raise InputError(f"data.field '{column}' holds chat messages but the tokenizer at {tokenizer_path} has no "
                          "chat_template; use a chat model's tokenizer (model.tokenizer) or store the prompts as "
                          "plain strings")
-    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    if system is not None:
+        chats = [c if c[0]["role"] == "system" else [{"role": "system", "content": system}, *c] for c in chats]
+    try:
+        return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    except Exception as e:  # noqa: BLE001 - a template's own refusal (e.g. one without a system role)
+        if system is None:
+            raise
+        raise InputError(f"data.system_prompt: the chat template of the tokenizer at {tokenizer_path} refuses a "
+                         f"system message ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                         "unset data.system_prompt and put the instructions in the prompts") from None
 
 
-def render_prompts(tok, prompts: list, *, chat_template: bool, tokenizer_path,
-                   column: str) -> tuple[list[str], list[list[int]]]:
-    """``(texts, token ids)`` of ``prompts`` (strings and usable chats, in any mix), in order."""
+def render_prompts(tok, prompts: list, *, chat_template: bool, tokenizer_path, column: str,
+                   system: str | None = None) -> tuple[list[str], list[list[int]]]:
+    """``(texts, token ids)`` of ``prompts`` (strings and usable chats, in any mix), in order;
+    ``system``: data.system_prompt."""
     chats = [i for i, p in enumerate(prompts) if is_chat(p)]
     plain = [i for i, p in enumerate(prompts) if not is_chat(p)]
     texts = list(prompts)
     if chats:
-        for i, text in zip(chats, render_chats(tok, [prompts[i] for i in chats], tokenizer_path, column)):
+        for i, text in zip(chats, render_chats(tok, [prompts[i] for i in chats], tokenizer_path, column, system)):
             texts[i] = text
     if chat_template and plain:
-        for i, text in zip(plain, chat_prompts(tok, [prompts[i] for i in plain], tokenizer_path)):
+        for i, text in zip(plain, chat_prompts(tok, [prompts[i] for i in plain], tokenizer_path, system)):
             texts[i] = text
     templated = set(chats) | (set(plain) if chat_template else set())
     ids: list[list[int]] = [[] for _ in prompts]

@@ -70,7 +70,8 @@ class PromptDataset:
     def load(cls, *, path: str | None, field: str = "prompt", tokenizer_path: str,
              chat_template: bool = False, max_prompt_tokens: int | None = None,
              seed: int = 0, split: str = "train", config_name: str | None = None,
-             columns: Sequence[str] | None = None, required_columns: Iterable[str] = ()) -> "PromptDataset":
+             columns: Sequence[str] | None = None, required_columns: Iterable[str] = (),
+             system_prompt: str | None = None) -> "PromptDataset":
         """Read, validate and tokenize a prompt set (`path=None`: `builtin_prompts()`).
 
         Rows without `field`, or whose value is neither a string nor a list of messages, or is
@@ -95,7 +96,7 @@ class PromptDataset:
         texts = [(where, row[field]) for where, row in rows]
         tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
         rendered, encoded = render_prompts(tok, [p for _, p in texts], chat_template=chat_template,
-                                           tokenizer_path=tokenizer_path, column=field)
+                                           tokenizer_path=tokenizer_path, column=field, system=system_prompt)
         kept_texts, kept_ids, kept_rows = [], [], []
         for (where, _), text, ids, (_, row) in zip(texts, rendered, encoded, rows):
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:

@@ -11,7 +11,9 @@ as verifiable-reward RL (math, code) has. Everything it needs lives here:
 - ``exact``: the verifier, ``f(prompts, responses, *, answer) -> floats``, 1.0 where the
   response is the answer (a number, optionally followed by a full stop) and 0.0 otherwise;
 - ``reward_from_prompt``: the same check with the answer worked out from the prompt text, for a
-  2-argument ``reward.function`` (cluster.demo.arithmetic:reward_from_prompt).
+  2-argument ``reward.function`` (cluster.demo.arithmetic:reward_from_prompt);
+- ``SecondChance``: the task as a two-turn episode, a wrong answer asked again
+  (env.environment=cluster.demo.arithmetic:SecondChance, configs/arith-episodes-tiny.yaml).
 
 A verifier that reads the last number (e.g. Math-Verify) scores "not 5." as 5: wrong too, as
 it should be. RL has to learn to answer instead of hedging, which the ~1M-parameter policy does
@@ -102,6 +104,26 @@ def answer_of(prompt: str) -> str:
 def reward_from_prompt(prompts: list[str], responses: list[str]) -> list[float]:
     """``exact`` with each answer worked out from its prompt: a 2-argument reward.function."""
     return exact(prompts, responses, answer=[answer_of(p) for p in prompts])
+
+
+class SecondChance:
+    """The task as a two-turn episode (an environment, actors/environment.py): a right first
+    answer scores 1.0; a wrong one is told so by the question asked again, and a right second
+    answer scores 0.5. The policy pre-trained on the corpus hedges ("not 5.") about two times in
+    three, so an episode starts out taking ~1.7 turns; RL raises the score and brings the turns
+    towards 1 (configs/arith-episodes-tiny.yaml)."""
+    SECOND_TRY = 0.5
+
+    def reset(self, prompt: str, columns: dict) -> None:
+        self.question, self.turn = prompt.strip(), 0
+        self.answer = str(columns.get("answer") or answer_of(self.question))
+        return None
+
+    def step(self, action: str):
+        self.turn += 1
+        if is_answer(action, self.answer):
+            return None, 1.0 if self.turn == 1 else self.SECOND_TRY, True, {}
+        return (self.question, 0.0, False, {}) if self.turn == 1 else (None, 0.0, True, {})
 
 
 # Pre-training recipe of the task's policy: the tiny Qwen2 of cluster.demo.tiny_models (the

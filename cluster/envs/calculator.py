@@ -4,7 +4,8 @@
 and parentheses, nothing else (no names, no calls, no attribute access), with bounded exponents
 and operand sizes, so no expression a policy writes can hang or exhaust the worker.
 ``Calculator`` is a ToolEnvironment (cluster/envs/tools.py) with that one tool, whose final
-answer scores 1.0 when its last number equals the prompt row's ``answer`` column.
+answer scores 1.0 when its last number equals the prompt row's ``answer`` column (a number, or
+GSM8K's worked solution ending "#### <number>").
 """
 from __future__ import annotations
 
@@ -50,10 +51,12 @@ def _eval(node):
 
 
 def answer_matches(prompts, responses, *, answer):
-    """1.0 where the response's last number equals the row's answer, else 0.0."""
+    """1.0 where the response's last number equals the row's answer, else 0.0. An answer may be
+    a number or a worked solution ending "#### <number>" (GSM8K's); thousands commas are ignored."""
     out = []
     for response, want in zip(responses, answer):
-        numbers = NUMBER.findall(response)
+        numbers = NUMBER.findall(response.replace(",", ""))
+        want = str(want).rsplit("####", 1)[-1].strip().replace(",", "")
         try:
             out.append(float(bool(numbers) and float(numbers[-1]) == float(want)))
         except (TypeError, ValueError):

@@ -56,7 +56,7 @@ def sample_pairs(cfg: PipelineConfig, sft_model: str, out: Path) -> dict:
     d = rl.data
     dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=sft_model, chat_template=d.chat_template,
                                  max_prompt_tokens=d.max_prompt_tokens, seed=d.seed, split=d.split,
-                                 config_name=d.config_name)
+                                 config_name=d.config_name, system_prompt=d.system_prompt)
     train_set, _ = dataset.split_eval(d.eval_prompts)  # the held-out eval prompts never become pairs
     n = min(p.prompts, len(train_set))
     sampling = replace(rl.generator.sampling, n=p.samples_per_prompt, seed=p.seed)

@@ -212,7 +212,7 @@ def prepare_prompts(d, tokenizer_path: str, required_columns: set[str]):
         dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
                                      chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
                                      seed=d.seed, split=d.split, config_name=d.config_name, columns=d.columns,
-                                     required_columns=required_columns)
+                                     required_columns=required_columns, system_prompt=d.system_prompt)
     if dataset.num_skipped:
         log.warning("data: skipped %d rows %s, e.g. %s", dataset.num_skipped, dataset.skip_counts,
                     dataset.skipped[0])
@@ -253,8 +253,8 @@ def probe_environment(env, train_set, tokenizer) -> None:
     from actors.transcript import ObservationTokens
 
     try:
-        ObservationTokens(tokenizer, role=env.observation_role, plain_format=env.plain_format,
-                          name="the policy's tokenizer")
+        observations = ObservationTokens(tokenizer, role=env.observation_role, plain_format=env.plain_format,
+                                         name="the policy's tokenizer")
     except ValueError as e:
         raise UserError(f"env.environment: {e} (env.observation_role={env.observation_role!r})") from None
 
@@ -269,6 +269,12 @@ def probe_environment(env, train_set, tokenizer) -> None:
         workers.close()
     if not first.ok:
         raise UserError(f"env.environment {env.environment!r} failed on the first training prompt: {first.error}")
+    if first.result is not None:  # a first observation: it must follow the prompt as exact ids
+        try:
+            observations.after_prompt(list(train_set.prompt_ids[0]), first.result)
+        except ValueError as e:
+            raise UserError(f"env.environment {env.environment!r}: its reset returned a first observation, but {e}") \
+                from None
 
 
 def prepare_ptx(cfg, tokenizer_path: str):

@@ -33,17 +33,18 @@ def scripted(first_ids):
     return sample
 
 
-def runner(workers, max_turns=5, max_tokens=200):
+def runner(workers, max_turns=5, max_tokens=200, turn_tokens=3):
     return EpisodeRunner(workers=workers, observations=ObservationTokens(Tokens()),
                          decode=lambda ids: ACTIONS[ids[0]], max_turns=max_turns, max_tokens=max_tokens,
-                         max_turn_tokens=3)
+                         max_turn_tokens=turn_tokens)
 
 
-def run(first_ids, *, max_turns=5, max_tokens=200, columns=None):
+def run(first_ids, *, max_turns=5, max_tokens=200, columns=None, turn_tokens=3):
     workers = EnvironmentWorkers("counter_envs:Counter", workers=2, step_timeout_s=1.0)
     try:
         prompts = [([1, 2, 3], i, "silent", (columns or {})) for i in range(len(first_ids))]
-        return runner(workers, max_turns, max_tokens).run(prompts, 1, scripted(first_ids)), workers.stats()
+        episodes = runner(workers, max_turns, max_tokens, turn_tokens).run(prompts, 1, scripted(first_ids))
+        return episodes, workers.stats()
     finally:
         workers.close()
 
@@ -60,6 +61,11 @@ def test_budgets_end_the_episode_on_a_policy_token(kw, turns):
     (ep,), _ = run([7], **kw)
     assert ep.turns == turns and ep.finish_reason == "length" and ep.mask[-1] and ep.error is None
     assert len(ep.response) <= kw.get("max_tokens", 200)
+
+
+def test_a_turn_cut_before_its_end_of_turn_ends_the_episode_unanswered():
+    (ep,), stats = run([7], turn_tokens=2)  # [7, 5]: the end-of-turn id 2 did not fit
+    assert (ep.turns, ep.finish_reason, ep.response, ep.error, ep.score) == (1, "length", [7, 5], None, 0.0)
 
 
 def test_an_environment_that_hangs_or_raises_ends_its_episode_only():

@@ -22,12 +22,19 @@ PROMPTS = ["The cat was", "A dog seemed happy", "My friend felt"]
 
 
 @pytest.fixture(scope="module")
-def generator(policy_path):
-    return Generator(model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 8, "n": 1},
+def policy():
+    """The pre-trained tiny policy: it ends its sentences with EOS, so turns end where they should."""
+    from cluster.demo.pretrain import build_pretrained_policy
+    return str(build_pretrained_policy())
+
+
+@pytest.fixture(scope="module")
+def generator(policy):
+    return Generator(model=policy, sampling={"temperature": 1.0, "max_new_tokens": 8, "n": 1},
                      engine={"max_model_len": 256, "kv_cache_bytes": 16 << 20})
 
 
-def test_a_transcript_keeps_the_sampled_tokens_and_the_observations_exactly(generator, policy_path, tokenizer):
+def test_a_transcript_keeps_the_sampled_tokens_and_the_observations_exactly(generator, policy, tokenizer):
     from learner.batch import collate
     from learner.policy import PolicyWithValueHead
 
@@ -42,7 +49,7 @@ def test_a_transcript_keeps_the_sampled_tokens_and_the_observations_exactly(gene
     workers = EnvironmentWorkers("counter_envs:Counter", workers=2, step_timeout_s=30.0)
     try:
         runner = EpisodeRunner(workers=workers, observations=observations, decode=tokenizer.decode,
-                               max_turns=4, max_tokens=80, max_turn_tokens=6)
+                               max_turns=4, max_tokens=120, max_turn_tokens=20)
         prompts = [(tokenizer(p)["input_ids"], i, p, {"start": i}) for i, p in enumerate(PROMPTS)]
         episodes = runner.run(prompts, 2, sample)
     finally:
@@ -56,14 +63,80 @@ def test_a_transcript_keeps_the_sampled_tokens_and_the_observations_exactly(gene
         assert np.array_equal(np.asarray(ep.response)[mask], np.concatenate(turns))  # the policy's, as sampled
         want_obs = [i for k in range(1, ep.turns) for i in observations.ids(f"ok {start + k}")]
         assert np.array_equal(np.asarray(ep.response)[~mask], np.asarray(want_obs, dtype=np.int64))
-        # Counter ends at its next multiple of 3 with reward 1: 3 turns from 0, 2 from 1, 1 from 2
-        assert ep.turns == 3 - start and ep.finish_reason == "stop" and ep.score == 1.0 and mask[-1]
+        # Counter ends at its next multiple of 3 with reward 1: 3 turns from 0, 2 from 1, 1 from 2;
+        # unless a turn ran to max_turn_tokens before its end of turn, which ends the episode there
+        if turns[-1][-1] == observations.end_of_turn_id:
+            assert ep.turns == 3 - start and ep.finish_reason == "stop" and ep.score == 1.0 and mask[-1]
+        else:
+            assert len(turns[-1]) == 20 and ep.finish_reason == "length" and ep.score == 0.0
+    assert sum(ep.score for ep in episodes) >= 4  # most played to the end
     rollouts = [ep.rollout(version=0) for ep in episodes]
-    policy = PolicyWithValueHead.from_pretrained(policy_path, critic="none").eval()
+    model = PolicyWithValueHead.from_pretrained(policy, critic="none").eval()
     batch = collate(rollouts, pad_id=tokenizer.pad_token_id)
     with torch.no_grad():
-        learner, _, _ = policy.response_logprobs_values(batch, with_entropy=False)
+        learner, _, _ = model.response_logprobs_values(batch, with_entropy=False)
     trained = batch.response_mask != 0
     gap = float((learner - batch.behaviour_logprobs)[trained].abs().max())
     print(f"{int(trained.sum())} policy tokens over {len(rollouts)} transcripts: max |learner - vLLM| = {gap:.1e}")
     assert gap < 1e-3 and int(trained.sum()) == sum(r.trained_tokens for r in rollouts)
+
+
+# Chat templates shaped like those of several model families, each ending an assistant turn with
+# the tokenizer's eos token (what the engine stops on). The tiny tokenizer has none of their
+# special tokens, so their markers split into several ids each: where an observation's ids meet
+# the sampled ones is where re-tokenisation would drift.
+TEMPLATES = {
+    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "llama-3": ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+                "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+                "<|end_header_id|>\n\n{% endif %}"),
+    "gemma": ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+              "{{ m['content'] }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+              "{% endif %}"),
+    "phi-3": ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
+    "mistral": ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+                "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}"),  # no generation prompt
+}
+
+
+@pytest.mark.parametrize("family", sorted(TEMPLATES))
+def test_a_chat_transcript_is_the_templates_text_with_the_sampled_ids(generator, policy, family):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(policy)
+    tok.chat_template = TEMPLATES[family]
+    observations = ObservationTokens(tok)
+    sampled = {}
+
+    def sample(transcripts, room, keys):
+        turns = generator.sample_turns(transcripts, room, keys)
+        sampled.update({key: t.token_ids for key, t in zip(keys, turns)})
+        return turns
+
+    render = lambda chat, gen: tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+    prompts = [(tok(render([{"role": "user", "content": p}], True), add_special_tokens=False)["input_ids"], i, p,
+                {"start": i}) for i, p in enumerate(PROMPTS)]
+    workers = EnvironmentWorkers("counter_envs:Counter", workers=1, step_timeout_s=30.0)
+    try:
+        episodes = EpisodeRunner(workers=workers, observations=observations, decode=tok.decode, max_turns=4,
+                                 max_tokens=160, max_turn_tokens=24).run(prompts, 1, sample)
+    finally:
+        workers.close()
+    played = [ep for ep in episodes if ep.finish_reason == "stop"]
+    assert len(played) >= 2 and not any(ep.error for ep in episodes)
+    for ep in episodes:
+        turns = [sampled[(ep.prompt_index, 0, t)] for t in range(ep.turns)]
+        mask = np.asarray(ep.mask)
+        assert np.array_equal(np.asarray(ep.response)[mask], np.concatenate(turns))  # byte for byte the sampled ids
+        # The whole transcript reads as the template's own rendering of the chat it is.
+        start = ep.prompt_index
+        chat = [{"role": "user", "content": PROMPTS[start]}, {"role": "user", "content": f"count from {start}"}]
+        for k, ids in enumerate(turns):
+            chat.append({"role": "assistant", "content": tok.decode(ids[:-1] if ids[-1] == tok.eos_token_id else ids)})
+            if k + 1 < len(turns):
+                chat.append({"role": "user", "content": f"ok {start + k + 1}"})
+        text, want = tok.decode(ep.prompt_ids + ep.response), render(chat, False)
+        if ep in played:
+            assert want.startswith(text) and want[len(text):].strip() == "", (family, text, want)

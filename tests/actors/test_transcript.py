@@ -60,3 +60,23 @@ def test_a_template_that_cannot_append_by_prefix_is_refused_in_one_line(tok, tem
     assert "\n" not in str(e.value)
     if template == STRICT_ROLES:
         assert ObservationTokens(tok, role="user").ids("x")  # the same template with a role it knows
+
+
+def _ids(out):
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_a_first_observation_follows_the_prompt_as_the_next_message(tok):
+    tok.chat_template = CHATML
+    obs = ObservationTokens(tok)
+    prompt = _ids(tok.apply_chat_template([{"role": "user", "content": "Find the exit."}], add_generation_prompt=True))
+    joined = obs.after_prompt(prompt, "You are in a maze.")
+    assert joined == _ids(tok.apply_chat_template([{"role": "user", "content": "Find the exit."},
+                                                   {"role": "user", "content": "You are in a maze."}],
+                                                  add_generation_prompt=True))
+    with pytest.raises(ObservationError, match="does not end in the policy's tokenizer's chat generation prompt"):
+        ObservationTokens(tok, name="the policy's tokenizer").after_prompt(tok("Find the exit.")["input_ids"], "x")
+    tok.chat_template = None
+    plain = ObservationTokens(tok, plain_format=" ({observation})")
+    go = tok("Go")["input_ids"]
+    assert tok.decode(plain.after_prompt(go, "dark")) == tok.decode(go) + " (dark)"

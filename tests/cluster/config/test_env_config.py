@@ -33,3 +33,9 @@ def test_rewards_per_turn_need_the_environments_rewards():
     assert cfg.env.runner_kwargs(64)["reward_placement"] == "turn"
     with pytest.raises(ConfigError, match="needs env.reward=environment"):
         load_config(None, ON + ["env.reward_placement=turn", "env.reward=pool"]).validate()
+
+
+def test_a_system_prompt_needs_the_chat_template():
+    with pytest.raises(ConfigError, match="set data.chat_template=true"):
+        load_config(None, ["data.system_prompt=Use tools."]).validate()
+    load_config(None, ["data.system_prompt=Use tools.", "data.chat_template=true"]).validate()

@@ -7,6 +7,7 @@ import pytest
 from cluster.data.chat import message_problem
 from cluster.data.prompts import PromptDataset
 from cluster.demo.tiny_models import build_tokenizer
+from core.infra.errors import InputError
 
 # A template whose output is easy to write by hand: the expected texts below are literal.
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -97,3 +98,30 @@ def test_chat_prompts_are_the_exact_template_text(tmp_path, chat_tok, chat_templ
     tok = AutoTokenizer.from_pretrained(chat_tok)
     assert ds.prompt_ids[0].tolist() == tok(ds.texts[0], add_special_tokens=False)["input_ids"]
     assert ds.prompt_ids[1].tolist() == tok(plain, add_special_tokens=not chat_template)["input_ids"]
+
+
+@pytest.mark.integration
+def test_the_system_prompt_goes_first_unless_a_chat_has_its_own(tmp_path, chat_tok):
+    path = _jsonl(tmp_path / "p.jsonl", [
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The cat was"}]},
+        {"prompt": [{"role": "user", "content": "A bird sang"}]}, {"prompt": "A dog felt"}])
+    ds = PromptDataset.load(path=str(path), tokenizer_path=chat_tok, chat_template=True, system_prompt="Use tools.")
+    assert ds.texts == ["<|system|>Be brief.\n<|user|>The cat was\n<|assistant|>",
+                        "<|system|>Use tools.\n<|user|>A bird sang\n<|assistant|>",
+                        "<|system|>Use tools.\n<|user|>A dog felt\n<|assistant|>"]
+
+
+@pytest.mark.integration
+def test_a_template_that_refuses_a_system_message_is_one_line(tmp_path, tok_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_path)
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                         "{% endif %}" + TEMPLATE)
+    tok.save_pretrained(tmp_path / "tok")
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "A dog felt"}])
+    with pytest.raises(InputError) as e:
+        PromptDataset.load(path=str(path), tokenizer_path=str(tmp_path / "tok"), chat_template=True,
+                           system_prompt="Use tools.")
+    assert "refuses a system message" in str(e.value) and "System role not supported" in str(e.value)
+    assert "\n" not in str(e.value)

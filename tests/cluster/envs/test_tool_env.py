@@ -84,3 +84,11 @@ def test_the_calculator_runs_in_environment_workers():
         assert (pool.stats()["malformed_actions"], pool.stats()["errors"]) == (1, 0)  # the policy's fault
     finally:
         pool.close()
+
+
+@pytest.mark.unit
+def test_the_final_answer_is_checked_against_a_number_or_a_worked_solution():
+    from cluster.envs.calculator import answer_matches
+    responses = ["So the answer is 1,234.", "It is 72", "72 apples, then 5", "no number"]
+    assert answer_matches([""] * 4, responses, answer=["1234", "Natalia sold 48+24 = 72 clips.\n#### 72", 72, 5]) \
+        == [1.0, 1.0, 0.0, 0.0]  # the last number counts

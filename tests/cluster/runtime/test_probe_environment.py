@@ -11,7 +11,10 @@ from cluster.runtime.prepare import probe_environment
 from core.columns import PromptColumns
 
 pytestmark = pytest.mark.integration
-TRAIN = types.SimpleNamespace(texts=["What is 2+2?"], ids=[0], columns=PromptColumns([0], [{"answer": 4}]))
+TRAIN = types.SimpleNamespace(texts=["What is 2+2?"], ids=[0], columns=PromptColumns([0], [{"answer": 4}]),
+                              prompt_ids=[[5, 6, 7]])
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture
@@ -41,6 +44,23 @@ def test_a_class_that_fails_to_reset_is_one_line(tok):
         probe_environment(env, TRAIN, tok)
     assert str(e.value) == ("env.environment 'test_probe_environment:Broken' failed on the first training prompt: "
                             "environment test_probe_environment:Broken.reset raised KeyError: 'level'")
+
+
+def test_a_first_observation_after_a_prompt_without_the_chat_template_is_one_line(tok):
+    tok.chat_template = CHATML  # the prompts were not rendered with it (data.chat_template=false)
+    env = load_config(None, ["env.environment=test_probe_environment:Greets"]).env
+    with pytest.raises(UserError) as e:
+        probe_environment(env, TRAIN, tok)
+    assert "its reset returned a first observation" in str(e.value) and "data.chat_template=true" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+class Greets:
+    def reset(self, prompt, columns):
+        return "Welcome."
+
+    def step(self, action):
+        return None, 0.0, True, {}
 
 
 class Broken:
