@@ -48,4 +48,10 @@ def start_engine(model: str, engine, *, tensor_parallel: int, seed: int, on_gpu:
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
     else:
         kwargs["kv_cache_memory_bytes"] = engine.kv_cache_bytes
+        # A prompt whose prefill is split over two engine steps rewinds its seeded sampler by
+        # an offset, which vLLM's CPU generators do not have (RuntimeError "CPU Generator does
+        # not use offset"): every tether request is seeded, so on CPU prefills stay whole, and a
+        # step's token budget holds the longest one.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(engine.max_model_len, engine.max_num_seqs, 4096)
     return LLM(**kwargs)

@@ -317,3 +317,16 @@ def test_ignore_eos_gives_every_response_max_new_tokens(tokenizer):
     assert len(rollouts) == 4 * len(PROMPTS)
     assert all(len(r.response_ids) == 24 and r.finish_reason == "length" for r in rollouts)
     assert any(tokenizer.eos_token_id in r.response_ids.tolist() for r in rollouts)  # sampled, not masked
+
+
+def test_a_batch_whose_prefill_passes_one_engine_step_samples(policy_path, tokenizer):
+    """More prompt tokens than vLLM schedules in one step (4096 here): with chunked prefill a
+    seeded request split over two steps rewinds its sampler by an offset, which vLLM's CPU
+    generators lack (RuntimeError); the CPU engine keeps each prefill whole instead."""
+    gen = Generator(model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 4, "n": 1},
+                    engine={"max_model_len": 256, "kv_cache_bytes": 32 << 20, "max_num_seqs": 64})
+    words = ["cat", "dog", "river", "friend", "happy", "sad", "was", "the"]
+    prompts = [tokenizer(" ".join(words[(i + k * 3) % 8] for k in range(120)))["input_ids"][:200 - i]
+               for i in range(40)]  # ~7,200 prompt tokens, no two alike (no prefix cache to share)
+    result = gen.generate(prompts)
+    assert len(result.rollouts) == 40 and all(r.response_ids.size > 0 for r in result.rollouts)

@@ -3,32 +3,17 @@ episodes against the environment in worker processes, the environment's rewards 
 scores, and the learner trains on the policy's tokens of each transcript; on the two-turn
 arithmetic game (configs/arith-episodes-tiny.yaml) the tiny policy learns."""
 import json
-import os
-from pathlib import Path
 
 import pytest
-import ray
 
 from cluster import train
 from cluster.config.ppo import CONFIGS
 from cluster.demo import arithmetic
 
 pytestmark = pytest.mark.e2e
-HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture
-def env_cluster():
-    """A local Ray whose workers (and their environment workers) import tests/e2e/episode_envs.py."""
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), saved) if p)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-    os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
-
-
-def test_a_run_plays_episodes_and_trains_on_the_policys_tokens(env_cluster, tmp_path):
+def test_a_run_plays_episodes_and_trains_on_the_policys_tokens(cluster_with_test_rewards, tmp_path):
     assert train.main([f"run.dir={tmp_path}", "run.name=episodes", "env.environment=episode_envs:SayMore",
                        "env.max_turns=2", "env.max_tokens=40", "generator.sampling.max_new_tokens=12",
                        "data.prompts_per_step=4", "ppo.minibatch_size=16", "run.steps=2", "run.eval_every=0",
@@ -50,7 +35,7 @@ def test_a_run_plays_episodes_and_trains_on_the_policys_tokens(env_cluster, tmp_
     assert all("Again." in p["text"] for s in samples for p in s["transcript"] if p["by"] == "environment")
 
 
-def test_the_tiny_policy_learns_the_two_turn_game(env_cluster, tmp_path):
+def test_the_tiny_policy_learns_the_two_turn_game(cluster_with_test_rewards, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     arithmetic.main(["--write", str(prompts)])
     policy = arithmetic.build_arithmetic_policy()  # cached; ~1-2 min on 2 cores the first time
