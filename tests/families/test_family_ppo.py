@@ -53,6 +53,7 @@ def train_cli(family: str, run_dir: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # a whole start-up until the generator refuses; check_served's own test is in test_family_scorers
 def test_a_family_vllm_does_not_serve_is_refused_in_one_line(tmp_path):
     result = train_cli("gpt-neo", tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -64,7 +64,14 @@ def max_gap(logprobs, rollouts) -> float:
     return max(float(np.abs(lp - r.behaviour_logprobs).max()) for lp, r in zip(logprobs, rollouts))
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# CI budget: the default suite pushes into the families whose weight path has something of its own
+# (tied heads, soft-capping, fused projections, Conv1D, vLLM's Transformers backend); Llama,
+# the untied Qwen2, Mistral and Gemma-3 load as those do, and are pushed in the slow tier.
+SLOW_TIER = ("llama", "qwen2-untied", "mistral", "gemma3")
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_TIER else f
+                                    for f in FAMILIES])
 def test_pushed_weights_serve_the_learners_policy(ray_local, family):
     import ray
     from transformers import AutoConfig, AutoTokenizer
