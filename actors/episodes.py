@@ -34,9 +34,11 @@ from core.rollout import Rollout
 
 @dataclass
 class Turn:
-    """One sampled turn: its ids and their behaviour log-probs."""
+    """One sampled turn: its ids, their behaviour log-probs and the policy version that sampled
+    each (None: the version the episodes are played at)."""
     token_ids: list[int]
     logprobs: np.ndarray
+    versions: Optional[np.ndarray] = None
 
 
 # One round of sampling: (transcripts' exact ids, the room each turn has, each turn's key
@@ -53,6 +55,8 @@ class Episode:
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per token: the policy's sampling version, or
+    # an observation's, the version of the policy token before it
     # (the turn's last token, its reward) for each turn the environment rewarded
     rewards: list[tuple[int, float]] = field(default_factory=list)
     turns: int = 0
@@ -61,20 +65,27 @@ class Episode:
     error: Optional[str] = None  # why the episode is invalid
     info: dict = field(default_factory=dict)  # the environment's info at its last step
 
-    def add(self, ids: list[int], logprobs, trained: bool) -> None:
+    def add(self, ids: list[int], logprobs, trained: bool, versions=None) -> None:
+        """Append a turn (``trained``: the policy's, sampled by ``versions``) or an observation."""
         self.response += ids
         self.logprobs += list(logprobs) if trained else [0.0] * len(ids)
         self.mask += [trained] * len(ids)
+        if versions is None:
+            versions = [self.versions[-1] if self.versions else -1] * len(ids)
+        self.versions += [int(v) for v in versions]
 
     def rollout(self, version: int, by_turn: bool = False) -> Rollout:
-        """The episode as a Rollout; ``by_turn``: with its turn rewards placed (Rollout.turn_rewards)."""
+        """The episode as a Rollout (``version``: where no turn said which sampled it); ``by_turn``:
+        with its turn rewards placed (Rollout.turn_rewards)."""
         placed = None
         if by_turn and not self.error and self.response:
             placed = np.zeros(len(self.response), np.float32)
             for at, reward in self.rewards:
                 placed[at] += reward
+        versions = np.asarray([version if v < 0 else v for v in self.versions], dtype=np.int64)
         return Rollout(prompt_ids=self.prompt_ids, response_ids=self.response, behaviour_logprobs=self.logprobs,
-                       finish_reason=self.finish_reason, policy_version=version, prompt_index=self.prompt_index,
+                       finish_reason=self.finish_reason, prompt_index=self.prompt_index,
+                       policy_version=int(versions[0]) if versions.size else version, token_versions=versions,
                        sample_index=self.sample_index, action_mask=np.asarray(self.mask, dtype=bool),
                        env_score=self.score, env_error=self.error, turn_rewards=placed)
 
@@ -168,7 +179,7 @@ class EpisodeRunner:
                        [(ep.prompt_index, ep.sample_index, ep.turns) for ep in live])
         answering = {}
         for ep, turn in zip(live, turns):
-            ep.add(turn.token_ids, turn.logprobs, trained=True)
+            ep.add(turn.token_ids, turn.logprobs, trained=True, versions=turn.versions)
             ep.turns += 1
             cut = not turn.token_ids or turn.token_ids[-1] != self.observations.end_of_turn_id
             if cut or len(ep.response) >= self.max_tokens:

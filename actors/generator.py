@@ -212,7 +212,7 @@ class Generator:
         if self.episodes is not None:
             return self._play(keep, skipped, t0)
         if self.partial_rollouts:
-            outputs = self._step_engine([ids for ids, _ in keep], [idx for _, idx in keep])
+            outputs = self._step_engine([ids for ids, _ in keep], lambda: self._params([idx for _, idx in keep]))
         else:
             with self._turns.sampling():  # a push waits for the whole call
                 outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in keep],
@@ -242,33 +242,48 @@ class Generator:
     def sample_turns(self, transcripts: list[list[int]], room: list[int], keys: list[tuple[int, int, int]]) -> list:
         """One round of multi-turn episodes (actors/episodes.py): each transcript's exact ids
         continued by one turn of at most its ``room`` tokens, ending at EOS; each turn seeded by
-        (seed, version, its key: prompt index, sample index, turn). -> one episodes.Turn each."""
-        from vllm import SamplingParams
+        (seed, version, its key: prompt index, sample index, turn). -> one episodes.Turn each,
+        with the version that sampled each token (with partial rollouts a push may land between
+        two engine steps of the round, as in ``generate``)."""
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
         if is_truncated(s.top_k, s.top_p):
             raise ValueError(f"{self.name}: episodes sample from the whole distribution for now; set "
                              "generator.sampling.top_k=0 and top_p=1")
-        logprobs = kept_set.logprob_request(0, 1.0, self._vocab_size)
-        params = [SamplingParams(temperature=s.temperature, max_tokens=int(r), n=1,
-                                 seed=int(np.random.SeedSequence([s.seed, self.weights.version(), *key])
-                                          .generate_state(1)[0] >> 1),
-                                 output_kind=RequestOutputKind.FINAL_ONLY, **logprobs) for r, key in zip(room, keys)]
-        with self._turns.sampling():
-            outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in transcripts], params,
-                                         use_tqdm=False, lora_request=self.weights.adapter)
+        if self.partial_rollouts:
+            outputs = self._step_engine([list(t) for t in transcripts], lambda: self._turn_params(room, keys))
+            version = self.weights.version()  # where vLLM labelled no token (as _to_rollout reads it)
+        else:
+            with self._turns.sampling():  # a push waits for the round
+                version = self.weights.version()
+                outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in transcripts],
+                                             self._turn_params(room, keys), use_tqdm=False,
+                                             lora_request=self.weights.adapter)
         turns = []
         for out in outputs:
             (c,) = out.outputs
             ids = list(c.token_ids)
-            turns.append(Turn(token_ids=ids, logprobs=kept_set.read_sampled(ids, c.logprobs)))
+            turns.append(Turn(token_ids=ids, logprobs=kept_set.read_sampled(ids, c.logprobs),
+                              versions=token_versions(c.weight_versions, len(ids), version)))
         return turns
 
-    def _step_engine(self, prompts: list[list[int]], prompt_indices: list[int]) -> list:
+    def _turn_params(self, room: list[int], keys: list[tuple[int, int, int]]) -> list:
+        """One SamplingParams per turn, seeded by the version now (call it holding the engine)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s, version = self.sampling, self.weights.version()
+        logprobs = kept_set.logprob_request(0, 1.0, self._vocab_size)
+        return [SamplingParams(temperature=s.temperature, max_tokens=int(r), n=1,
+                               seed=int(np.random.SeedSequence([s.seed, version, *key]).generate_state(1)[0] >> 1),
+                               output_kind=RequestOutputKind.FINAL_ONLY, **logprobs) for r, key in zip(room, keys)]
+
+    def _step_engine(self, prompts: list[list[int]], params) -> list:
         """LLM.generate, stepping the engine here so that a weight push can take its turn
-        between two steps. Returns the finished RequestOutputs in prompt order."""
+        between two steps. ``params()`` gives the requests' SamplingParams (called holding the
+        engine, so their seeds come from the version they start on). Returns the finished
+        RequestOutputs in prompt order."""
         from vllm.inputs import tokens_input
 
         engine = self._llm.llm_engine
@@ -277,8 +292,8 @@ class Generator:
         with self._turns.stepping_call():
             try:
                 with self._turns.step():  # seeds are drawn from the version the request starts on
-                    for rid, prompt, params in zip(ids, prompts, self._params(prompt_indices)):
-                        engine.add_request(rid, tokens_input(prompt), params, lora_request=self.weights.adapter)
+                    for rid, prompt, p in zip(ids, prompts, params()):
+                        engine.add_request(rid, tokens_input(prompt), p, lora_request=self.weights.adapter)
                 while len(done) < len(ids):
                     with self._turns.step():
                         for out in engine.step():

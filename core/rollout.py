@@ -169,11 +169,13 @@ def shard_rollouts(rollouts: list, world_size: int) -> list[list]:
     return [[rollouts[i] for g in groups[a:b] for i in g] for a, b in zip(cuts, cuts[1:])]
 
 
-def trained_spans(action_mask: np.ndarray) -> list[list]:
-    """[[start, end, trained], ...]: the response's runs of policy (trained) and environment tokens."""
-    mask = np.asarray(action_mask, dtype=bool)
-    edges = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), mask.size]
-    return [[a, b, bool(mask[a])] for a, b in zip(edges, edges[1:]) if b > a]
+def trained_spans(action_mask: np.ndarray, versions: np.ndarray) -> list[list]:
+    """[[start, end, trained, version], ...]: the response's runs of policy (trained) and
+    environment tokens, a run also ending where the sampling version changes (a push landed)."""
+    mask, versions = np.asarray(action_mask, dtype=bool), np.asarray(versions, dtype=np.int64)
+    change = (mask[1:] != mask[:-1]) | (versions[1:] != versions[:-1])
+    edges = [0, *(np.flatnonzero(change) + 1).tolist(), mask.size]
+    return [[a, b, bool(mask[a]), int(versions[a])] for a, b in zip(edges, edges[1:]) if b > a]
 
 
 def staleness(rollouts: list, version: int) -> np.ndarray:
@@ -213,7 +215,7 @@ class BatchSummary:
                          "score": float(r.score), "kl_sum": float(np.sum(r.kl)),
                          "finish_reason": r.finish_reason, "policy_version": r.policy_version,
                          "prompt_index": r.prompt_index,
-                         **({} if r.action_mask is None else {"spans": trained_spans(r.action_mask)})}
+                         **({} if r.action_mask is None else {"spans": trained_spans(r.action_mask, r.token_versions)})}
                         for r in firsts)
         return cls(scores=np.array([r.score for r in rollouts], dtype=np.float64),
                    kl_sums=np.array([float(np.sum(r.kl)) for r in rollouts], dtype=np.float64),

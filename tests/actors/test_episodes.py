@@ -140,3 +140,49 @@ def test_a_chat_transcript_is_the_templates_text_with_the_sampled_ids(generator,
         text, want = tok.decode(ep.prompt_ids + ep.response), render(chat, False)
         if ep in played:
             assert want.startswith(text) and want[len(text):].strip() == "", (family, text, want)
+
+
+def test_an_episode_spans_a_weight_push_and_each_turn_keeps_its_version(policy, tokenizer):
+    """Partial rollouts (async mode): a push lands between two rounds of an episode; each turn
+    records the version that sampled it, and each token's behaviour log-prob is that version's."""
+    from hf_reference import hf_logprobs, perturbed_lm
+    from transformers import AutoModelForCausalLM
+
+    from learner.weight_sync import policy_weights, to_buckets
+
+    old = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+    new = perturbed_lm(policy, 0.05, seed=1)
+    gen = Generator(model=policy, partial_rollouts=True, sampling={"temperature": 1.0, "max_new_tokens": 20},
+                    engine={"max_model_len": 256, "kv_cache_bytes": 16 << 20})
+    rounds = []
+
+    def sample(transcripts, room, keys):
+        if len(rounds) == 1:  # after the first round: the learner's next version arrives
+            gen.load_weights(1, to_buckets(policy_weights(new.state_dict().items(), tied_embeddings=True), 256 << 10))
+        rounds.append(gen.sample_turns(transcripts, room, keys))
+        return rounds[-1]
+
+    workers = EnvironmentWorkers("counter_envs:Counter", workers=1, step_timeout_s=30.0)
+    try:
+        runner = EpisodeRunner(workers=workers, observations=ObservationTokens(tokenizer), decode=tokenizer.decode,
+                               max_turns=3, max_tokens=120, max_turn_tokens=20)
+        rollouts, _ = runner.play([(tokenizer(p)["input_ids"], 0) for p in PROMPTS], Columns(), tokenizer, 1, sample,
+                                  version=gen.version())
+    finally:
+        workers.close()
+    spanning = [r for r in rollouts if r.partial]
+    assert len(rounds) >= 2 and spanning
+    for i, r in enumerate(rollouts):
+        first = len(rounds[0][i].token_ids)  # the first turn: version 0
+        assert r.policy_version == 0 and set(r.token_versions[:first]) == {0}
+        later = r.token_versions[first:][r.action_mask[first:]]  # later turns (observations: the turn's before)
+        assert set(later) <= {1} and r.partial == (first < r.response_ids.size)
+        trained = r.action_mask
+        for model, v in ((old, 0), (new, 1)):
+            at = trained & (r.token_versions == v)
+            assert np.abs(hf_logprobs(model, r)[at] - r.behaviour_logprobs[at]).max(initial=0) < 1e-3
+
+
+class Columns:
+    def row(self, index):
+        return {"start": 0}

@@ -42,3 +42,26 @@ def test_the_tiny_policy_learns_the_two_turn_game(cluster_with_test_rewards, tmp
     assert parts and all(p in (["policy"], ["policy", "environment", "policy"]) for p in parts)
     second_tries = [s for s in samples if len(s["transcript"]) == 3]
     assert all(s["transcript"][1]["text"] == s["prompt"] for s in second_tries)  # the question, asked again
+
+
+def test_episodes_in_async_mode_span_weight_pushes(cluster_with_test_rewards, tmp_path):
+    """Async mode with partial rollouts: generators play the next batches' episodes while the
+    learner trains, and a push lands between two engine steps, so turns of one episode may
+    come from two policy versions; the run trains on them within the staleness bound."""
+    prompts = tmp_path / "prompts.jsonl"
+    arithmetic.main(["--write", str(prompts)])
+    policy = arithmetic.build_arithmetic_policy()
+    argv = ["--config", str(CONFIGS / "arith-episodes-tiny.yaml"), f"model.policy={policy}", f"data.path={prompts}",
+            f"run.dir={tmp_path}", "run.name=async", "run.plot_every=0", "run.mode=async", "run.steps=6",
+            "run.eval_every=0", "run.samples_every=1", "run.checkpoint_every=0"]
+    assert train.main(argv) == 0
+    steps = [m for m in map(json.loads, (tmp_path / "async" / "metrics.jsonl").read_text().splitlines())
+             if m["step"] > 0]
+    assert [m["step"] for m in steps] == list(range(1, 7))
+    assert all(m["buffer/staleness_max"] <= 1 and m["episode/invalid"] == 0 and m["env/steps"] > 0 for m in steps)
+    samples = [json.loads(line) for line in (tmp_path / "async" / "samples.jsonl").read_text().splitlines()]
+    for s in samples:  # each part's version: never below the first, never decreasing
+        versions = [p["version"] for p in s["transcript"]]
+        assert versions == sorted(versions) and versions[0] == s["policy_version"]
+    print("async episodes: partial_frac per step", [round(m["rollouts/partial_frac"], 3) for m in steps],
+          "staleness", [m["buffer/staleness_max"] for m in steps])

@@ -79,15 +79,18 @@ def decode_sample(tokenizer, row: dict, columns=None) -> dict:
     """One of a batch's sample rows as samples.jsonl holds it: prompt and response as text, and
     under "columns" its prompt row's other fields (``columns``: core.columns.PromptColumns). An
     episode's row also has its "transcript": the response's turns in order, each {"by": "policy"
-    (trained) or "environment" (an observation, not trained), "tokens": n, "text": ...}."""
+    (trained) or "environment" (an observation, not trained), "tokens": n, "version": the policy
+    version that sampled it (an observation: the turn's before it), "text": ...}; a turn a
+    weight push landed in is two parts."""
     dec = tokenizer.decode
     out = {"prompt": dec(row["prompt_ids"], skip_special_tokens=True),
            "response": dec(row["response_ids"], skip_special_tokens=True),
            **{k: row[k] for k in ("score", "kl_sum", "finish_reason", "policy_version")}}
     if "spans" in row:
         out["transcript"] = [{"by": "policy" if trained else "environment", "tokens": end - start,
+                              "version": version,
                               "text": dec(row["response_ids"][start:end], skip_special_tokens=False)}
-                             for start, end, trained in row["spans"]]
+                             for start, end, trained, version in row["spans"]]
     if columns is not None and columns.names and "prompt_index" in row:
         out["columns"] = columns.row(row["prompt_index"])
     return out

@@ -67,12 +67,15 @@ class Chars:
 
 
 def test_an_episodes_sample_shows_its_turns_and_which_tokens_were_trained():
-    mask = np.array([1, 1, 0, 0, 0, 1], dtype=bool)
-    row = {"prompt_ids": [72, 105], "response_ids": [97, 98, 60, 111, 62, 99], "score": 1.0, "kl_sum": 0.0,
-           "finish_reason": "stop", "policy_version": 2, "spans": trained_spans(mask)}
+    mask = np.array([1, 1, 0, 0, 0, 1, 1], dtype=bool)
+    versions = np.array([2, 2, 2, 2, 2, 2, 3])  # a push landed inside the second turn
+    row = {"prompt_ids": [72, 105], "response_ids": [97, 98, 60, 111, 62, 99, 100], "score": 1.0, "kl_sum": 0.0,
+           "finish_reason": "stop", "policy_version": 2, "spans": trained_spans(mask, versions)}
     out = decode_sample(Chars(), row)
-    assert out["response"] == "ab<o>c" and trained_spans(mask) == [[0, 2, True], [2, 5, False], [5, 6, True]]
-    assert out["transcript"] == [{"by": "policy", "tokens": 2, "text": "ab"},
-                                 {"by": "environment", "tokens": 3, "text": "<o>"},
-                                 {"by": "policy", "tokens": 1, "text": "c"}]
+    assert out["response"] == "ab<o>cd"
+    assert trained_spans(mask, versions) == [[0, 2, True, 2], [2, 5, False, 2], [5, 6, True, 2], [6, 7, True, 3]]
+    assert out["transcript"] == [{"by": "policy", "tokens": 2, "version": 2, "text": "ab"},
+                                 {"by": "environment", "tokens": 3, "version": 2, "text": "<o>"},
+                                 {"by": "policy", "tokens": 1, "version": 2, "text": "c"},
+                                 {"by": "policy", "tokens": 1, "version": 3, "text": "d"}]
     assert "transcript" not in decode_sample(Chars(), {k: v for k, v in row.items() if k != "spans"})
