@@ -34,11 +34,13 @@ from core.rollout import Rollout
 
 @dataclass
 class Turn:
-    """One sampled turn: its ids, their behaviour log-probs and the policy version that sampled
-    each (None: the version the episodes are played at)."""
+    """One sampled turn: its ids, their behaviour log-probs, the policy version that sampled
+    each (None: the version the episodes are played at) and, with a truncated sampler, the
+    kept set of each position ([n, K] int32, -1 padding; Rollout.kept_ids)."""
     token_ids: list[int]
     logprobs: np.ndarray
     versions: Optional[np.ndarray] = None
+    kept_ids: Optional[np.ndarray] = None
 
 
 # One round of sampling: (transcripts' exact ids, the room each turn has, each turn's key
@@ -57,6 +59,7 @@ class Episode:
     mask: list[bool] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per token: the policy's sampling version, or
     # an observation's, the version of the policy token before it
+    kept: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first position, a turn's kept sets)
     # (the turn's last token, its reward) for each turn the environment rewarded
     rewards: list[tuple[int, float]] = field(default_factory=list)
     turns: int = 0
@@ -65,8 +68,11 @@ class Episode:
     error: Optional[str] = None  # why the episode is invalid
     info: dict = field(default_factory=dict)  # the environment's info at its last step
 
-    def add(self, ids: list[int], logprobs, trained: bool, versions=None) -> None:
-        """Append a turn (``trained``: the policy's, sampled by ``versions``) or an observation."""
+    def add(self, ids: list[int], logprobs, trained: bool, versions=None, kept_ids=None) -> None:
+        """Append a turn (``trained``: the policy's, sampled by ``versions`` from ``kept_ids``)
+        or an observation."""
+        if kept_ids is not None:
+            self.kept.append((len(self.response), np.asarray(kept_ids, dtype=np.int32)))
         self.response += ids
         self.logprobs += list(logprobs) if trained else [0.0] * len(ids)
         self.mask += [trained] * len(ids)
@@ -87,7 +93,16 @@ class Episode:
                        finish_reason=self.finish_reason, prompt_index=self.prompt_index,
                        policy_version=int(versions[0]) if versions.size else version, token_versions=versions,
                        sample_index=self.sample_index, action_mask=np.asarray(self.mask, dtype=bool),
-                       env_score=self.score, env_error=self.error, turn_rewards=placed)
+                       env_score=self.score, env_error=self.error, turn_rewards=placed, kept_ids=self._kept_ids())
+
+    def _kept_ids(self) -> Optional[np.ndarray]:
+        """[R, K] the turns' kept sets, padded with -1 (an observation's rows all -1); None untruncated."""
+        if not self.kept:
+            return None
+        out = np.full((len(self.response), max(k.shape[1] for _, k in self.kept)), -1, dtype=np.int32)
+        for start, k in self.kept:
+            out[start:start + k.shape[0], :k.shape[1]] = k
+        return out
 
     @property
     def score(self) -> float:
@@ -179,7 +194,7 @@ class EpisodeRunner:
                        [(ep.prompt_index, ep.sample_index, ep.turns) for ep in live])
         answering = {}
         for ep, turn in zip(live, turns):
-            ep.add(turn.token_ids, turn.logprobs, trained=True, versions=turn.versions)
+            ep.add(turn.token_ids, turn.logprobs, trained=True, versions=turn.versions, kept_ids=turn.kept_ids)
             ep.turns += 1
             cut = not turn.token_ids or turn.token_ids[-1] != self.observations.end_of_turn_id
             if cut or len(ep.response) >= self.max_tokens:

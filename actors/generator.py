@@ -231,13 +231,14 @@ class Generator:
 
     def _play(self, keep: list[tuple[list[int], int]], skipped: list[int], t0: float) -> GenerationResult:
         """generate() as multi-turn episodes (actors/episodes.py): the policy's tokens count."""
+        incomplete = self._incomplete_kept_sets
         rollouts, counts = self.episodes.play(keep, self.columns, self._llm.get_tokenizer(), self.sampling.n,
                                               self.sample_turns, self.weights.version())
         tokens = sum(r.trained_tokens for r in rollouts)
         self._generated_total += tokens
         return GenerationResult(rollouts=rollouts, skipped_prompts=skipped, generated_tokens=tokens,
                                 seconds=time.perf_counter() - t0, version=self.weights.version(),
-                                episode_counts=counts)
+                                incomplete_kept_sets=self._incomplete_kept_sets - incomplete, episode_counts=counts)
 
     def sample_turns(self, transcripts: list[list[int]], room: list[int], keys: list[tuple[int, int, int]]) -> list:
         """One round of multi-turn episodes (actors/episodes.py): each transcript's exact ids
@@ -248,9 +249,7 @@ class Generator:
         from vllm.inputs import TokensPrompt
 
         s = self.sampling
-        if is_truncated(s.top_k, s.top_p):
-            raise ValueError(f"{self.name}: episodes sample from the whole distribution for now; set "
-                             "generator.sampling.top_k=0 and top_p=1")
+        kept_set.check_vocab(s.top_k, s.top_p, self._vocab_size, self.name)
         if self.partial_rollouts:
             outputs = self._step_engine([list(t) for t in transcripts], lambda: self._turn_params(room, keys))
             version = self.weights.version()  # where vLLM labelled no token (as _to_rollout reads it)
@@ -263,8 +262,14 @@ class Generator:
         turns = []
         for out in outputs:
             (c,) = out.outputs
-            ids = list(c.token_ids)
-            turns.append(Turn(token_ids=ids, logprobs=kept_set.read_sampled(ids, c.logprobs),
+            ids, kept = list(c.token_ids), None
+            if is_truncated(s.top_k, s.top_p):  # the kept sets, as _to_rollout reads them
+                logprobs, kept, incomplete = kept_set.read_completion(
+                    ids, c.logprobs, kept_set.logprobs_to_read(s.top_k, self._vocab_size))
+                self._incomplete_kept_sets += incomplete
+            else:
+                logprobs = kept_set.read_sampled(ids, c.logprobs)
+            turns.append(Turn(token_ids=ids, logprobs=logprobs, kept_ids=kept,
                               versions=token_versions(c.weight_versions, len(ids), version)))
         return turns
 
@@ -274,8 +279,8 @@ class Generator:
         from vllm.sampling_params import RequestOutputKind
 
         s, version = self.sampling, self.weights.version()
-        logprobs = kept_set.logprob_request(0, 1.0, self._vocab_size)
-        return [SamplingParams(temperature=s.temperature, max_tokens=int(r), n=1,
+        logprobs = kept_set.logprob_request(s.top_k, s.top_p, self._vocab_size)
+        return [SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=int(r), n=1,
                                seed=int(np.random.SeedSequence([s.seed, version, *key]).generate_state(1)[0] >> 1),
                                output_kind=RequestOutputKind.FINAL_ONLY, **logprobs) for r, key in zip(room, keys)]
 

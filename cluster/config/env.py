@@ -50,7 +50,7 @@ class EnvConfig:
                 "reward_placement": self.reward_placement}
 
 
-def check_env(env: EnvConfig, *, top_k: int, top_p: float) -> None:
+def check_env(env: EnvConfig) -> None:
     """One line naming the key and the fix for settings episodes cannot run with."""
     if not env.enabled:
         return
@@ -64,6 +64,3 @@ def check_env(env: EnvConfig, *, top_k: int, top_p: float) -> None:
     if env.reward_placement == "turn" and env.reward != "environment":
         raise ConfigError("config: env.reward_placement=turn places the environment's rewards; it needs "
                           "env.reward=environment (the pool scores whole transcripts)")
-    if top_k or top_p < 1:
-        raise ConfigError(f"config: env.environment samples from the whole distribution for now "
-                          f"(generator.sampling.top_k={top_k}, top_p={top_p}); set top_k=0 and top_p=1")

@@ -315,7 +315,7 @@ def validate(cfg: TetherConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
     _check_ptx(cfg)
-    check_env(cfg.env, top_k=cfg.generator.sampling.top_k, top_p=cfg.generator.sampling.top_p)
+    check_env(cfg.env)
     # Every learner rank trains on whole prompt groups (core.rollout.shard_rollouts): one at least.
     if cfg.data.prompts_per_step < cfg.learner.replicas:
         raise ConfigError(f"config: data.prompts_per_step={cfg.data.prompts_per_step} is below "

@@ -186,3 +186,37 @@ def test_an_episode_spans_a_weight_push_and_each_turn_keeps_its_version(policy, 
 class Columns:
     def row(self, index):
         return {"start": 0}
+
+
+def test_a_truncated_sampler_keeps_each_turns_sets_and_the_learner_scores_them(policy, tokenizer):
+    """top_k / top_p in episodes: each policy token keeps the set vLLM sampled it from, an
+    observation's rows none, and the learner (renormalising over those sets) scores the
+    policy's tokens as vLLM did; the full softmax does not."""
+    import dataclasses
+
+    from learner.batch import collate
+    from learner.policy import PolicyWithValueHead
+
+    gen = Generator(model=policy, sampling={"temperature": 1.0, "top_k": 8, "top_p": 0.9, "max_new_tokens": 20},
+                    engine={"max_model_len": 256, "kv_cache_bytes": 16 << 20})
+    workers = EnvironmentWorkers("counter_envs:Counter", workers=1, step_timeout_s=30.0)
+    try:
+        runner = EpisodeRunner(workers=workers, observations=ObservationTokens(tokenizer), decode=tokenizer.decode,
+                               max_turns=3, max_tokens=120, max_turn_tokens=20)
+        rollouts, _ = runner.play([(tokenizer(p)["input_ids"], 0) for p in PROMPTS], Columns(), tokenizer, 2,
+                                  gen.sample_turns, version=0)
+    finally:
+        workers.close()
+    for r in rollouts:
+        kept = r.kept_ids
+        assert kept.shape[0] == r.response_ids.size and (kept[~r.action_mask] == -1).all()
+        on = kept[r.action_mask]
+        assert all(t in row for t, row in zip(r.response_ids[r.action_mask], on)) and ((on >= 0).sum(1) <= 8).all()
+    model = PolicyWithValueHead.from_pretrained(policy, critic="none").eval()
+    batch = collate(rollouts, pad_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        lp, _, _ = model.response_logprobs_values(batch, with_entropy=False, top_k=8, top_p=0.9)
+        full, _, _ = model.response_logprobs_values(dataclasses.replace(batch, kept_ids=None), with_entropy=False)
+    trained = batch.response_mask != 0
+    assert float((lp - batch.behaviour_logprobs)[trained].abs().max()) < 1e-3
+    assert float((full - batch.behaviour_logprobs)[trained].abs().mean()) > 1e-2  # the check can fail

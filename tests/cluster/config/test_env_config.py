@@ -19,7 +19,6 @@ def test_episodes_are_off_by_default_and_their_budget_is_the_learners_horizon():
 @pytest.mark.parametrize("overrides, says", [
     (["env.max_turns=0"], "env.max_turns=0"), (["env.step_timeout_s=0"], "env.step_timeout_s=0"),
     (["env.plain_format=x"], "env.plain_format must hold {observation}"),
-    (["generator.sampling.top_k=5"], "top_k=0 and top_p=1"),
     (["env.reward=judge"], "env.reward")])
 def test_settings_episodes_cannot_run_with_are_one_line(overrides, says):
     with pytest.raises(ConfigError) as e:
