@@ -24,7 +24,7 @@ from multiprocessing.connection import wait
 from typing import Any, Optional
 
 from actors.environment import InvalidStep, MalformedAction, check_observation, check_step, load_environment
-from actors.worker_process import entry_args, how_it_died, kill, spawn, stop_all, worker_setup
+from actors.worker_process import entry_args, how_it_died, import_failure, kill, spawn, stop_all, worker_setup
 from core.infra.errors import type_and_first_line
 
 START_TIMEOUT_S = 120.0  # a worker's start and its import of the class
@@ -68,7 +68,8 @@ def worker_main(conn, spec: str, key: str, memory_mb: int, parent: int) -> None:
     try:
         cls = load_environment(spec, key)
     except (ValueError, MemoryError) as e:
-        conn.send(("error", str(e) if isinstance(e, ValueError) else f"{key} {spec!r}: MemoryError while importing it"))
+        why = str(e) if isinstance(e, ValueError) else f"{key} {spec!r}: MemoryError while importing it"
+        conn.send(("error", import_failure(why, memory_mb, "env.memory_mb")))
         os._exit(1)
     conn.send(("ready", None))
     envs: dict = {}

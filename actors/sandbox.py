@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from actors.scoring import ColumnBinding, Columns, ScoreResult, as_number, load_function
-from actors.worker_process import entry_args, how_it_died, kill, spawn, stop_all, worker_setup
+from actors.worker_process import entry_args, how_it_died, import_failure, kill, spawn, stop_all, worker_setup
 from core.infra.errors import type_and_first_line
 
 # How long a worker may take to start and import the function (a verifier imports sympy, a model...).
@@ -54,9 +54,8 @@ def worker_main(conn, spec: str, key: str, name: str, memory_mb: int, parent: in
     try:
         fn = load_function(spec, key)
     except (ValueError, MemoryError) as e:
-        text = str(e) if isinstance(e, ValueError) else f"{key} {spec!r}: MemoryError while importing it"
-        if memory_mb and "MemoryError" in text:
-            text += f" (within reward.sandbox.memory_mb={memory_mb}, which counts the interpreter too: raise it)"
+        why = str(e) if isinstance(e, ValueError) else f"{key} {spec!r}: MemoryError while importing it"
+        text = import_failure(why, memory_mb, "reward.sandbox.memory_mb")
         try:
             conn.send(("error", text))
         except MemoryError:  # the parent reports the exit, naming memory_mb

@@ -41,6 +41,20 @@ def worker_setup(parent: int, memory_mb: int) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
+# What an import that ran out of a worker's address space says: Python's MemoryError, or a C
+# extension's allocation failure that surfaces as something else.
+OUT_OF_MEMORY = ("MemoryError", "error return without exception set", "failed to map segment", "Cannot allocate memory",
+                 "bad_alloc", "pthread_create")
+
+
+def import_failure(text: str, memory_mb: int, setting: str) -> str:
+    """An import's failure line, with a hint naming ``setting`` when the worker's memory cap
+    (``memory_mb`` MiB) is the likely cause."""
+    if memory_mb and any(marker in text for marker in OUT_OF_MEMORY):
+        return f"{text} (likely out of memory within {setting}={memory_mb}, which counts the interpreter too: raise it)"
+    return text
+
+
 def entry_args() -> tuple[Connection, list]:
     """In a worker started by ``spawn``: (its connection, the arguments it was given)."""
     fd, *args = json.loads(sys.argv[1])
