@@ -172,8 +172,12 @@ class EnvironmentWorkers:
             w = min(self._workers, key=lambda x: sum(h is x for h in self._home.values()))
             self._home[episode] = w
         elif episode in self._lost:
+            why = self._lost.pop(episode)
+            if op == "close":  # nothing to close, and nothing lost that its episode still needed
+                out[episode] = Outcome()
+                return
             self.counts["lost"] += 1
-            out[episode] = Outcome(error=self._lost.pop(episode), lost=True)
+            out[episode] = Outcome(error=why, lost=True)
             return
         elif episode not in self._home:
             out[episode] = Outcome(error=f"environment {self.spec}: episode {episode} is not running")

@@ -84,3 +84,16 @@ def test_a_misbehaving_episode_ends_invalid_and_the_pool_serves_on(pool, action,
     assert pool.stats()["env_workers"] == 2 and pool.stats()["restarts"] == int(killed)
     again = pool.call({9: ("reset", "p", {}), 10: ("reset", "p", {})})
     assert again[9].result == "count from 0" and again[10].ok  # replaced worker serves
+
+
+
+@pytest.mark.integration
+def test_an_episode_lost_with_its_worker_that_ends_needs_no_close_and_is_counted_once():
+    pool = EnvironmentWorkers("counter_envs:Counter", workers=1, step_timeout_s=30.0)
+    try:
+        pool.call({0: ("reset", "p", {}), 1: ("reset", "p", {})})  # one worker holds both
+        assert pool.call({0: ("step", "segv")})[0].crashed
+        assert pool.call({1: ("close",)})[1].ok  # its episode was over: nothing lost that it needed
+        assert pool.stats()["lost"] == 0 and pool.running == 0
+    finally:
+        pool.close()
