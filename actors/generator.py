@@ -374,7 +374,8 @@ class Generator:
                 "skipped_prompts": self._skipped_total, "generated_tokens": self._generated_total,
                 "engine_start_s": self.start_seconds, "pushes_mid_generate": self._turns.updates_during_sampling,
                 "incomplete_kept_sets": self._incomplete_kept_sets,
-                "dtype": str(self._llm.llm_engine.model_config.dtype).removeprefix("torch.")}
+                "dtype": str(self._llm.llm_engine.model_config.dtype).removeprefix("torch."),
+                **({} if self.episodes is None else {"env": self.episodes.workers.stats()})}
 
 
 def token_versions(spans, n_tokens: int, default: int) -> np.ndarray:

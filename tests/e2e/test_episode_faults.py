@@ -57,9 +57,11 @@ def run(tmp_path, kill: bool):
             accounting = Accounting(driver)
             thread.start() if kill else None
             rows = [driver.step() for _ in range(2)]
+            envs = [ray.get(h.health.remote())["env"] for h in pools.generators.handles().values()]
     finally:
         pools.shutdown()
         (MARKS / "release").touch()
+    assert all(e["env_workers"] == 1 and e["episodes_running"] == 0 for e in envs)  # every generator's, closed
     return rows, accounting, killed
 
 
