@@ -10,12 +10,13 @@ resumed or redispatched run samples what the original did.
 A transcript is the prompt (with ``reset``'s first observation after it), then the policy's
 turns and the observations between them; the policy's tokens are kept exactly as sampled (its
 ids are decoded for the environment, never encoded again), and ``action_mask`` marks them.
-A turn ends at the end-of-turn token; the episode ends when the environment says done, after
+A turn ends at the end-of-turn token, and the environment answers every turn that ended (one
+that ends exactly at ``max_tokens`` too); the episode ends when the environment says done, after
 ``max_turns`` turns, when a turn is cut before its end-of-turn token (``max_turn_tokens``, or
-the room ``max_tokens`` leaves: finish_reason "length", no step for it), or when ``max_tokens``
-response tokens (observations included) leave no room for another turn; the transcript always
-ends on a policy token. An environment that fails (actors/env_workers.py's Outcome) ends its episode
-invalid, with the reason.
+the room ``max_tokens`` leaves: no step for it, and the episode's finish_reason is "length", the
+only way an episode is truncated), or when ``max_tokens`` response tokens (observations
+included) leave no room for another turn; the transcript always ends on a policy token. An
+environment that fails (actors/env_workers.py's Outcome) ends its episode invalid, with the reason.
 """
 from __future__ import annotations
 
@@ -196,10 +197,12 @@ class EpisodeRunner:
         for ep, turn in zip(live, turns):
             ep.add(turn.token_ids, turn.logprobs, trained=True, versions=turn.versions, kept_ids=turn.kept_ids)
             ep.turns += 1
-            cut = not turn.token_ids or turn.token_ids[-1] != self.observations.end_of_turn_id
-            if cut or len(ep.response) >= self.max_tokens:
-                ep.done = True  # cut before its end of turn, or no room left: finish_reason stays "length"
+            # A turn that ended on its end-of-turn token ended, wherever it ended (at the budget, at
+            # max_turns): the environment answers it. Only a turn cut before its end truncates.
+            if not turn.token_ids or turn.token_ids[-1] != self.observations.end_of_turn_id:
+                ep.done, ep.finish_reason = True, "length"
             else:
+                ep.finish_reason = "stop"
                 answering[ep.episode_id] = ("step", self.decode(turn.token_ids))
         out = self._call(answering)
         for ep in live:

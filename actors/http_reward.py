@@ -1,15 +1,24 @@
 """Scores from a reward server over HTTP (reward.url), in OpenRLHF's remote reward convention.
 
-A server written for OpenRLHF's ``--remote_rm_url`` works unchanged. Each request is a POST of
-a JSON object, one entry per (prompt, response) pair, in order::
+A server written for OpenRLHF's ``--remote_rm_url`` works unchanged: it gets the request OpenRLHF
+sends for the same pair. Each request is a POST of a JSON object, one entry per (prompt,
+response) pair, in order::
 
-    {"query":     [prompt + response, ...],   # the whole text (OpenRLHF's field)
-     "prompts":   [prompt, ...],
-     "labels":    [row[label_field] or null, ...],
-     "responses": [response, ...],             # tether's additions: OpenRLHF servers ignore them
-     "columns":   {name: [value, ...], ...}}   # every other field of the prompt rows
+    {"query":     [text of prompt + response ids, ...],  # OpenRLHF's fields
+     "prompts":   [text of prompt ids, ...],
+     "labels":    [row[label_field], ...],
+     "responses": [text of response ids, ...],            # tether's additions: OpenRLHF servers ignore them
+     "columns":   {name: [value, ...], ...}}              # every other field of the prompt rows
 
-and the reply is a JSON object ``{"rewards": [float, ...]}`` (``"scores"`` is read when
+Text is decoded as OpenRLHF decodes it (``decoded_pairs``): the query is the whole sequence's
+ids decoded at once with special tokens kept, so it ends in the end-of-turn token a reward
+model was trained to score, and the prompt keeps its chat template's tokens. Labels are the
+``label_field`` column; ``""`` per pair where the data has no such column or ``label_field`` is
+null (what OpenRLHF sends without ``--label_key``), null where a row's value is missing.
+``skip_special_tokens=True`` sends plain text instead: every field without special tokens,
+prompt and response decoded apart, the query their concatenation.
+
+The reply is a JSON object ``{"rewards": [float, ...]}`` (``"scores"`` is read when
 ``"rewards"`` is absent; other keys such as ``"extra_logs"`` are ignored). An item that is null
 or not a number is invalid, as from a reward function.
 
@@ -44,11 +53,28 @@ class Malformed(Exception):
     """A reply no retry will fix (4xx, not JSON, no list of rewards)."""
 
 
-def payload(prompts: list[str], responses: list[str], columns: Columns, label_field: str | None) -> dict:
+def decoded_pairs(tokenizer, prompt_ids: list, response_ids: list, skip_special_tokens: bool = False):
+    """(queries, prompts, responses) of token pairs, as text for the request.
+
+    Kept special tokens: the query decodes prompt + response ids in one piece, as OpenRLHF does
+    (decoding them apart differs where a character's bytes or a word's leading space straddle
+    the join). Skipped: plain text, the query the concatenation of the two texts.
+    """
+    decode = lambda seqs: tokenizer.batch_decode([np.asarray(s).tolist() for s in seqs],
+                                                 skip_special_tokens=skip_special_tokens)
+    prompts, responses = decode(prompt_ids), decode(response_ids)
+    if skip_special_tokens:
+        return [p + r for p, r in zip(prompts, responses)], prompts, responses
+    return decode([np.concatenate([p, r]) for p, r in zip(prompt_ids, response_ids)]), prompts, responses
+
+
+def payload(queries: list[str], prompts: list[str], responses: list[str], columns: Columns,
+            label_field: str | None) -> dict:
     """The request body for pairs (see the module docstring); values JSON cannot hold become strings."""
     labels = columns.get(label_field) if label_field else None
-    return {"query": [p + r for p, r in zip(prompts, responses)], "prompts": list(prompts),
-            "labels": list(labels) if labels is not None else [None] * len(prompts),
+    # OpenRLHF sends "" for every label when it is given no label column: a server may expect a string
+    return {"query": list(queries), "prompts": list(prompts),
+            "labels": list(labels) if labels is not None else [""] * len(prompts),
             "responses": list(responses), "columns": {k: list(v) for k, v in columns.items()}}
 
 
@@ -69,20 +95,29 @@ class HTTPScorer:
 
     def __init__(self, url: str, *, batch_size: int = 64, concurrency: int = 4, timeout_s: float = 30.0,
                  retries: int = 3, backoff_s: float = 0.5, budget_s: float = 120.0,
-                 label_field: str | None = "answer"):
+                 label_field: str | None = "answer", skip_special_tokens: bool = False):
         self.url, self.name = url, f"reward server {url}"
         self.batch_size, self.concurrency, self.label_field = int(batch_size), int(concurrency), label_field
+        self.skip_special_tokens = bool(skip_special_tokens)
         self.timeout_s, self.retries, self.backoff_s, self.budget_s = timeout_s, int(retries), backoff_s, budget_s
         self.totals = {"http_requests": 0, "http_retries": 0}
 
-    def score_texts(self, prompts: list[str], responses: list[str], columns: Columns) -> ScoreResult:
+    def score_ids(self, tokenizer, prompt_ids: list, response_ids: list, columns: Columns) -> ScoreResult:
+        """score_texts of token pairs, decoded with ``tokenizer`` as OpenRLHF decodes them (decoded_pairs)."""
+        queries, prompts, responses = decoded_pairs(tokenizer, prompt_ids, response_ids, self.skip_special_tokens)
+        return self.score_texts(prompts, responses, columns, queries=queries)
+
+    def score_texts(self, prompts: list[str], responses: list[str], columns: Columns,
+                    queries: list[str] | None = None) -> ScoreResult:
+        """Scores of text pairs; ``queries`` (default: prompt + response) is the request's 'query'."""
+        queries = [p + r for p, r in zip(prompts, responses)] if queries is None else queries
         n = len(prompts)
         if n == 0:
             return ScoreResult(np.zeros(0, np.float32), np.zeros(0, bool))
         start = time.perf_counter()
         counts = {"http_requests": 0, "http_retries": 0}
         try:
-            parts = asyncio.run(self._score_all(prompts, responses, columns, counts))
+            parts = asyncio.run(self._score_all(queries, prompts, responses, columns, counts))
         except Exception as e:  # noqa: BLE001 - a bug here must not take the replica down
             parts = [invalid_result(n, f"{self.name}: scoring failed: {type_and_first_line(e)}; all {n} items "
                                        "invalid")]
@@ -93,7 +128,7 @@ class HTTPScorer:
         result.counts = {**counts, "http_seconds": time.perf_counter() - start}
         return result
 
-    async def _score_all(self, prompts, responses, columns: Columns, counts: dict) -> list[ScoreResult]:
+    async def _score_all(self, queries, prompts, responses, columns: Columns, counts: dict) -> list[ScoreResult]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.budget_s
         spans = [(i, min(i + self.batch_size, len(prompts))) for i in range(0, len(prompts), self.batch_size)]
@@ -101,7 +136,7 @@ class HTTPScorer:
         gate = asyncio.Semaphore(self.concurrency)
 
         async def one(k: int, a: int, b: int) -> None:
-            body = payload(prompts[a:b], responses[a:b], {c: v[a:b] for c, v in columns.items()},
+            body = payload(queries[a:b], prompts[a:b], responses[a:b], {c: v[a:b] for c, v in columns.items()},
                            self.label_field)
             async with gate:
                 results[k] = await self._batch(session, body, b - a, deadline, counts)
@@ -168,7 +203,7 @@ def probe_server(url: str, prompts: list[str], responses: list[str], columns: Co
     one-line ValueError naming reward.url and the fix if it is down, does not answer within
     ``timeout_s``, replies an error or no list of rewards, or scores no pair with a number."""
     n, where = len(prompts), f"reward.url={url!r}: the reward server"
-    body = payload(prompts, responses, columns or {}, label_field)
+    body = payload([p + r for p, r in zip(prompts, responses)], prompts, responses, columns or {}, label_field)
 
     async def ask():
         async with aiohttp.ClientSession(json_serialize=lambda x: json.dumps(x, default=str)) as session:

@@ -3,9 +3,11 @@ writes its verdict, which a parser turns into a score.
 
 The engine is the generators' (``actors.vllm_support.start_engine``, sized by an EngineConfig),
 sampling greedily by default. The template is a Python ``str.format`` string whose fields are
-``prompt``, ``response`` and the prompt rows' other columns (``{answer}``); with
-``chat_template`` the rendered text becomes the user turn of the judge tokenizer's chat
-template. The parser: with ``choices`` (label -> score) the first label found in the output;
+``prompt``, ``response`` (the pair being scored) and the prompt rows' other columns
+(``{answer}``); a column itself named prompt or response is refused, as the template could not
+tell it from the pair. With ``chat_template`` the rendered text becomes the user turn of the
+judge tokenizer's chat template (``judge_token_ids``, which the driver's start-up probe runs
+too). The parser: with ``choices`` (label -> score) the first label found in the output;
 without, the first number in it, clipped to [min_score, max_score] when given. An output the
 parser cannot read leaves its item invalid (one line per call counts them); nothing here
 raises for what the judge wrote.
@@ -47,9 +49,22 @@ def template_fields(template: str, key: str = "reward.judge.template") -> set[st
     return names
 
 
+def check_columns(columns: Iterable[str], key: str = "reward.judge.template") -> None:
+    """A one-line ValueError if a column is named like a field of the pair (prompt, response):
+    ``str.format`` would get the name twice, and a template could not say which it means."""
+    clash = sorted(set(columns) & set(RESPONSE_FIELDS))
+    if clash:
+        raise ValueError(f"the data has a column named {clash[0]!r}, which {key} cannot tell from the "
+                         f"{clash[0]} being scored ({{{clash[0]}}}); rename that column in the data, or leave it "
+                         "out of data.columns")
+
+
 def check_template(template: str, columns: Iterable[str], key: str = "reward.judge.template") -> None:
-    """A one-line ValueError if ``template`` is not valid or names a field that is neither
-    prompt/response nor one of ``columns`` (the prompt rows' other fields)."""
+    """A one-line ValueError if ``template`` is not valid, if a column clashes with prompt/response
+    (check_columns), or if it names a field that is neither prompt/response nor one of ``columns``
+    (the prompt rows' other fields)."""
+    columns = list(columns)
+    check_columns(columns, key)
     available = [*RESPONSE_FIELDS, *sorted(set(columns) - set(RESPONSE_FIELDS))]
     unknown = sorted(template_fields(template, key) - set(available))
     if unknown:
@@ -59,8 +74,20 @@ def check_template(template: str, columns: Iterable[str], key: str = "reward.jud
 
 def render(template: str, prompts: list[str], responses: list[str], columns: Columns) -> list[str]:
     """The judge's input text of each pair: the template filled with its prompt, response and columns."""
+    check_columns(columns)  # a ValueError the scorer reports, not the TypeError of a repeated keyword
     return [template.format(**{k: v[i] for k, v in columns.items()}, prompt=p, response=r)
             for i, (p, r) in enumerate(zip(prompts, responses))]
+
+
+def judge_token_ids(tokenizer, text: str, chat_template: bool) -> list[int]:
+    """The ids the judge reads for ``text``: its tokens, or with ``chat_template`` the judge
+    tokenizer's chat template around it as the user turn, the assistant's turn opened."""
+    if chat_template:
+        # Rendered to text, then tokenized: apply_chat_template(tokenize=True) returns a
+        # BatchEncoding in transformers 5 (a list of ids in 4), and list() of it is its keys.
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def parse_number(text: str, min_score: float | None = None, max_score: float | None = None) -> float:
@@ -118,10 +145,7 @@ class JudgeScorer:
         self.generated_tokens = 0
 
     def _token_ids(self, text: str) -> list[int]:
-        if self.chat_template:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                           add_generation_prompt=True, tokenize=True))
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return judge_token_ids(self.tokenizer, text, self.chat_template)
 
     def score_texts(self, prompts: list[str], responses: list[str], columns: Columns) -> ScoreResult:
         from vllm.inputs import TokensPrompt
@@ -129,7 +153,7 @@ class JudgeScorer:
         n = len(prompts)
         try:
             texts = render(self.template, prompts, responses, columns)
-        except (KeyError, IndexError, AttributeError, ValueError) as e:  # a column the batch lacks
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:  # a column lacking or mis-shaped
             return invalid_result(n, f"{self.name}: cannot fill reward.judge.template ({type(e).__name__}: {e}); "
                                      f"all {n} items invalid")
         ids = [self._token_ids(t) for t in texts]

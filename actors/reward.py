@@ -297,6 +297,8 @@ class Reward:
 
     def _score_text(self, scorer: TextScorer, prompts, responses, columns: Columns) -> ScoreResult:
         """A text scorer's scores of token arrays (decoded here); its failures are per-item results."""
+        if isinstance(scorer, HTTPScorer):  # a server gets the text OpenRLHF would send, special tokens and all
+            return scorer.score_ids(self.text_tokenizer, prompts, responses, columns)
         decode = lambda seqs: self.text_tokenizer.batch_decode([s.tolist() for s in seqs], skip_special_tokens=True)
         return scorer.score_texts(decode(prompts), decode(responses), columns)
 

@@ -122,7 +122,7 @@ def run_trl(workload: Path, args, n_steps: int) -> dict:
 # ---------------------------------------------------------------------------- tether side
 def tether_command(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_dir: Path,
                    extra: tuple = ()) -> list[str]:
-    o = [f"model.policy={wl['policy']}", "reward.function=null", f"reward.model={wl['reward']}",
+    o = [f"model.policy={wl['policy']}", "reward.function=null", f"reward.model={wl['reward']}", "reward.batch_size=64",
          f"data.path={wl['prompts_path']}", f"data.prompts_per_step={args.prompts}",
          f"generator.sampling.max_new_tokens={args.new_tokens}",
          f"generator.engine.max_model_len={_pow2(wl['prompt_tokens'] + args.new_tokens)}",

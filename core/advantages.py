@@ -77,8 +77,8 @@ def per_turn_rewards(
     kl: Tensor, turn_rewards: Tensor, mask: Tensor, beta: float, *,
     truncated: Optional[Tensor] = None, truncation_penalty: float = 0.0, reward_clip: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Dense PPO rewards [B, T] of multi-turn episodes rewarded turn by turn, and [B] their sums
-    (the shaped scores).
+    """Dense PPO rewards [B, T] of multi-turn episodes rewarded turn by turn, and [B, T] the shaped
+    rewards in them (the rewards less the KL penalty; summed over a row, its shaped score).
 
     kl, mask: as in ``per_token_rewards``; turn_rewards: [B, T] each turn's environment reward
     on that turn's last token, 0 elsewhere. Each placed reward is clipped to +-reward_clip if
@@ -94,8 +94,9 @@ def per_turn_rewards(
     placed = zero_pad(placed, mask)
     penalty = shaped_scores(torch.zeros(mask.shape[0], dtype=kl.dtype), truncated=truncated,
                             truncation_penalty=truncation_penalty, dtype=kl.dtype)
-    rewards = per_token_rewards(kl, penalty, mask, beta) + placed
-    return rewards, placed.sum(dim=1) + penalty
+    last = _last_valid_index(fn, mask)
+    shaped = placed.index_put((torch.arange(mask.shape[0], device=mask.device), last), penalty, accumulate=True)
+    return zero_pad(-beta * kl, mask) + shaped, shaped
 
 
 def gae(

@@ -88,14 +88,16 @@ def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], sc
     if not keep:
         return []
     lengths = [r.response_ids.size for r in keep]
-    kl_np, rewards_np, shaped = _kl_and_rewards(keep, refs, kept_scores, beta=beta, kl_estimator=kl_estimator,
-                                                truncation_penalty=truncation_penalty, reward_clip=reward_clip)
+    kl_np, rewards_np, shaped, placed_np = _kl_and_rewards(
+        keep, refs, kept_scores, beta=beta, kl_estimator=kl_estimator, truncation_penalty=truncation_penalty,
+        reward_clip=reward_clip)
     out = []
     for row, (r, ref, R) in enumerate(zip(keep, refs, lengths)):
         base = {name: getattr(r, name) for name in _ROLLOUT_FIELDS}
         out.append(ScoredRollout(**base, reference_logprobs=ref, kl=kl_np[row, :R].copy(),
                                  rewards=rewards_np[row, :R].copy(), score=float(kept_scores[row]),
-                                 reward_score=float(shaped[row])))
+                                 reward_score=float(shaped[row]),
+                                 placed_rewards=None if r.turn_rewards is None else placed_np[row, :R].copy()))
     return out
 
 
@@ -123,10 +125,11 @@ def _non_empty(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray],
 
 def _kl_and_rewards(keep: list[Rollout], refs: list[np.ndarray], scores: np.ndarray, *, beta: float,
                     kl_estimator: str, truncation_penalty: float,
-                    reward_clip: Optional[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    reward_clip: Optional[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per-token KL and rewards, each [B, T] float32 (T = the longest response; 0 past a row's end),
-    and the [B] float32 scores as they entered the rewards, of non-empty rollouts with their
-    reference log-probs and [B] scores (see ``annotate``)."""
+    the [B] float32 scores as they entered the rewards and [B, T] the turn rewards as they entered
+    them (0 on rows rewarded as a whole), of non-empty rollouts with their reference log-probs and
+    [B] scores (see ``annotate``)."""
     B, T = len(keep), max(r.response_ids.size for r in keep)
     behaviour = np.zeros((B, T), np.float32)
     reference = np.zeros((B, T), np.float32)
@@ -147,12 +150,13 @@ def _kl_and_rewards(keep: list[Rollout], refs: list[np.ndarray], scores: np.ndar
         rewards = per_token_rewards(kl, score, mask_t.float(), beta, **shaping)
         shaped = shaped_scores(score, **shaping)
         by_turn = torch.tensor([r.turn_rewards is not None for r in keep])
+        placed = torch.zeros((B, T))
         if bool(by_turn.any()):  # these rows' rewards sit on their turns' last tokens instead
             turns = torch.zeros((B, T))
             for row, r in enumerate(keep):
                 if r.turn_rewards is not None:
                     turns[row, :r.response_ids.size] = torch.from_numpy(r.turn_rewards)
-            placed, placed_sum = per_turn_rewards(kl, turns, mask_t.float(), beta, **shaping)
-            rewards = torch.where(by_turn[:, None], placed, rewards)
-            shaped = torch.where(by_turn, placed_sum, shaped)
-    return kl.numpy(), rewards.numpy(), shaped.numpy()
+            turn_dense, placed = per_turn_rewards(kl, turns, mask_t.float(), beta, **shaping)
+            rewards = torch.where(by_turn[:, None], turn_dense, rewards)
+            shaped = torch.where(by_turn, placed.sum(dim=1), shaped)
+    return kl.numpy(), rewards.numpy(), shaped.numpy(), placed.numpy()

@@ -19,12 +19,14 @@ from core.infra.schema import choice_error
 @dataclass(frozen=True)
 class EstimatorRow:
     """One advantage estimator: its config name (``ppo.advantage``), whether it reads a critic's
-    values, whether it baselines a sample against the other samples of its prompt (its group), the
-    name of its function in core/estimators.py and its help. The function goes by name so that
+    values, whether it baselines a sample against the other samples of its prompt (its group), whether
+    it discounts rewards by ``ppo.gamma`` (the outcome estimators give every token its sequence's
+    score undiscounted), the name of its function in core/estimators.py and its help. The function goes by name so that
     this table, and the configs checked against it, import no torch."""
     name: str
     needs_critic: bool
     uses_groups: bool
+    discounts: bool
     function: str
     help: str
 
@@ -32,15 +34,15 @@ class EstimatorRow:
 # Every advantage estimator, one row each: the config's choices, its help text and the checks on
 # critics and groups all derive from here (docs/extending.md: adding an estimator).
 ESTIMATOR_TABLE: tuple[EstimatorRow, ...] = (
-    EstimatorRow(name="gae", needs_critic=True, uses_groups=False, function="gae_advantages",
+    EstimatorRow(name="gae", needs_critic=True, uses_groups=False, discounts=True, function="gae_advantages",
                  help="the critic's values"),
-    EstimatorRow(name="grpo", needs_critic=False, uses_groups=True, function="grpo_advantages",
+    EstimatorRow(name="grpo", needs_critic=False, uses_groups=True, discounts=False, function="grpo_advantages",
                  help="the group's mean and std"),
-    EstimatorRow(name="rloo", needs_critic=False, uses_groups=True, function="rloo_advantages",
+    EstimatorRow(name="rloo", needs_critic=False, uses_groups=True, discounts=False, function="rloo_advantages",
                  help="the mean of the group's other samples"),
-    EstimatorRow(name="reinforce_pp", needs_critic=False, uses_groups=False, function="reinforce_pp_advantages",
-                 help="returns whitened over the batch"),
-    EstimatorRow(name="reinforce_pp_baseline", needs_critic=False, uses_groups=True,
+    EstimatorRow(name="reinforce_pp", needs_critic=False, uses_groups=False, discounts=True,
+                 function="reinforce_pp_advantages", help="returns whitened over the batch"),
+    EstimatorRow(name="reinforce_pp_baseline", needs_critic=False, uses_groups=True, discounts=False,
                  function="reinforce_pp_baseline_advantages", help="the group's mean, then whitened"),
 )
 
@@ -84,6 +86,19 @@ def estimator_row(name: str) -> EstimatorRow:
 def critic_free_names() -> str:
     """The estimators that train no value model, as a config's help lists choices."""
     return " | ".join(row.name for row in ESTIMATOR_TABLE if not row.needs_critic)
+
+
+def discounting_names() -> str:
+    """The estimators that ``ppo.gamma`` discounts, as a help text lists them."""
+    return " and ".join(row.name for row in ESTIMATOR_TABLE if row.discounts)
+
+
+def gamma_error(gamma: float, estimator: str, at: str = "ppo") -> Optional[str]:
+    """Why ``gamma`` < 1 has no effect with ``estimator``, or None when it has (or is 1)."""
+    if gamma == 1 or estimator not in ESTIMATOR_NAMES or estimator_row(estimator).discounts:
+        return None
+    return (f"{at}.gamma={gamma} has no effect with {at}.advantage={estimator}: an outcome estimator gives every "
+            f"token its sequence's score undiscounted; leave gamma at 1, or use {discounting_names()}")
 
 
 def kl_placement_error(placement: str, estimator: str) -> Optional[str]:

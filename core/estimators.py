@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from core.advantages import gae, last_valid_column
 from core.choices import ESTIMATOR_TABLE, EstimatorRow, estimator_row
 from core.masked import check_masked, check_shapes, local_sums, require, whiten, zero_pad
+from core.turn_credit import on_turn_tokens, turn_units, unit_groups
 
 Tensor = torch.Tensor
 
@@ -40,6 +42,11 @@ class AdvantageInputs:
     population: (scores [N], group [N]) of the whole batch when these rows are one rank's
         share of it (their own among them): group statistics are taken over it. None: these
         rows are the whole batch.
+    placed: [B, T] rows rewarded turn by turn (env.reward_placement=turn): their shaped rewards as
+        they sit in ``rewards`` (each turn's on its last token); the group estimators then credit
+        each turn by its return (core/turn_credit.py). None: each score on its row's last token.
+    turn_population: (returns [N] float64, group [N], turn [N]) every turn of the whole batch
+        (core.turn_credit.turn_units) when these rows are one rank's share; None: these rows.
     """
     rewards: Tensor
     scores: Tensor
@@ -47,6 +54,8 @@ class AdvantageInputs:
     group: Tensor
     values: Optional[Tensor] = None
     population: Optional[Tuple[Tensor, Tensor]] = None
+    placed: Optional[Tensor] = None
+    turn_population: Optional[Tuple[Tensor, Tensor, Tensor]] = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,9 @@ def batch_whiten(x: Tensor, mask: Tensor, reduce=local_sums) -> Tensor:
 
 
 Result = Tuple[Tensor, Optional[Tensor]]
+# (scores [U], group [U], population or None) -> [U] float64: an outcome estimator's advantage of
+# each score against its group
+ScoreAdvantage = Callable[[Tensor, Tensor, Optional[Tuple[Tensor, Tensor]]], Tensor]
 
 
 class GroupStats(NamedTuple):
@@ -142,40 +154,85 @@ def gae_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums)
     return (batch_whiten(adv, x.mask, reduce) if opt.whiten_gae else adv), ret
 
 
-def score_with_kl_penalty(x: AdvantageInputs, shaped: Tensor, gamma: float) -> Tensor:
+def score_with_kl_penalty(x: AdvantageInputs, shaped: Tensor) -> Tensor:
     """[B, T] float32: the returns-to-go of ``shaped`` [B] (each row's score after its group's
     baseline) on the row's last valid token plus the per-token KL penalty of ``x.rewards``
     (x.rewards less x.scores on the last token; 0 when the KL is in the loss). The group
     statistics see the score alone, so beta keeps its meaning whatever the group's spread
-    (OpenRLHF's rloo / group_norm / reinforce_baseline; REINFORCE++'s per-token KL)."""
+    (OpenRLHF's rloo / group_norm / reinforce_baseline; REINFORCE++'s per-token KL). Undiscounted:
+    an outcome is the whole sequence's, so every token shares it (verl's GRPO ignores gamma,
+    OpenRLHF sets it to 1)."""
     rows = torch.arange(x.mask.shape[0], device=x.mask.device)
     last = last_valid_column(x.mask).clamp(min=0)  # a row without tokens: its zeros stay zeros
     rewards = zero_pad(x.rewards.detach().to(torch.float32), x.mask)
     # In the rewards' own precision: the score on the last token cancels exactly.
     kl_penalty = rewards.index_put((rows, last), -x.scores.detach().to(torch.float32), accumulate=True)
     dense = kl_penalty.index_put((rows, last), shaped.to(torch.float32), accumulate=True)
-    return returns_to_go(dense, x.mask, gamma)
+    return returns_to_go(dense, x.mask)
+
+
+def turns_with_kl_penalty(x: AdvantageInputs, score_advantage: ScoreAdvantage) -> Tensor:
+    """[B, T] float32: each token of turn k its turn's return baselined by ``score_advantage``
+    against the turns k of its group (core/turn_credit.py), plus the KL penalty's returns-to-go
+    (``x.rewards`` less ``x.placed``)."""
+    units = turn_units(x.placed.detach(), x.mask)
+    group = x.group[units.row]
+    if x.turn_population is None:
+        pop_returns, pop_group, pop_turn = units.returns, group, units.turn
+    else:
+        pop_returns, pop_group, pop_turn = x.turn_population
+    ids, pop_ids = unit_groups(group, units.turn, pop_group.to(group.device), pop_turn.to(group.device))
+    adv = score_advantage(units.returns, ids, (pop_returns, pop_ids))
+    kl_penalty = zero_pad(x.rewards.detach().to(torch.float32) - x.placed.detach().to(torch.float32), x.mask)
+    return (returns_to_go(kl_penalty, x.mask).double() + on_turn_tokens(units, adv, x.mask)).to(torch.float32)
+
+
+def outcome_with_kl_penalty(x: AdvantageInputs, score_advantage: ScoreAdvantage) -> Tensor:
+    """[B, T] float32 the advantages of an outcome estimator: ``score_advantage`` of each row's
+    score (``score_with_kl_penalty``), or of each turn's return when the rows are rewarded turn by
+    turn (``turns_with_kl_penalty``)."""
+    if x.placed is not None:
+        return turns_with_kl_penalty(x, score_advantage)
+    return score_with_kl_penalty(x, score_advantage(x.scores.detach(), x.group, x.population))
+
+
+def grpo_score_advantage(scores: Tensor, group: Tensor, population, scale_by_std: bool, eps: float) -> Tensor:
+    """[B] float64 (score - group mean) / (group std + eps); without ``scale_by_std`` the mean
+    only (Dr. GRPO). A group whose scores are all equal gets 0."""
+    mean, _ = group_baseline(scores, group, leave_one_out=False, population=population)
+    adv = scores.double() - mean
+    if scale_by_std:  # equal scores: nothing to learn, 0 (not 0 / 0)
+        std = group_std(scores, group, population)
+        adv = torch.where(std > 0, adv / (std + eps), torch.zeros_like(adv))
+    return adv
 
 
 def grpo_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
     """(score - group mean) / (group std + eps), then the KL penalty's returns-to-go added
-    (``score_with_kl_penalty``); without ``scale_by_std`` only the mean is taken off (Dr. GRPO).
+    (``outcome_with_kl_penalty``); without ``scale_by_std`` only the mean is taken off (Dr. GRPO).
     A group whose scores are all equal gets 0 from its score."""
     _check("grpo", x)
-    mean, _ = group_baseline(x.scores.detach(), x.group, leave_one_out=False, population=x.population)
-    adv = x.scores.detach().double() - mean
-    if opt.scale_by_std:  # equal scores: nothing to learn, 0 (not 0 / 0)
-        std = group_std(x.scores.detach(), x.group, x.population)
-        adv = torch.where(std > 0, adv / (std + opt.eps), torch.zeros_like(adv))
-    return score_with_kl_penalty(x, adv, opt.gamma), None
+    return outcome_with_kl_penalty(x, partial(grpo_score_advantage, scale_by_std=opt.scale_by_std,
+                                              eps=opt.eps)), None
+
+
+def leave_one_out_advantage(scores: Tensor, group: Tensor, population) -> Tensor:
+    """[B] float64 each score less the mean score of its group's other samples."""
+    baseline, _ = group_baseline(scores, group, leave_one_out=True, population=population)
+    return scores.double() - baseline
+
+
+def mean_baseline_advantage(scores: Tensor, group: Tensor, population) -> Tensor:
+    """[B] float64 each score less its group's mean score."""
+    mean, _ = group_baseline(scores, group, leave_one_out=False, population=population)
+    return scores.double() - mean
 
 
 def rloo_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
     """score minus the mean score of the group's other samples, then the KL penalty's
-    returns-to-go added (``score_with_kl_penalty``)."""
+    returns-to-go added (``outcome_with_kl_penalty``)."""
     _check("rloo", x)
-    baseline, _ = group_baseline(x.scores.detach(), x.group, leave_one_out=True, population=x.population)
-    return score_with_kl_penalty(x, x.scores.detach().double() - baseline, opt.gamma), None
+    return outcome_with_kl_penalty(x, leave_one_out_advantage), None
 
 
 def reinforce_pp_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
@@ -187,12 +244,10 @@ def reinforce_pp_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=lo
 
 def reinforce_pp_baseline_advantages(x: AdvantageInputs, opt: EstimatorOptions, reduce=local_sums) -> Result:
     """REINFORCE++-baseline (Hu et al. 2025; OpenRLHF's reinforce_baseline): the group's mean
-    score taken off each score, the KL penalty's returns-to-go added (``score_with_kl_penalty``),
+    score taken off each score, the KL penalty's returns-to-go added (``outcome_with_kl_penalty``),
     then whitened over the whole batch as reinforce_pp."""
     _check("reinforce_pp_baseline", x)
-    mean, _ = group_baseline(x.scores.detach(), x.group, leave_one_out=False, population=x.population)
-    returns = score_with_kl_penalty(x, x.scores.detach().double() - mean, opt.gamma)
-    return batch_whiten(returns, x.mask, reduce), None
+    return batch_whiten(outcome_with_kl_penalty(x, mean_baseline_advantage), x.mask, reduce), None
 
 
 @dataclass(frozen=True)

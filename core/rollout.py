@@ -117,9 +117,19 @@ class ScoredRollout(Rollout):
     # The score as it entered ``rewards`` (clipped, plus any truncation penalty), float32 like
     # them: what the group estimators compare. None: ``score`` (no shaping).
     reward_score: float = None
+    # [R] float32: an episode rewarded turn by turn, its turn rewards as they entered ``rewards``
+    # (each clipped, on its turn's last token; the truncation penalty added on the last token), so
+    # the group estimators credit each turn by its return (core/turn_credit.py). None: the score
+    # on the last token.
+    placed_rewards: np.ndarray = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.placed_rewards is not None:
+            self.placed_rewards = np.asarray(self.placed_rewards, dtype=np.float32).reshape(-1)
+            if self.placed_rewards.shape != self.response_ids.shape:
+                raise ValueError(f"ScoredRollout: placed_rewards shape {self.placed_rewards.shape} does not "
+                                 f"match response_ids shape {self.response_ids.shape}")
         if self.reward_score is None:
             self.reward_score = float(np.float32(self.score))
         for name in ("reference_logprobs", "kl", "rewards"):

@@ -27,7 +27,9 @@ from core.choices import (
     TrainableDType,
     WeightSync,
     critic_free_names,
+    discounting_names,
     estimator_row,
+    gamma_error,
     kl_placement_error,
 )
 from core.infra.schema import check_choices, config_class, setting
@@ -133,7 +135,8 @@ class PPOConfig:
     advantage: AdvantageEstimator = setting("gae", ESTIMATOR_HELP)
     group_std: bool = setting(True, "grpo: divide each advantage by its group's score std; false: Dr. GRPO "
                                     "(the group mean is taken off, nothing divided)")
-    gamma: float = setting(1.0, "discount of GAE and REINFORCE++'s returns")
+    gamma: float = setting(1.0, f"discount of the returns of {discounting_names()}; the outcome estimators "
+                                "(grpo, rloo, reinforce_pp_baseline) take none and refuse gamma < 1")
     lam: float = setting(0.95, "GAE lambda")
     agg: LossAggregation = setting("token-mean", "loss aggregation, see core.ppo.aggregate_loss")
     whiten_advantages: bool = setting(True, "gae: normalise advantages over the global batch (REINFORCE++ always "
@@ -172,6 +175,8 @@ class PPOConfig:
                 _fail(f"{p}.{name}={getattr(self, name)} must be >= 0")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             _fail(f"{p}.gamma={self.gamma} and {p}.lam={self.lam} must be in [0, 1]")
+        if (why := gamma_error(self.gamma, self.advantage, p)) is not None:
+            _fail(why)
         if not (self.is_cap >= 1 and math.isfinite(self.is_cap)):
             _fail(f"{p}.is_cap={self.is_cap} must be a finite number >= 1 (weights above it are capped)")
 

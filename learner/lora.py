@@ -174,11 +174,18 @@ def write_adapter(files: dict[str, bytes], out_dir) -> Path:
     return out
 
 
-def merged_state(state: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
-    """The LM's full state with each adapter folded into its base weight, in fp32 (one rounding to
-    the base's dtype at the end, not one per step): W + (alpha / r) B A. ``state``: the LM's HF
-    names with the in-model adapter layers' names (``q_proj.base_layer.weight``, ``q_proj.lora_A.default.weight``)."""
-    scale = lora.alpha / lora.rank
+def merged_state(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state of ``model`` (the LM, a critic body or a reward model's classifier: the module
+    that holds the adapter layers) with each adapter folded into its base weight, in fp32 (one
+    rounding to the base's dtype at the end, not one per step). ``state``: its full tensors under the
+    in-model names (``q_proj.base_layer.weight``, ``q_proj.lora_A.default.weight``), gathered under
+    ZeRO-3.
+
+    The delta is PEFT's own (``get_delta_weight``): scaling x B A, transposed for a layer that keeps
+    its weight as (in, out) (``fan_in_fan_out``: GPT-2's Conv1D). Each layer's settings are read
+    from ``model``, its tensors from ``state``: under ZeRO-3 the module's own are partitions."""
+    from peft.utils.other import transpose
+
     out = {}
     for name, tensor in state.items():
         if is_adapter_param(name):
@@ -187,9 +194,11 @@ def merged_state(state: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, 
         if not module:
             out[name] = tensor
             continue
-        a, b = state[f"{module}.lora_A.default.weight"], state[f"{module}.lora_B.default.weight"]
         if leaf == "weight":
-            tensor = (tensor.float() + (b.float() @ a.float()) * scale).to(tensor.dtype)
+            layer = model.get_submodule(module)
+            a, b = state[f"{module}.lora_A.default.weight"], state[f"{module}.lora_B.default.weight"]
+            delta = transpose(b.float() @ a.float(), layer.fan_in_fan_out) * layer.scaling["default"]
+            tensor = (tensor.float() + delta).to(tensor.dtype)
         out[f"{module}.{leaf}"] = tensor
     return out
 

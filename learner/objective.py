@@ -10,6 +10,7 @@ options and merges what the ranks return.
 """
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -60,3 +61,22 @@ class Objective:
     def merge_evaluate(cls, per_rank: list):
         """One result from the ranks' evaluate(), as merge_train."""
         return per_rank[0]
+
+
+def evaluating(method):
+    """An objective's method that only scores (held-out loss, reward scores): run without
+    gradients and with the module in eval mode, its modes restored after. disable_dropout zeroes
+    the base model's dropout, but a LoRA adapter's dropout (learner.lora.dropout, the stages'
+    regulariser) is added after it and stays live in train mode: the same inputs would score
+    differently on every call, and reward_stats.json would be built from noisy scores."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        modes = [(m, m.training) for m in self.engine.module.modules()]
+        self.engine.module.eval()
+        try:
+            with torch.no_grad():
+                return method(self, *args, **kwargs)
+        finally:
+            for module, training in modes:
+                module.training = training
+    return wrapper

@@ -235,7 +235,7 @@ class PolicyWithValueHead(HFWrapper):
         if self.lora is not None:
             adapters.write_adapter(adapters.adapter_files(adapters.adapter_state(lm_state.items()), self.lora,
                                                           self.source_path), out / adapters.ADAPTER_DIR)
-            lm_state = adapters.merged_state(lm_state, self.lora) if with_lm else None
+            lm_state = adapters.merged_state(lm_state, self.lm) if with_lm else None
         if lm_state is not None:
             self.lm.save_pretrained(out, state_dict=lm_state, safe_serialization=True)
         if self.value_head is not None:
@@ -255,7 +255,7 @@ class PolicyWithValueHead(HFWrapper):
             adapters.write_adapter(files, out / adapters.ADAPTER_DIR)
             if not with_body:
                 return
-            state = adapters.merged_state(state, self.critic_lora)
+            state = adapters.merged_state(state, self.critic_body)
         self.critic_body.save_pretrained(out, state_dict=state, safe_serialization=True)
 
     def _copy_tokenizer(self, out: Path) -> None:

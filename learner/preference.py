@@ -25,6 +25,7 @@ from core.preference import bradley_terry_loss
 from core.varlen_attention import use_varlen
 from learner import lora as adapters
 from learner.lora_config import LoraConfig
+from learner.objective import evaluating
 from learner.policy import HFWrapper, copy_tokenizer, disable_dropout
 from learner.sft import SupervisedObjective, collate_sequences
 
@@ -69,7 +70,7 @@ class RewardModule(HFWrapper):
             adapter.update({adapters.PEFT_PREFIX + k: v for k, v in state.items() if k.startswith("score.")})
             adapters.write_adapter(adapters.adapter_files(adapter, self.lora, self.source_path, task="SEQ_CLS"),
                                    out / adapters.ADAPTER_DIR)
-            state = adapters.merged_state(state, self.lora) if with_lm else None
+            state = adapters.merged_state(state, self.model) if with_lm else None
         if state is not None:
             self.model.save_pretrained(out, state_dict=state, safe_serialization=True)
         copy_tokenizer(self.source_path, out)
@@ -138,7 +139,7 @@ class PreferenceObjective(SupervisedObjective):
             out["lr"].append(done["lr"])
         return out
 
-    @torch.no_grad()
+    @evaluating
     def evaluate(self, pairs: list[Pair], *, margin: float = 0.0) -> dict:
         """Loss and pair accuracy over every rank's pairs (ranks may hold unequal shares)."""
         sums = np.zeros(3)  # loss sum, correct, pairs
@@ -149,7 +150,7 @@ class PreferenceObjective(SupervisedObjective):
         loss, correct, n = self.comm.sum(sums.tolist())
         return {"loss": loss / n, "accuracy": correct / n, "pairs": int(n)}
 
-    @torch.no_grad()
+    @evaluating
     def scores(self, sequences: list[tuple]) -> np.ndarray:
         """[N] float32 scores of (prompt_ids, response_ids) items; every rank calls it (through
         LearnerGroup.apply: a call of this objective's own)."""

@@ -18,7 +18,7 @@ import torch
 
 from core.layout import pad_right, position_ids
 from core.preference import response_nll
-from learner.objective import Objective
+from learner.objective import Objective, evaluating
 from learner.packing import pack_examples
 from learner.policy import PolicyWithValueHead
 
@@ -125,7 +125,7 @@ class SFTObjective(SupervisedObjective):
             out["tokens"] += int(tokens)
         return out
 
-    @torch.no_grad()
+    @evaluating
     def evaluate(self, examples: list[Example]) -> dict:
         """Token-mean response loss over every rank's examples (ranks may hold unequal shares)."""
         total, tokens = 0.0, 0.0

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 from core import ppo
-from core.estimators import AdvantageInputs, EstimatorOptions, estimator
+from core.estimators import EstimatorOptions, estimator
 from core.kl import kl_estimate
 from core.layout import position_ids
 from core.masked import explained_variance
 from core.rollout import ScoredRollout
+from learner.advantage_inputs import advantage_inputs
 from learner.batch import Batch, collate, collate_lm
 from learner.config import LearnerConfig
 from learner.lora import adapter_disabled
@@ -186,25 +187,13 @@ class PPOObjective(Objective):
 
     def _advantages(self, batch: Batch, shard: list[ScoredRollout]):
         """(advantages, returns or None), [B, R] each, by ``ppo.advantage`` (core/estimators.py).
-        Statistics over the batch are sums over every rank (all-reduces); a group estimator
-        gathers every rank's (group, score) pairs, since a prompt's samples may sit on
-        several ranks."""
+        Statistics over the batch are sums over every rank (all-reduces); a group estimator sees
+        every rank's scores (learner/advantage_inputs.py)."""
         cfg = self.config.ppo
         chosen = estimator(cfg.advantage)
-        mask = batch.response_mask
-        # Each score as it entered the rewards, no KL: the estimators add the KL penalty themselves.
-        scores = torch.tensor([r.reward_score for r in shard], dtype=torch.float64)
-        keys = [(r.chunk_id, r.prompt_index) if r.chunk_id >= 0 else (-1, -1) for r in shard]
-        group = _group_ids(keys, offset=self.row_offset)
-        population = None
-        if chosen.uses_groups:
-            rows = self.comm.gather_rows([(*k, s) for k, s in zip(keys, scores.tolist())])
-            everyone = torch.tensor(rows, dtype=torch.float64)
-            population = (everyone[:, 2].to(self.device),
-                          _group_ids(everyone[:, :2].long().tolist(), offset=0).to(self.device))
-        inputs = AdvantageInputs(rewards=batch.rewards, scores=scores.to(self.device), mask=mask,
-                                 group=group.to(self.device),
-                                 values=batch.old_values if self.critic else None, population=population)
+        inputs = advantage_inputs(batch, shard, comm=self.comm, row_offset=self.row_offset, device=self.device,
+                                  with_population=chosen.uses_groups,
+                                  values=batch.old_values if self.critic else None)
         options = EstimatorOptions(gamma=cfg.gamma, lam=cfg.lam, scale_by_std=cfg.group_std,
                                    whiten_gae=cfg.whiten_advantages)
         return chosen.fn(inputs, options, reduce=self.comm.sum)
@@ -380,14 +369,6 @@ class PPOObjective(Objective):
             # head joins the graph at zero weight so ZeRO's gradient reductions line up.
             self.engine.backward(self.config.ppo.ptx_coef * lm + values.sum() * 0.0, scale_wrt_gas=False)
             self._engine_step(stats)
-
-
-def _group_ids(keys: list, offset: int) -> torch.Tensor:
-    """[n] int64 group ids from (chunk id, prompt index) pairs: one per prompt, the same on
-    every rank. A row with no chunk (-1, -1) is a group of its own, told apart by its row
-    (``offset``: the row's position in the gathered batch less its index here)."""
-    ids = [(int(c) << 32) + int(p) if c >= 0 else -1 - (offset + i) for i, (c, p) in enumerate(keys)]
-    return torch.tensor(ids, dtype=torch.int64)
 
 
 def _as_float(x) -> float:

@@ -21,8 +21,9 @@ class EnvConfig:
                                                "pool scores the final transcript")
     reward_placement: RewardPlacement = setting(
         "episode", "with reward=environment: episode = the rewards summed as the episode's score, on its last "
-                   "token | turn = each turn's reward on that turn's last token (credit per turn for GAE; the "
-                   "score is still the sum)")
+                   "token | turn = each turn's reward on that turn's last token (credit per turn: GAE "
+                   "bootstraps across turns, the group estimators compare each turn's return with the "
+                   "same turn of the group's other samples; the score is still the sum)")
     max_turns: int = setting(4, "policy turns per episode at most")
     max_tokens: int = setting(512, "response tokens per episode at most, observations included")
     max_turn_tokens: int = setting(0, "tokens per turn at most (a turn also ends at EOS); 0 = "

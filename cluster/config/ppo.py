@@ -19,6 +19,7 @@ from typing import Optional
 from actors.config import EngineConfig, SamplingConfig
 from cluster.config import loader
 from cluster.config.env import EnvConfig, check_env
+from cluster.config.ineffective import check_ineffective
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.pools import check_pools
 from cluster.config.reward_http import RewardHTTPConfig, check_reward_http
@@ -41,8 +42,8 @@ BUILTIN_REWARD = "cluster.demo.sentiment:sentiment"
 @config_class
 class ModelConfig:
     """The policy PPO trains (and starts the reference from)."""
-    policy: str = setting(BUILTIN_POLICY, "HF model directory, builtin:tiny, or builtin:tiny-30m "
-                                          "(random init, for benchmarks)")
+    policy: str = setting(BUILTIN_POLICY, "HF model directory, builtin:tiny, builtin:tiny-30m (random init, "
+                                          "for benchmarks), or builtin:arith (the arithmetic task's)")
     tokenizer: Optional[str] = setting(None, "defaults to the policy directory")
     dtype: Precision = setting("auto", "the whole service's precision: the generators, reference, reward model and "
                                        "learner (bf16 keeps fp32 master weights). auto: bfloat16 on GPUs and on "
@@ -161,7 +162,8 @@ class DataConfig:
     """The prompts: where they come from and how many a step samples."""
     path: Optional[str] = setting(None, ".jsonl / .parquet / saved HF dataset folder, or a Hugging Face Hub dataset "
                                         "id owner/name (read through the datasets cache; a local path of that "
-                                        "name wins); null = built-in prompts")
+                                        "name wins), or builtin:arith (the arithmetic task's rows); null = "
+                                        "built-in prompts")
     split: str = setting("train", "the split of a Hub dataset or saved DatasetDict (datasets' syntax: "
                                   "train, test, train[:1000])")
     config_name: Optional[str] = setting(None, "the config of a Hub dataset that has several (openai/gsm8k: main)")
@@ -316,6 +318,7 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError(f"config: {e}") from None
     _check_ptx(cfg)
     check_env(cfg.env)
+    check_ineffective(cfg)
     # Every learner rank trains on whole prompt groups (core.rollout.shard_rollouts): one at least.
     if cfg.data.prompts_per_step < cfg.learner.replicas:
         raise ConfigError(f"config: data.prompts_per_step={cfg.data.prompts_per_step} is below "

@@ -19,8 +19,13 @@ class RewardHTTPConfig:
     backoff_s: float = setting(0.5, "the wait before the first retry; it doubles with each")
     budget_s: float = setting(120.0, "all requests of one scoring call, retries included, end within this many "
                                      "seconds; pairs still unscored by then are invalid")
-    label_field: Optional[str] = setting("answer", "the prompt rows' column sent as the request's 'labels' "
-                                                   "(null per pair where the rows lack it; null = send none)")
+    label_field: Optional[str] = setting("answer", "the prompt rows' column sent as the request's 'labels' (null "
+                                                   "where a row has no value; \"\" per pair when the data has no "
+                                                   "such column or this is null, as OpenRLHF without --label_key)")
+    skip_special_tokens: bool = setting(False, "false: 'query' is the pair's prompt + response ids decoded at once "
+                                               "with special tokens kept (the end-of-turn token included), as "
+                                               "OpenRLHF sends it; true: plain text, every field without special "
+                                               "tokens and the query the prompt's text + the response's")
 
 
 def check_reward_http(url: Optional[str], http: RewardHTTPConfig) -> None:

@@ -17,7 +17,8 @@ class JudgeConfig:
     model: Optional[str] = setting(None, "the judge: a causal LM directory or Hub name, or builtin:judge (the "
                                          "offline tiny judge); null = no judge")
     template: str = setting(DEFAULT_TEMPLATE, "the judge's prompt, a Python format string: {prompt}, {response} "
-                                              "and any column of the data ({answer}); a literal brace is {{ or }}")
+                                              "and any column of the data ({answer}; a column named prompt or "
+                                              "response is refused: rename it); a literal brace is {{ or }}")
     chat_template: bool = setting(False, "wrap the filled template as the user turn of the judge tokenizer's "
                                          "chat template (instruct judges)")
     choices: Optional[dict[str, float]] = setting(None, "read the verdict as the first of these labels in the "

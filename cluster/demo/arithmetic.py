@@ -13,17 +13,22 @@ as verifiable-reward RL (math, code) has. Everything it needs lives here:
 - ``reward_from_prompt``: the same check with the answer worked out from the prompt text, for a
   2-argument ``reward.function`` (cluster.demo.arithmetic:reward_from_prompt);
 - ``SecondChance``: the task as a two-turn episode, a wrong answer asked again
-  (env.environment=cluster.demo.arithmetic:SecondChance, configs/arith-episodes-tiny.yaml).
+  (env.environment=cluster.demo.arithmetic:SecondChance, configs/arith-episodes-tiny.yaml);
+- ``BUILTIN`` (builtin:arith): a config's name for both, ``model.policy: builtin:arith`` the
+  pre-trained policy and ``data.path: builtin:arith`` the prompt rows, each built on first use
+  and cached (``build_arithmetic_policy``, ``build_prompt_file``).
 
 A verifier that reads the last number (e.g. Math-Verify) scores "not 5." as 5: wrong too, as
 it should be. RL has to learn to answer instead of hedging, which the ~1M-parameter policy does
-in a few dozen GRPO steps on CPU (configs/arith-tiny.yaml).
+in a few dozen GRPO steps on CPU (configs/arith-tiny.yaml, which names both by BUILTIN).
+Copies to look at or edit (not needed to run the configs):
 
     python -m cluster.demo.arithmetic --write runs/arith/prompts.jsonl --policy runs/arith/policy
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import re
@@ -31,6 +36,7 @@ import shutil
 import sys
 from pathlib import Path
 
+BUILTIN = "builtin:arith"  # model.policy and data.path: the task's policy and prompt rows, built and cached
 OPERATIONS = {"plus": ("add", lambda a, b: a + b), "minus": ("sub", lambda a, b: a - b)}
 DIGITS = range(0, 6)  # operands: small enough that ~1M parameters learn every fact in ~1 min
 NUMBERS = range(0, 11)  # every answer (the largest is 5 plus 5)
@@ -144,6 +150,25 @@ def build_arithmetic_policy() -> Path:
 def write_rows(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+PROMPT_FILE = "prompts.jsonl"
+
+
+def build_prompt_file() -> Path:
+    """Every prompt row as jsonl in the cache (cluster.demo.tiny_models.cache_root), under a key
+    of the rows' content: written into a folder of its own and renamed into place, so two
+    processes building it at once never read half a file."""
+    from cluster.demo.tiny_models import cache_root
+    from core.infra.files import publish_dir
+
+    rows = prompt_rows()
+    key = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+    folder = cache_root() / f"arith-prompts-{key}"
+    if not (folder / PROMPT_FILE).is_file():
+        with publish_dir(folder, shared=True) as tmp:
+            write_rows(tmp / PROMPT_FILE, rows)
+    return folder / PROMPT_FILE
 
 
 def main(argv: list[str] | None = None) -> int:

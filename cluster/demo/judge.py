@@ -96,6 +96,14 @@ def _train(base: Path, out: Path) -> None:
          "seconds": round(time.perf_counter() - start, 2), "loss_curve": curve}, indent=1))
 
 
+BUILTIN_JUDGE = "builtin:judge"
+
+
+def judge_path(name: str) -> str:
+    """reward.judge.model as the engine loads it: builtin:judge built (cached), else as given."""
+    return str(build_judge()) if name == BUILTIN_JUDGE else name
+
+
 def build_judge() -> Path:
     """The tiny judge (HF format, tokenizer beside it), built on first use and cached."""
     import torch

@@ -12,10 +12,12 @@ line naming the largest pool, a run whose
   lower). Per replica: the pool's process as measured on the default job (peak RSS of
   each actor with the ~1M-parameter built-in model, rounded up: `BASE_BYTES`), plus its
   model in host memory (the size of the model's weight files, W): a generator W and its
-  KV cache (generator.engine.kv_cache_bytes), a reference W, a reward model W (a reward
-  function nothing), a learner rank its training state: parameters, gradients and Adam's
-  two moments, 4 W, divided among the ranks as ZeRO shards them (stage 1 the moments,
-  2 also the gradients, 3 also the parameters; the policy plus a separate critic's model).
+  KV cache (generator.engine.kv_cache_bytes), a reference W, a reward model W, a judge W and
+  its KV cache (reward.judge.engine.kv_cache_bytes; a reward function or server nothing; with
+  env.reward=environment there is no reward pool), a learner rank its training state:
+  parameters, gradients and Adam's two moments, 4 W, divided among the ranks as ZeRO shards
+  them (stage 1 the moments, 2 also the gradients, 3 also the parameters; the policy plus a
+  separate critic's model).
   A replica with GPUs holds its model on the device: its process only. On top, once:
   Ray's own processes, the driver, the buffer and the control actor (`FIXED_BYTES`).
 * CPUs (replicas x num_cpus, summed over the pools) are above resources.num_cpus when
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 import cluster
+from cluster.config.reward_source import reward_pool_replicas, reward_source
 from core.infra.errors import InputError
 
 GIB = 1 << 30
@@ -98,9 +101,12 @@ def connect_ray(cfg) -> Optional[Path]:
 
 
 def _pools(cfg) -> dict:
+    """name -> config section of the pools the run starts replicas of."""
     pools = {name: getattr(cfg, name) for name in POOLS if hasattr(cfg, name)}
     if getattr(pools.get("reference"), "on_learner", False):  # learner rank 0 scores it: no pool
         del pools["reference"]
+    if "reward" in pools and hasattr(cfg, "env") and reward_pool_replicas(cfg) == 0:  # the episodes score
+        del pools["reward"]
     return pools
 
 
@@ -130,6 +136,19 @@ def model_bytes(path: Optional[str]) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
 
 
+def reward_model_bytes(cfg) -> int:
+    """A reward replica's model in host memory: a reward model's weights, or a judge's and its
+    engine's KV cache; a function or a server holds none."""
+    source = reward_source(cfg)
+    if source.kind == "model":
+        return model_bytes(source.spec)
+    if source.kind == "judge":
+        from cluster.demo.judge import judge_path  # the built-in judge, built by prepare already
+
+        return model_bytes(judge_path(source.spec)) + cfg.reward.judge.engine.kv_cache_bytes
+    return 0
+
+
 def training_state_bytes(weights: int, ranks: int, zero_stage: int) -> int:
     """One learner rank's parameters, gradients and Adam's two moments, as ZeRO shards them."""
     params, grads, moments = weights, weights, 2 * weights
@@ -142,12 +161,12 @@ def training_state_bytes(weights: int, ranks: int, zero_stage: int) -> int:
 def replica_bytes(cfg, policy: Optional[str] = None) -> dict[str, int]:
     """Estimated memory of one replica of each pool (module docstring); ``policy``: the
     policy's model directory (the built-in one once resolved)."""
-    g, r, w, lp = cfg.generator, cfg.reference, cfg.reward, cfg.learner
+    g, r, lp = cfg.generator, cfg.reference, cfg.learner
     weights = model_bytes(policy)
     trained = weights + (model_bytes(lp.critic_model) if lp.critic == "separate" else 0)
     on_host = {"generator": weights + g.engine.kv_cache_bytes,
                "reference": model_bytes(r.model) if r.model else weights,
-               "reward": model_bytes(w.model),
+               "reward": reward_model_bytes(cfg),
                "learner": training_state_bytes(trained, lp.replicas, lp.zero_stage)}
     return {name: BASE_BYTES[name] + (0 if pool.num_gpus else on_host[name]) for name, pool in _pools(cfg).items()}
 

@@ -28,9 +28,12 @@ def resolve_model(name: str, key: str = "model.policy") -> str:
     if name == BUILTIN_POLICY_30M:  # randomly initialised: for throughput, not for learning
         from cluster.demo.tiny_models import SPEC_30M, build_policy
         return str(build_policy(SPEC_30M))
+    from cluster.demo import arithmetic
+    if name == arithmetic.BUILTIN:  # pre-trained on the arithmetic task's corpus
+        return str(arithmetic.build_arithmetic_policy())
     if name.startswith("builtin:"):
-        raise UserError(f"{key}={name!r} is not a built-in model; use {BUILTIN_POLICY} "
-                        f"or {BUILTIN_POLICY_30M} or a model directory")
+        raise UserError(f"{key}={name!r} is not a built-in model; use {BUILTIN_POLICY}, {BUILTIN_POLICY_30M}, "
+                        f"{arithmetic.BUILTIN} or a model directory")
     if not Path(name).exists():
         raise UserError(f"{key}={name!r} does not exist; point it at a Hugging Face model directory")
     from learner.lora import is_adapter_dir
@@ -101,25 +104,18 @@ def check_reward_model(path: str, tokenizer, tokenizer_path: str) -> None:
                         "score (num_labels=1): use a reward checkpoint, or a reward.function")
 
 
-BUILTIN_JUDGE = "builtin:judge"
 
 
-def judge_path(name: str) -> str:
-    """reward.judge.model as the engine loads it: builtin:judge built (cached), else as given."""
-    if name == BUILTIN_JUDGE:
-        from cluster.demo.judge import build_judge
-        return str(build_judge())
-    return name
-
-
-def check_judge(judge, columns) -> None:
+def check_judge(judge, columns) -> str:
     """The judge is a causal LM that exists, and its template names only fields the data has
-    (prompt, response and the rows' ``columns``)."""
+    (prompt, response and the rows' ``columns``, none of them named prompt or response); returns
+    its path."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from actors.judge import check_template
     from actors.reference import resolve_model_path
+    from cluster.demo.judge import BUILTIN_JUDGE, judge_path
     try:
         check_template(judge.template, columns)
     except ValueError as e:
@@ -128,7 +124,8 @@ def check_judge(judge, columns) -> None:
         raise UserError(f"reward.judge.model={judge.model!r} is not a built-in model; use {BUILTIN_JUDGE} "
                         "or a causal LM directory or Hub name")
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(judge_path(judge.model), "reward.judge.model"))
+        path = resolve_model_path(judge_path(judge.model), "reward.judge.model")
+        config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - a missing path, no config.json, a Hub name not in reach
         raise UserError(f"reward.judge.model={judge.model!r} cannot be read ({type_and_first_line(e)}); point it "
                         "at a causal LM directory or Hub name") from None
@@ -136,6 +133,7 @@ def check_judge(judge, columns) -> None:
     if arch != MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", "")):
         raise UserError(f"reward.judge.model={judge.model!r} is a {arch}, not a causal LM; a judge writes its "
                         "verdict: use a causal LM (e.g. an instruct model), or a classifier as reward.model")
+    return path
 
 
 # Example pairs for the reward probe: short, plain, what any reward should score.
@@ -168,6 +166,9 @@ def prepare(cfg):
     """Everything that can fail on user input, before any actor starts."""
     from transformers import AutoTokenizer
 
+    from cluster.config.reward_source import without_unused_reward
+
+    cfg = without_unused_reward(cfg)  # env.reward=environment: the reward.* source is never called
     policy = resolve_model(cfg.model.policy)
     # Reward problems surface here, in the driver, not as a dead actor a minute later.
     from actors.reward import load_function
@@ -196,11 +197,24 @@ def prepare(cfg):
             check_reference(cfg.reference.model, tokenizer, tokenizer_path, policy)
     train_set, eval_set = prepare_prompts(cfg.data, tokenizer_path, required)
     if cfg.reward.judge.model:
-        check_judge(cfg.reward.judge, train_set.columns.names)
+        probe_judge(cfg.reward.judge, check_judge(cfg.reward.judge, train_set.columns.names), train_set)
     probe_reward(cfg.reward, train_set)
     if cfg.env.enabled:
         probe_environment(cfg.env, train_set, tokenizer)
     return policy, tokenizer_path, tokenizer, train_set, eval_set
+
+
+def resolve_data(path):
+    """data.path as the loader reads it: builtin:arith the arithmetic task's rows, written once
+    into the cache; null (the built-in prompts), a file, a folder or a Hub id as given."""
+    from cluster.demo import arithmetic
+
+    if path == arithmetic.BUILTIN:
+        return str(arithmetic.build_prompt_file())
+    if path is not None and path.startswith("builtin:"):
+        raise UserError(f"data.path={path!r} is not a built-in prompt set; use {arithmetic.BUILTIN}, null (the "
+                        "built-in prompts), a .jsonl/.parquet file, a saved dataset folder or a Hub dataset id")
+    return path
 
 
 def prepare_prompts(d, tokenizer_path: str, required_columns: set[str]):
@@ -209,7 +223,7 @@ def prepare_prompts(d, tokenizer_path: str, required_columns: set[str]):
     from cluster.data.prompts import PromptDataset
 
     with user_input():
-        dataset = PromptDataset.load(path=d.path, field=d.field, tokenizer_path=tokenizer_path,
+        dataset = PromptDataset.load(path=resolve_data(d.path), field=d.field, tokenizer_path=tokenizer_path,
                                      chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
                                      seed=d.seed, split=d.split, config_name=d.config_name, columns=d.columns,
                                      required_columns=required_columns, system_prompt=d.system_prompt)
@@ -242,6 +256,54 @@ def probe_reward(reward, train_set) -> None:
         from actors.http_reward import probe_server
         with user_input():  # the user's server, answering
             probe_server(reward.url, prompts, responses, columns=columns, **asdict(reward.http))
+
+
+def probe_judge(judge, path: str, train_set) -> None:
+    """Fill reward.judge.template with example pairs of the first training prompts (with their
+    columns) and tokenize them as the judge replicas will (actors/judge.py), with the judge's
+    tokenizer at ``path``: a template the rows cannot fill, a chat template the tokenizer lacks or
+    cannot render, an input that cannot fit the engine, or a choice label the judge cannot write
+    in max_new_tokens would void every batch, so each is refused here in one line."""
+    from transformers import AutoTokenizer
+
+    from actors.judge import judge_token_ids, render
+
+    prompts = train_set.texts[:len(PROBE_RESPONSES)]
+    columns = train_set.columns.take(train_set.ids[:len(prompts)])
+    try:
+        texts = render(judge.template, prompts, list(PROBE_RESPONSES[:len(prompts)]), columns)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:
+        raise UserError(f"reward.judge.template cannot be filled from the first training prompts' columns "
+                        f"({type(e).__name__}: {e}); fix the template or the data") from None
+    with user_input():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if judge.chat_template and not tokenizer.chat_template:
+        raise UserError(f"reward.judge.chat_template=true but the tokenizer of reward.judge.model={judge.model!r} has "
+                        "no chat template; set reward.judge.chat_template=false (the filled template is then the "
+                        "judge's whole input) or use an instruct judge")
+    try:
+        ids = [judge_token_ids(tokenizer, t, judge.chat_template) for t in texts]
+    except Exception as e:  # noqa: BLE001 - the judge's own chat template raising (raise_exception, a bad key)
+        raise UserError(f"reward.judge.chat_template=true but the chat template of reward.judge.model={judge.model!r} "
+                        f"cannot render the filled template as a user turn ({type_and_first_line(e)})") from None
+    room = judge.engine.max_model_len - judge.max_new_tokens
+    if max(map(len, ids)) > room:
+        raise UserError(f"reward.judge: the first training prompts with a short example response fill the judge's "
+                        f"input to {max(map(len, ids))} tokens, more than the {room} that reward.judge.engine."
+                        f"max_model_len={judge.engine.max_model_len} leaves beside max_new_tokens="
+                        f"{judge.max_new_tokens}; raise max_model_len or shorten the template")
+    check_labels(judge, tokenizer)
+
+
+def check_labels(judge, tokenizer) -> None:
+    """Each reward.judge.choices label fits in max_new_tokens tokens of the judge's ``tokenizer``
+    (the shorter of its tokenizations alone and after a space): else no verdict can hold it."""
+    for label in judge.choices or ():
+        n = min(len(tokenizer(x, add_special_tokens=False)["input_ids"]) for x in (label, " " + label))
+        if n > judge.max_new_tokens:
+            raise UserError(f"reward.judge.choices label {label!r} takes {n} tokens of the judge's tokenizer, more "
+                            f"than reward.judge.max_new_tokens={judge.max_new_tokens}: the judge could never write "
+                            "it; raise max_new_tokens or shorten the label")
 
 
 def probe_environment(env, train_set, tokenizer) -> None:

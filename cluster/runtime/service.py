@@ -155,15 +155,17 @@ def start_control(run_dir: Path, pools):
 
 
 def startup_summary(cfg) -> str:
+    from cluster.config.reward_source import reward_pool_replicas, reward_source
+
     g, r, w, lp = cfg.generator, cfg.reference, cfg.reward, cfg.learner
     pool = lambda name, p: (f"{name} {p.replicas}x({p.num_cpus:g} CPU"
                             + (f", {p.num_gpus:g} GPU)" if p.num_gpus else ")"))
-    reward = w.function or w.model
+    source = reward_source(cfg)
+    reward = "the environment's" if source.kind == "environment" else source.name.removeprefix("reward ")
     if cfg.env.enabled:
-        reward = ("the environment's" if cfg.env.reward == "environment" else reward) + \
-            f" | episodes of {cfg.env.environment}, up to {cfg.env.max_turns} turns"
+        reward += f" | episodes of {cfg.env.environment}, up to {cfg.env.max_turns} turns"
     return (f"{cfg.run.mode} PPO, {cfg.run.steps} steps of {cfg.data.prompts_per_step} prompts x "
             f"{g.sampling.n} samples | policy {cfg.model.policy} | reward {reward} | "
             f"{pool('generators', g)} {'reference on learner-0' if r.on_learner else pool('references', r)} "
-            f"{pool('rewards', w)} "
-            f"{pool('learner ranks', lp)} ZeRO-{lp.zero_stage}")
+            + (f"{pool('rewards', w)} " if reward_pool_replicas(cfg) else "")
+            + f"{pool('learner ranks', lp)} ZeRO-{lp.zero_stage}")

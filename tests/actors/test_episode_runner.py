@@ -56,11 +56,22 @@ def test_the_environment_ends_the_episode_with_its_reward():
     assert ep.rollout(version=4).trained_tokens == 9 and ep.logprobs[3:9] == [0.0] * 6
 
 
-@pytest.mark.parametrize("kw, turns", [(dict(max_turns=2), 2), (dict(max_tokens=14), 2), (dict(max_tokens=11), 2)])
-def test_budgets_end_the_episode_on_a_policy_token(kw, turns):
+# max_turns and a budget that leaves no room for the next observation end the episode after a turn
+# that ended (finish_reason "stop"); only a turn cut before its end-of-turn id truncates ("length").
+@pytest.mark.parametrize("kw, turns, finish", [(dict(max_turns=2), 2, "stop"), (dict(max_tokens=14), 2, "stop"),
+                                               (dict(max_tokens=11), 2, "length")])
+def test_budgets_end_the_episode_on_a_policy_token(kw, turns, finish):
     (ep,), _ = run([7], **kw)
-    assert ep.turns == turns and ep.finish_reason == "length" and ep.mask[-1] and ep.error is None
+    assert ep.turns == turns and ep.finish_reason == finish and ep.mask[-1] and ep.error is None
     assert len(ep.response) <= kw.get("max_tokens", 200)
+
+
+@pytest.mark.parametrize("max_tokens", [22, 21])
+def test_a_turn_ending_exactly_at_the_budget_is_answered(max_tokens):
+    """Three turns of 3 ids and two observations of 6 take 21 ids: the third turn's end-of-turn id
+    lands on the budget at 21, and the environment still answers it (its reward, done)."""
+    (ep,), _ = run([7], max_tokens=max_tokens)
+    assert (ep.turns, len(ep.response), ep.score, ep.finish_reason) == (3, 21, 1.0, "stop")
 
 
 def test_a_turn_cut_before_its_end_of_turn_ends_the_episode_unanswered():

@@ -45,12 +45,14 @@ def test_the_payload_is_openrlhfs_plus_responses_and_columns():
     }]
 
 
-def test_labels_come_from_label_field_and_are_null_without_it():
+def test_labels_come_from_label_field_and_are_empty_strings_without_it():
     with RewardServer() as server:
         _scorer(server.url, batch_size=8, label_field="source").score_texts(PROMPTS, RESPONSES, COLUMNS)
         _scorer(server.url, batch_size=8).score_texts(PROMPTS, RESPONSES, {})
+        _scorer(server.url, batch_size=8, label_field="meta").score_texts(PROMPTS, RESPONSES, COLUMNS)
     assert server.bodies[0]["labels"] == ["gsm", "gsm", "math"]
-    assert server.bodies[1]["labels"] == [None, None, None] and server.bodies[1]["columns"] == {}
+    assert server.bodies[1]["labels"] == ["", "", ""] and server.bodies[1]["columns"] == {}  # as OpenRLHF's
+    assert server.bodies[2]["labels"] == [{"k": 1}, None, [1, 2]]  # a row without a value: null
 
 
 def test_scores_key_is_read_when_rewards_is_absent_and_null_items_are_invalid():

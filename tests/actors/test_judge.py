@@ -4,7 +4,19 @@ import logging
 import numpy as np
 import pytest
 
-from actors.judge import check_template, parse_choice, parse_number, parse_verdicts, render, template_fields
+from actors.judge import (
+    check_template,
+    judge_token_ids,
+    parse_choice,
+    parse_number,
+    parse_verdicts,
+    render,
+    template_fields,
+)
+
+# A chat template whose rendering is easy to write by hand.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.mark.unit
@@ -28,6 +40,32 @@ def test_template_errors_are_one_line(template, needle):
         check_template(template, ["source"])
     assert needle in str(e.value) and "\n" not in str(e.value)
     check_template("{prompt}{response}{source}", ["source"])  # every field known
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("column", ["response", "prompt"])
+def test_a_column_named_like_the_pair_is_refused_in_one_line(column):
+    # str.format would get the name twice (a TypeError at the first scoring, stopping the run)
+    with pytest.raises(ValueError) as e:
+        check_template("{prompt} {response}", ["answer", column])
+    assert str(e.value) == (f"the data has a column named {column!r}, which reward.judge.template cannot tell from "
+                            f"the {column} being scored ({{{column}}}); rename that column in the data, or leave it "
+                            "out of data.columns")
+    with pytest.raises(ValueError, match=f"the data has a column named {column!r}"):  # a batch: the scorer's error
+        render("{prompt} {response}", ["p"], ["r"], {column: ["x"]})
+
+
+@pytest.mark.unit
+def test_the_judge_reads_the_chat_templates_rendering_of_the_filled_template(policy_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    tokenizer.chat_template = CHATML
+    text = "Prompt: The cat was\nResponse: happy.\nScore:"
+    ids = judge_token_ids(tokenizer, text, chat_template=True)
+    assert all(isinstance(i, int) for i in ids)
+    assert tokenizer.decode(ids) == f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(judge_token_ids(tokenizer, text, chat_template=False)) == text
 
 
 @pytest.mark.unit
@@ -113,3 +151,38 @@ def test_verdicts_without_a_label_are_invalid_and_the_replica_serves_on(policy_p
     assert rw.stats()["invalid_items"] == 6 and "verdicts had none of the labels" in caplog.text
     long = rw.score(_encode(tokenizer, ["The cat was"]), _encode(tokenizer, [" good" * 600]))  # past max_model_len
     assert not long.valid.any() and "do not fit reward.judge.engine.max_model_len=512" in long.errors[0]
+
+
+@pytest.fixture
+def chat_judge(tmp_path):
+    """The tiny judge with a chat template added to its tokenizer (as an instruct judge has)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from cluster.demo.judge import build_judge
+    path = tmp_path / "chat-judge"
+    shutil.copytree(build_judge(), path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.integration
+def test_with_chat_template_the_engine_gets_the_templates_rendering(chat_judge, in_process_engine, monkeypatch):
+    from actors.judge import JudgeScorer
+
+    scorer = JudgeScorer(**_judge(model=str(chat_judge), chat_template=True))
+    seen, generate = [], scorer.llm.generate
+
+    def recording(prompts, *args, **kwargs):  # the real engine, its input kept
+        seen.extend(list(p["prompt_token_ids"]) for p in prompts)
+        return generate(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(scorer.llm, "generate", recording)
+    res = scorer.score_texts(PROMPTS[:2], RESPONSES[:2], {})
+    assert len(seen) == 2 and not res.failed and len(res.scores) == 2
+    for ids, prompt, response in zip(seen, PROMPTS, RESPONSES):
+        text = scorer.template.format(prompt=prompt, response=response)
+        assert scorer.tokenizer.decode(ids) == f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"

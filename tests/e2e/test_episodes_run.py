@@ -1,26 +1,26 @@
 """Multi-turn episodes through a real run (sync mode, the command line): the generators play
 each prompt's episodes of the two-turn arithmetic game (configs/arith-episodes-tiny.yaml)
-against the environment in worker processes, the environment's rewards are the scores, the
-learner trains on the policy's tokens of each transcript, and the tiny policy learns; the
-episode metrics and the transcripts in samples.jsonl show it."""
+against the environment in worker processes, the environment's rewards are the scores (no reward
+pool starts), the learner trains on the policy's tokens of each transcript, and the tiny policy
+learns; the episode metrics and the transcripts in samples.jsonl show it. The config names its
+policy and prompts as builtin:arith, built on first use and cached."""
 import json
 
 import pytest
 
 from cluster import train
 from cluster.config.ppo import CONFIGS
-from cluster.demo import arithmetic
 
 pytestmark = pytest.mark.e2e
 
 
 def test_the_tiny_policy_learns_the_two_turn_game(cluster_with_test_rewards, tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    arithmetic.main(["--write", str(prompts)])
-    policy = arithmetic.build_arithmetic_policy()  # cached; ~1-2 min on 2 cores the first time
-    argv = ["--config", str(CONFIGS / "arith-episodes-tiny.yaml"), f"model.policy={policy}", f"data.path={prompts}",
-            f"run.dir={tmp_path}", "run.name=game", "run.plot_every=0", "run.checkpoint_every=0"]
+    # builtin:arith: cached; the policy takes ~1-2 min on 2 cores the first time
+    argv = ["--config", str(CONFIGS / "arith-episodes-tiny.yaml"), f"run.dir={tmp_path}", "run.name=game",
+            "run.plot_every=0", "run.checkpoint_every=0"]
     assert train.main(argv) == 0
+    actors = json.loads((tmp_path / "game" / "status.json").read_text())["actors"]
+    assert actors and not [a for a in actors if a.startswith("reward")]  # the episodes carry their scores
     steps = [m for m in map(json.loads, (tmp_path / "game" / "metrics.jsonl").read_text().splitlines())
              if m["step"] > 0]
     assert len(steps) == 30 and all(m["episode/invalid"] == m["rollouts/invalid_scores"] == 0 for m in steps)
@@ -48,11 +48,8 @@ def test_episodes_in_async_mode_span_weight_pushes(cluster_with_test_rewards, tm
     """Async mode with partial rollouts: generators play the next batches' episodes while the
     learner trains, and a push lands between two engine steps, so turns of one episode may
     come from two policy versions; the run trains on them within the staleness bound."""
-    prompts = tmp_path / "prompts.jsonl"
-    arithmetic.main(["--write", str(prompts)])
-    policy = arithmetic.build_arithmetic_policy()
-    argv = ["--config", str(CONFIGS / "arith-episodes-tiny.yaml"), f"model.policy={policy}", f"data.path={prompts}",
-            f"run.dir={tmp_path}", "run.name=async", "run.plot_every=0", "run.mode=async", "run.steps=6",
+    argv = ["--config", str(CONFIGS / "arith-episodes-tiny.yaml"), f"run.dir={tmp_path}", "run.name=async",
+            "run.plot_every=0", "run.mode=async", "run.steps=6",
             "run.eval_every=0", "run.samples_every=1", "run.checkpoint_every=0"]
     assert train.main(argv) == 0
     steps = [m for m in map(json.loads, (tmp_path / "async" / "metrics.jsonl").read_text().splitlines())

@@ -13,6 +13,7 @@ from core.estimators import AdvantageInputs, EstimatorOptions, estimator
 from core.logprobs import logprobs_from_logits
 from core.masked import whiten
 from core.rollout import ScoredRollout
+from learner.advantage_inputs import placed_rewards
 from learner.batch import collate
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
 
@@ -127,7 +128,9 @@ def critic_free_advantages(rollouts, batch, p):
     keys = sorted({(r.chunk_id, r.prompt_index) for r in rollouts})
     group = torch.tensor([keys.index((r.chunk_id, r.prompt_index)) for r in rollouts])
     scores = torch.tensor([r.reward_score for r in rollouts], dtype=torch.float64)
-    x = AdvantageInputs(rewards=batch.rewards, scores=scores, mask=batch.response_mask, group=group)
+    x = AdvantageInputs(rewards=batch.rewards, scores=scores, mask=batch.response_mask, group=group,
+                        placed=placed_rewards(rollouts, batch.response_mask)
+                        if any(r.placed_rewards is not None for r in rollouts) else None)
     opt = EstimatorOptions(gamma=p.gamma, scale_by_std=p.group_std)
     return estimator(p.advantage).fn(x, opt)[0]
 

@@ -94,13 +94,30 @@ def test_two_ranks_with_whole_groups_match_one_process(two_ranks, policy_path, g
     assert diff < TOL
 
 
+def turns(r, rng):
+    """``r`` as a two-turn episode: its middle token the environment's (no KL, no reward), each turn's
+    reward on its last token (env.reward_placement=turn)."""
+    n = r.response_ids.size
+    mask = np.ones(n, bool)
+    mask[n // 2] = False
+    placed = np.zeros(n, np.float32)
+    placed[n // 2 - 1], placed[n - 1] = rng.choice([0.0, 1.0]), rng.choice([0.0, 0.5])
+    kl = np.where(mask, r.kl, 0.0).astype(np.float32)
+    return dataclasses.replace(r, action_mask=mask, turn_rewards=placed, placed_rewards=placed, kl=kl,
+                               rewards=placed - 0.05 * kl, score=float(placed.sum()), reward_score=float(placed.sum()))
+
+
 def test_two_ranks_with_unequal_shards_match_one_process(two_ranks, policy_path, pad_id):
     """7 rollouts of 3 prompts (3 + 2 + 2 samples) on 2 ranks: 3 rows on rank 0, 4 on rank 1,
     nothing left out. Minibatch 0 (rows 0-3) is 3 rows on rank 0 and 1 on rank 1; minibatch 1
-    (rows 4-6) is all rank 1's, so rank 0 runs it with empty micro-batches. The weights are
-    one process's update over all 7."""
+    (rows 4-6) is all rank 1's, so rank 0 runs it with empty micro-batches. Prompts 1 and 2 are
+    episodes rewarded turn by turn, so each rank gathers every rank's (group, turn, return) for
+    the turns' credit (prompt 0's single responses: one turn each). The weights are one process's
+    update over all 7."""
+    rng = np.random.default_rng(11)
     rollouts = [dataclasses.replace(r, chunk_id=0, prompt_index=(0, 0, 0, 1, 1, 2, 2)[i], sample_index=i)
-                for i, r in enumerate(make_rollouts(policy_path, 7, seed=5))]
+                for i, r in enumerate(make_rollouts(policy_path, 7, seed=5, response_len=(4, 10)))]
+    rollouts = rollouts[:3] + [turns(r, rng) for r in rollouts[3:]]
     shards = shard_rollouts(rollouts, 2)
     assert [len(s) for s in shards] == [3, 4] and sum(shards, []) == rollouts
     group = two_ranks("grpo", "-unequal")

@@ -1,7 +1,7 @@
 """The SFT and reward-model steps of a LearnerWorker (1 rank, in-process, real DeepSpeed on CPU)
 against plain torch: the SFT loss counts the response tokens only, the reward model scores
 the last real token, and both losses fall when trained; packed micro-batches train the padded
-ones' weights."""
+ones' weights; an adapter's dropout regularises training but never the held-out loss or scores."""
 import numpy as np
 import pytest
 import torch
@@ -9,6 +9,7 @@ from helpers import max_abs_diff
 
 from core.varlen_attention import VARLEN
 from learner.config import OptimConfig, SupervisedConfig
+from learner.lora_config import LoraConfig
 from learner.preference import PreferenceObjective
 from learner.sft import SFTObjective
 from learner.worker import LearnerWorker
@@ -110,3 +111,24 @@ def test_packed_micro_batches_train_the_padded_weights(policy_path, objective, s
     assert e1["loss"] == pytest.approx(e0["loss"], abs=1e-5) and a1["loss"] == pytest.approx(a0["loss"], abs=1e-5)
     assert t1["loss"] == pytest.approx(t0["loss"], abs=1e-5)
     assert max_abs_diff(s1, s0) < 1e-5
+
+
+@pytest.mark.parametrize("objective", [SFTObjective, PreferenceObjective])
+def test_adapter_dropout_is_off_when_evaluating_and_scoring(policy_path, objective):
+    """With learner.lora.dropout > 0 the held-out loss, and the reward scores reward_stats.json is
+    built from, are the same on every call; training gets its dropout back after."""
+    torch.manual_seed(0)
+    w = LearnerWorker(rank=0, world_size=1, model=policy_path, objective=objective,
+                      config=_config(lr=1e-2, lora=LoraConfig(rank=8, dropout=0.5)))
+    rows = _rows(4, seed=21, parts=2 if objective is SFTObjective else 3)
+    w.train(rows)  # B leaves zero: the adapter, and so its dropout, now moves the outputs
+    first, second = w.evaluate(rows), w.evaluate(rows)
+    print(f"{objective.name} held-out loss {first['loss']:.4f}, again {second['loss']:.4f}")
+    assert second["loss"] == first["loss"]
+    if objective is PreferenceObjective:
+        responses = [(p, c) for p, c, _ in rows] + [(p, r) for p, _, r in rows]
+        scores = [w.apply(PreferenceObjective.scores, responses) for _ in range(2)]
+        print(f"rm scores move by {np.abs(scores[1] - scores[0]).max():.4f} between two calls")
+        assert np.array_equal(scores[0], scores[1])
+    dropouts = [m for n, m in w.engine.module.named_modules() if n.endswith("lora_dropout.default")]
+    assert dropouts and all(isinstance(m, torch.nn.Dropout) and m.training for m in dropouts)

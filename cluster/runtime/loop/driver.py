@@ -147,7 +147,7 @@ class Driver:
             with timer("buffer_wait"):  # buffer -> the learner's shards
                 shards, batch = self._take()
             produced = self.producer.for_step()
-            check_invalid_scores(produced, self.cfg.reward, self.step_count + 1)  # async: what fed this step
+            check_invalid_scores(produced, self.cfg, self.step_count + 1)  # async: what fed this step
             if warning := kept_set_warning(produced):  # one line per step, and only when it happens
                 log.warning(warning)
             with timer("learn"), self._learner_lock:  # learner

@@ -105,7 +105,7 @@ class SyncProducer(StepProducer):
     def _batch(self, step: int) -> Produced:
         """One prompt batch generated, scored and stored; a reward failing most of it stops the run."""
         produced = self._rollouts.produce(self._prompts.issue(), self._shaping())
-        check_invalid_scores(produced, self._cfg.reward, step)
+        check_invalid_scores(produced, self._cfg, step)
         return produced
 
     def min_version(self, version: int) -> int:

@@ -6,9 +6,12 @@ for this one". Most of a step means the reward is broken, and the run would go o
 on what is left. So above ``reward.max_invalid_fraction`` of a step's scored rollouts the
 run stops with one line naming the reward (exit 2, as the other mistakes the user fixes;
 the start-up probe refuses a reward function that scores nothing finite before any of this).
+With ``env.reward: environment`` the scores are the episodes' own, and an invalid one is an
+episode its environment failed: the line names the environment and how its episodes failed.
 """
 from __future__ import annotations
 
+from cluster.config.reward_source import reward_source
 from core.infra.errors import InputError
 
 
@@ -16,16 +19,41 @@ class InvalidScores(InputError):
     """Too many of a step's scores were invalid: the user's to fix (cluster.train exits 2)."""
 
 
-def check_invalid_scores(produced, reward, step: int) -> None:
-    """Raise InvalidScores if ``produced`` (cluster.runtime.observe.produced.Produced, what fed step ``step``)
-    has more invalid scores than ``reward.max_invalid_fraction`` (the config's reward section) allows."""
+def check_invalid_scores(produced, cfg, step: int) -> None:
+    """Raise InvalidScores if ``produced`` (cluster.runtime.observe.produced.Produced, what fed step
+    ``step``) has more invalid scores than ``cfg.reward.max_invalid_fraction`` allows."""
+    limit = cfg.reward.max_invalid_fraction
     scored = produced.stored + produced.invalid_scores + produced.empty_responses
-    if not scored or produced.invalid_scores <= reward.max_invalid_fraction * scored:
+    if not scored or produced.invalid_scores <= limit * scored:
         return
-    name = (f"reward function {reward.function}" if reward.function else
-            f"reward server {reward.url}" if reward.url else
-            f"reward judge {reward.judge.model}" if reward.judge.model else f"reward model {reward.model}")
-    raise InvalidScores(f"{name}: {produced.invalid_scores} of {scored} scores at step {step} were invalid (NaN or "
-                        "inf, or the reward raised; the log's 'reward:' lines say why), above "
-                        f"reward.max_invalid_fraction={reward.max_invalid_fraction:g}; fix the reward, or raise "
-                        "reward.max_invalid_fraction to train on the rest")
+    source, failed = reward_source(cfg), episode_failures(produced.episode_counts, cfg.env)
+    above = f"above reward.max_invalid_fraction={limit:g}"
+    rest = "raise reward.max_invalid_fraction to train on the rest"
+    if source.kind == "environment":
+        fix = "fix the environment" + (", raise env.step_timeout_s" if "timed out" in failed else "")
+        raise InvalidScores(f"{source.name}: {produced.invalid_scores} of {scored} episodes at step {step} were "
+                            f"invalid ({failed or 'the environment failed them'}; the log's 'reward:' lines say "
+                            f"why), {above}; {fix}, or {rest}")
+    episodes = f"; {failed} in env.environment {cfg.env.environment}" if failed else ""
+    raise InvalidScores(f"{source.name}: {produced.invalid_scores} of {scored} scores at step {step} were invalid "
+                        f"(NaN or inf, or the reward raised; the log's 'reward:' lines say why{episodes}), {above}; "
+                        f"fix the reward, or {rest}")
+
+
+# The episode counts (actors/episodes.py's episode_counts, with the workers' faults) that end an
+# episode invalid, and how the message says them.
+_FAILURES = (("timeouts", "timed out past env.step_timeout_s={timeout:g} s"),
+             ("lost", "lost with a worker that failed another episode"),
+             ("crashes", "had their worker process die"),
+             ("errors", "had the environment raise"),
+             ("malformed_actions", "had an action the environment could not read"))
+
+
+def episode_failures(counts: dict, env) -> str:
+    """How a step's episodes failed, from their summed counts: "3 timed out past
+    env.step_timeout_s=10 s, 5 lost with ..." ('' when none did)."""
+    if not counts.get("invalid"):
+        return ""
+    parts = [f"{counts[key]} {what.format(timeout=env.step_timeout_s)}" for key, what in _FAILURES if counts.get(key)]
+    return f"{counts['invalid']} episodes failed: " + ", ".join(parts) if parts else \
+        f"{counts['invalid']} episodes failed"

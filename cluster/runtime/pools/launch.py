@@ -15,6 +15,9 @@ from actors.reference import Reference
 from actors.reward import Reward
 from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
+from cluster.config.reward_source import reward_pool_replicas, reward_source
+from cluster.demo.judge import judge_path
+from cluster.runtime.pools.environment_scores import EnvironmentScores
 from cluster.runtime.pools.learner_reference import LearnerReference
 from cluster.runtime.pools.pool import (
     BufferSlot,
@@ -27,7 +30,6 @@ from cluster.runtime.pools.pool import (
     reserve,
 )
 from cluster.runtime.pools.threads import node_cores, plan_threads, thread_env
-from cluster.runtime.prepare import judge_path
 from learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
@@ -102,7 +104,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
 def describe_precision(cfg: TetherConfig) -> str:
     """One line: each role's dtype and why (``model.dtype=auto`` says what it found)."""
     prec = cfg.precision()
-    if not (cfg.reward.model or cfg.reward.judge.model):
+    if not reward_source(cfg).holds_model:
         prec = {role: p for role, p in prec.items() if role != "reward"}  # a function reward has no weights
     roles = " ".join(f"{role}={d}" for role, (d, _) in prec.items())
     reasons = sorted({why for _, why in prec.values()} - {"set"})
@@ -144,6 +146,8 @@ def _assemble(cfg: TetherConfig, pools: tuple, learner, buffer, learner_pg) -> P
     generators, references, rewards = pools
     if cfg.reference.on_learner:  # learner rank 0 scores the reference: no pool of its own
         references = LearnerReference(learner)
+    if reward_pool_replicas(cfg) == 0:  # the episodes carry their scores: no pool of its own
+        rewards = EnvironmentScores(cfg.env.environment)
     return Pools(generators, references, rewards, learner=learner, buffer_slot=buffer, learner_placement=learner_pg)
 
 
@@ -160,7 +164,7 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, co
                         columns_ref=columns_ref)
     reserved, launched, learner_pg, started, buffer = [], [], None, [], None
     try:
-        for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.pool_replicas, cfg.reward.replicas)):
+        for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.pool_replicas, reward_pool_replicas(cfg))):
             reserved.append(pool.reserve(n))
         learner_pg = reserve("learner", lp.replicas, lp.num_cpus, lp.num_gpus, cfg.resources.placement_timeout_s,
                              labels=parse_labels(lp.node_labels), strategy=lp.strategy)

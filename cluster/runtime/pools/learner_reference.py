@@ -17,15 +17,17 @@ import threading
 
 from cluster.runtime.pools.placement import PlacementError
 from cluster.runtime.pools.pool import Replica
+from cluster.runtime.pools.stand_in import StandIn
 from learner.group import LearnerRankDied
 
 REPLICA = "learner-0"
 
 
-class LearnerReference:
+class LearnerReference(StandIn):
     """The reference "pool" of one replica, learner rank 0 of ``learner`` (a LearnerGroup)."""
 
     role = "reference"
+    replica_id = REPLICA
 
     def __init__(self, learner) -> None:
         self.learner = learner
@@ -55,25 +57,9 @@ class LearnerReference:
     def resize(self, n: int) -> tuple[list[str], list[str]]:
         return self.add(n) if n != 1 else ([], [])
 
-    # ---- views, as Pool
-    def handle(self, replica_id: str):
-        return self.learner.workers[0] if replica_id == REPLICA else None
-
-    def handles(self) -> dict:
-        """Empty: rank 0 is listed with the learner, not as a replica of its own."""
-        return {}
-
-    def placements(self) -> dict:
-        return {}
-
-    def replica_nodes(self) -> dict:
-        return {}
-
+    # ---- views, as Pool (the rest: StandIn)
     def first(self):
         return self.learner.workers[0]
 
     def __len__(self) -> int:
         return 1
-
-    def shutdown(self) -> None:
-        """Nothing of its own: the learner group stops with the pools."""

@@ -327,8 +327,9 @@ class Pools:
         return {"generator": self.generators, "reference": self.references, "reward": self.rewards}
 
     def sizes(self) -> dict:
-        """role -> serving replicas."""
-        return {role: len(pool) for role, pool in self.by_role().items()}
+        """role -> serving replicas, for the pools the run has (not a stand-in without replicas:
+        a resumed run would start that pool at 0)."""
+        return {role: len(pool) for role, pool in self.by_role().items() if getattr(pool, "has_replicas", True)}
 
     @property
     def buffer(self):

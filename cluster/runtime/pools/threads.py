@@ -53,11 +53,13 @@ def plan_threads(cfg, cores: int) -> dict[str, int]:
     plan = {name: max(1, int(p.num_cpus)) for name, p in pools.items()}  # Ray's rule
     if not phases_take_turns(cfg):
         return plan
-    computes = cfg.reward.model or cfg.reward.judge.model  # a reward function barely computes
+    from cluster.config.reward_source import reward_pool_replicas, reward_source
+
+    computes = reward_source(cfg).holds_model  # a reward function barely computes, the episodes' scores not at all
     # reference.on_learner: learner rank 0 scores the reference in the score phase, a scorer like
     # a reference replica; "reference" is then its threads for those calls (learner.reference_threads).
     references = 1 if cfg.reference.on_learner else cfg.reference.pool_replicas
-    scorers = references + (cfg.reward.replicas if computes else 0)
+    scorers = references + (reward_pool_replicas(cfg) if computes else 0)
     share = {"generator": cfg.generator.replicas, "reference": scorers, "learner": cfg.learner.replicas,
              "reward": scorers if computes else 0}
     for name, n in share.items():

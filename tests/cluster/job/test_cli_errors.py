@@ -83,6 +83,8 @@ def inputs(tmp_path_factory) -> Path:
     (d / "empty.jsonl").write_text("\n\n")
     (d / "five.jsonl").write_text("".join(json.dumps({"prompt": f"The cat was {w}"}) + "\n"
                                           for w in ["calm", "happy", "sad", "kind", "bright"]))
+    sft_rows = [{"prompt": "The cat was", "response": " calm."}, {"prompt": "A dog felt", "response": " sad."}] * 4
+    (d / "with_response.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
     (d / "probe_rewards.py").write_text(PROBE_REWARDS)
     _tokenizers(d)
     _two_label_reward_model(d / "rm_two_labels")
@@ -251,6 +253,12 @@ CASES = [
     pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.choices={{A: 1}}",
                   "reward.judge.max_score=1"], "with choices, give each label its score instead",
                  id="judge-choices-with-bounds"),
+    pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "data.path={inputs}/with_response.jsonl",
+                  "data.prompts_per_step=8", "data.eval_prompts=0"], "the data has a column named 'response', which "
+                 "reward.judge.template cannot tell from the response being scored", id="judge-data-column-response"),
+    pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.chat_template=true"],
+                 "the tokenizer of reward.judge.model='builtin:judge' has no chat template; set "
+                 "reward.judge.chat_template=false", id="judge-chat-template-missing"),
     # -- resume --
     pytest.param(["run.resume={inputs}/no_such_run"], "no_such_run: not a run folder (no status.json)",
                  id="resume-missing-folder"),

@@ -10,7 +10,7 @@ from cluster.config.ppo import load_config
 REPO = Path(__file__).resolve().parents[3]
 GIB = 1 << 30
 # PPO configs meant for a CPU machine like this one (the GPU ones are for GPU nodes).
-CPU_CONFIGS = ("tiny-cpu.yaml", "bench-30m.yaml")
+CPU_CONFIGS = ("tiny-cpu.yaml", "bench-30m.yaml", "arith-tiny.yaml", "arith-episodes-tiny.yaml")
 
 
 @pytest.mark.integration
@@ -95,6 +95,29 @@ def test_the_estimate_grows_with_the_model_and_shrinks_with_zero_sharding(tmp_pa
     assert sharded["learner"] == BASE_BYTES["learner"] + 2 * GIB
     on_gpu = replica_bytes(load_config(None, ["generator.num_gpus=1"]), str(model))
     assert on_gpu["generator"] == BASE_BYTES["generator"]  # the weights and KV cache live on the device
+
+
+@pytest.mark.unit
+def test_a_judge_on_cpu_counts_its_weights_and_kv_cache(tmp_path):
+    from cluster.job.startup import BASE_BYTES, replica_bytes
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    with open(judge / "model.safetensors", "wb") as f:
+        f.truncate(GIB)  # a sparse 1 GiB weight file
+    cfg = load_config(None, ["reward.function=null", f"reward.judge.model={judge}"])
+    kv = cfg.reward.judge.engine.kv_cache_bytes
+    assert replica_bytes(cfg)["reward"] == BASE_BYTES["reward"] + GIB + kv
+    on_gpu = load_config(None, ["reward.function=null", f"reward.judge.model={judge}", "reward.num_gpus=1"])
+    assert replica_bytes(on_gpu)["reward"] == BASE_BYTES["reward"]
+
+
+@pytest.mark.unit
+def test_an_environment_that_scores_its_episodes_needs_no_reward_pool():
+    from cluster.job.startup import replica_bytes
+    env = ["env.environment=cluster.demo.arithmetic:SecondChance"]
+    assert "reward" not in replica_bytes(load_config(None, env))
+    assert problem(*env, "reward.replicas=20") is None  # 20 replicas of 1 CPU would be over 16: none start
+    assert problem(*env, "env.reward=pool", "reward.replicas=20").startswith("pool reward: 20 replicas x 1 CPU")
 
 
 @pytest.mark.unit

@@ -1,0 +1,46 @@
+"""env.* and reward.* settings that would have no effect in the run's configuration are refused in
+one line naming the key and the fix, as an unknown key is; their defaults written out are not."""
+import pytest
+
+from cluster.config.loader import ConfigError
+from cluster.config.ppo import load_config
+
+pytestmark = pytest.mark.unit
+EPISODES = ["env.environment=cluster.envs:Calculator"]
+URL = ["reward.function=null", "reward.url=http://127.0.0.1:9/score"]
+JUDGE = ["reward.function=null", "reward.judge.model=builtin:judge"]
+MODEL = ["reward.function=null", "reward.model=runs/rm"]
+
+
+@pytest.mark.parametrize("overrides, key, fix", [
+    (["env.reward_placement=turn"], "env.reward_placement='turn'", "set env.environment"),
+    (["env.max_turns=2"], "env.max_turns=2", "set env.environment"),
+    (["env.reward=pool"], "env.reward='pool'", "set env.environment"),
+    (EPISODES + URL, "reward.url=", "set env.reward=pool"),
+    (EPISODES + JUDGE, "reward.judge.model=", "set env.reward=pool"),
+    (EPISODES + ["reward.function=cluster.demo.arithmetic:exact_match"], "reward.function=", "env.reward=pool"),
+    (["reward.http.timeout_s=5"], "reward.http.timeout_s=5", "acts on reward.url"),
+    (["reward.judge.chat_template=true"], "reward.judge.chat_template=True", "acts on reward.judge.model"),
+    (URL + ["reward.sandbox.workers=2"], "reward.sandbox.workers=2", "reward.function or reward.gold"),
+    (URL + ["reward.timeout_s=5"], "reward.timeout_s=5", "scored by the reward server"),
+    (["reward.batch_size=64"], "reward.batch_size=64", "acts on reward.model"),
+    (JUDGE + ["reward.packing=false"], "reward.packing=False", "scored by the reward judge builtin:judge"),
+    (EPISODES + ["reward.http.retries=1"], "reward.http.retries=1", "scored by the environment cluster.envs:Calc"),
+])
+def test_a_setting_without_effect_is_one_line(overrides, key, fix):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert key in str(e.value) and fix in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    EPISODES + ["env.reward_placement=turn", "env.max_turns=2"],
+    EPISODES + ["env.reward=pool", "reward.sandbox.workers=2", "reward.timeout_s=5"],
+    URL + ["reward.http.timeout_s=5"],
+    JUDGE + ["reward.judge.chat_template=true"],
+    MODEL + ["reward.batch_size=64", "reward.packing=false"],
+    URL + ["reward.gold=cluster.demo.sentiment:sentiment", "reward.sandbox.workers=2", "reward.timeout_s=5"],
+    ["env.max_turns=4", "reward.http.timeout_s=30", "reward.batch_size=16"],  # the defaults written out
+])
+def test_settings_with_an_effect_load(overrides):
+    load_config(None, overrides)
