@@ -75,6 +75,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_report_header(config):
+    """The precision this machine's tests run at: the CPU's native-bf16 instruction sets and what
+    model.dtype=auto resolves to (bf16 ties and roundings show up only where it is bf16)."""
+    from core.infra.dtypes import cpu_bf16_flags, resolve_precision
+    flags = cpu_bf16_flags()
+    dtype, why = resolve_precision("auto", on_gpu=False)
+    return [f"tether: CPU bf16: {', '.join(flags) if flags else 'none'}; model.dtype=auto resolves to {dtype} ({why})"]
+
+
 # ---------------------------------------------------------------- `unit` means no process, no actor
 class UnitTierViolation(AssertionError):
     """A unit test started a process or used Ray: it belongs in the integration tier."""
