@@ -46,8 +46,12 @@ def group_ids(keys: list, offset: int) -> torch.Tensor:
     """[n] int64 group ids from (chunk id, prompt index) pairs: one per prompt, the same on
     every rank. A row with no chunk (-1, -1) is a group of its own, told apart by its row
     (``offset``: the row's position in the gathered batch less its index here)."""
-    ids = [(int(c) << 32) + int(p) if c >= 0 else -1 - (offset + i) for i, (c, p) in enumerate(keys)]
-    return torch.tensor(ids, dtype=torch.int64)
+    return torch.tensor([_group_id(c, p, offset + i) for i, (c, p) in enumerate(keys)], dtype=torch.int64)
+
+
+def _group_id(chunk, prompt, row: int) -> int:
+    """One prompt's id (chunk id, prompt index), or for a row with no chunk its gathered position."""
+    return (int(chunk) << 32) + int(prompt) if chunk >= 0 else -1 - int(row)
 
 
 def placed_rewards(shard: list[ScoredRollout], mask: torch.Tensor) -> torch.Tensor:
@@ -71,6 +75,6 @@ def _turn_population(keys: list, placed: torch.Tensor, mask: torch.Tensor, *, co
     mine = [(*keys[int(r)], row_offset + int(r), int(k), float(g))
             for r, k, g in zip(units.row.tolist(), units.turn.tolist(), units.returns.tolist())]
     everyone = torch.tensor(comm.gather_rows(mine), dtype=torch.float64)
-    ids = [(int(c) << 32) + int(p) if c >= 0 else -1 - int(row) for c, p, row in everyone[:, :3].tolist()]
+    ids = [_group_id(c, p, row) for c, p, row in everyone[:, :3].tolist()]
     return (everyone[:, 4].to(device), torch.tensor(ids, dtype=torch.int64, device=device),
             everyone[:, 3].long().to(device))

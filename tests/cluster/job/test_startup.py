@@ -78,13 +78,18 @@ def test_an_explicit_local_cluster_size_bounds_the_pools():
                               "resources.num_cpus=4"), message
 
 
+def sparse_model(folder):
+    """A model folder whose one weight file is a sparse 1 GiB file (its size, no disk)."""
+    folder.mkdir()
+    with open(folder / "model.safetensors", "wb") as f:
+        f.truncate(GIB)
+    return folder
+
+
 @pytest.mark.unit
 def test_the_estimate_grows_with_the_model_and_shrinks_with_zero_sharding(tmp_path):
     from cluster.job.startup import BASE_BYTES, replica_bytes
-    model = tmp_path / "policy"
-    model.mkdir()
-    with open(model / "model.safetensors", "wb") as f:
-        f.truncate(GIB)  # a sparse 1 GiB weight file
+    model = sparse_model(tmp_path / "policy")
     cfg = load_config(None, ["learner.replicas=2", "learner.zero_stage=0"])
     per = replica_bytes(cfg, str(model))
     assert per["generator"] == BASE_BYTES["generator"] + GIB + cfg.generator.engine.kv_cache_bytes
@@ -100,10 +105,7 @@ def test_the_estimate_grows_with_the_model_and_shrinks_with_zero_sharding(tmp_pa
 @pytest.mark.unit
 def test_a_judge_on_cpu_counts_its_weights_and_kv_cache(tmp_path):
     from cluster.job.startup import BASE_BYTES, replica_bytes
-    judge = tmp_path / "judge"
-    judge.mkdir()
-    with open(judge / "model.safetensors", "wb") as f:
-        f.truncate(GIB)  # a sparse 1 GiB weight file
+    judge = sparse_model(tmp_path / "judge")
     cfg = load_config(None, ["reward.function=null", f"reward.judge.model={judge}"])
     kv = cfg.reward.judge.engine.kv_cache_bytes
     assert replica_bytes(cfg)["reward"] == BASE_BYTES["reward"] + GIB + kv
