@@ -21,7 +21,9 @@ def misbehaves(prompts, responses):
         hog = np.ones(8 << 30, dtype=np.uint8)  # 8 GiB, past any memory_mb a test sets
         return [float(hog.sum())]
     elif response == "pyhog":
-        hog = [bytearray(1 << 20) for _ in range(8 << 10)]
+        # 1 MiB at a time, in Python, past any memory_mb a test sets; bytes(n) is calloc'd, so the
+        # cap is met without writing the pages: within the timeout however fast the machine's memory.
+        hog = [bytes(1 << 20) for _ in range(8 << 10)]
         return [float(len(hog))]
     elif response == "raise":
         raise RuntimeError("verifier broke\nsecond line")

@@ -1,15 +1,11 @@
 """Environments in worker processes (actors/env_workers.py): an episode whose environment hangs,
 crashes, raises or returns something invalid ends invalid with one line, the others on other
 workers go on, a killed worker's other episodes are reported lost, and the pool serves on."""
-import sys
-from pathlib import Path
 
 import pytest
 
 from actors.env_workers import EnvironmentWorkers
 from actors.environment import Step, check_step, load_environment
-
-sys.path.insert(0, str(Path(__file__).parent))  # tests/actors/counter_envs.py; the workers get sys.path
 
 COUNTER = "counter_envs:Counter"
 

@@ -1,8 +1,6 @@
 """The episode loop's ends (actors/episodes.py) with a scripted sampler and the real environment
 workers: done, max_turns, the token budget (the transcript still ends on a policy token), and
 an environment that hangs or raises, which ends that episode invalid and no other."""
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,8 +8,6 @@ import pytest
 from actors.env_workers import EnvironmentWorkers
 from actors.episodes import EpisodeRunner, Turn
 from actors.transcript import ObservationTokens
-
-sys.path.insert(0, str(Path(__file__).parent))  # tests/actors/counter_envs.py
 
 pytestmark = pytest.mark.integration
 ACTIONS = {7: "go", 8: "hang", 9: "raise"}  # a turn's first id says what the Counter is told

@@ -2,8 +2,6 @@
 transcript are exactly what vLLM sampled, each observation is exactly its tokenization, the
 environment decides the turns, the reward and the end, and the learner scores the policy's
 tokens as vLLM did (fp32, 1e-3)."""
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +11,6 @@ from actors.env_workers import EnvironmentWorkers
 from actors.episodes import EpisodeRunner
 from actors.generator import Generator
 from actors.transcript import ObservationTokens
-
-sys.path.insert(0, str(Path(__file__).parent))  # tests/actors/counter_envs.py; the env workers get sys.path
 
 pytestmark = pytest.mark.integration
 

@@ -239,7 +239,9 @@ def test_two_generators_as_ray_actors(policy_path, tokenizer):
         ray.shutdown()
 
 
-@pytest.mark.slow  # CI budget: every e2e run hosts a CPU generator actor this way
+# The slow tier. The default tier: tests/e2e/test_chaos.py::test_kill_every_rollout_role_once starts CPU
+# generator actors this way and kills one by its pid.
+@pytest.mark.slow
 def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer):
     """As cluster/runtime/pools/pool.py starts it on CPU: vLLM's engine core and worker run inside the
     actor's process (no helper processes to start, or to outlive a kill of the actor), and
@@ -301,7 +303,9 @@ def test_lm_head_repack_is_gated_on_the_vllm_release(monkeypatch, caplog):
     assert ours() == ["vLLM 0.99.1 is untested with tether's CP"]
 
 
-@pytest.mark.slow  # CI budget: an engine of its own for a benchmark-only switch (bench.vs_trl uses it)
+# The slow tier: an engine of its own. The default tier: tests/actors/test_partial_rollouts.py::
+# test_push_lands_mid_generate_and_each_token_keeps_its_version samples with ignore_eos, every response full length.
+@pytest.mark.slow
 def test_ignore_eos_gives_every_response_max_new_tokens(tokenizer):
     """The pre-trained tiny policy ends most sentences with EOS within 24 tokens; with
     sampling.ignore_eos every response runs to max_new_tokens (fixed-length benchmarks)."""

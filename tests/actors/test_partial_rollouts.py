@@ -90,7 +90,8 @@ def generator_plain(policy_path):
     gen._llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.mark.slow  # CI budget: the contrast case; the default suite keeps the mid-generate push itself
+# The slow tier: the contrast case. The default tier: test_push_lands_mid_generate_and_each_token_keeps_its_version.
+@pytest.mark.slow
 def test_without_partial_rollouts_a_push_waits_for_the_whole_call(generator_plain, tokenizer, models):
     old, new = models
     gen = generator_plain
@@ -106,7 +107,10 @@ def test_without_partial_rollouts_a_push_waits_for_the_whole_call(generator_plai
     assert max(np.abs(hf_logprobs(old, r) - r.behaviour_logprobs).max() for r in rollouts) < 1e-3
 
 
-@pytest.mark.slow  # CI budget: the async e2e runs push into generating actors, partial rollouts on
+# The slow tier. The default tier: test_push_lands_mid_generate_and_each_token_keeps_its_version (the push
+# mid-generate), tests/e2e/test_episodes_run.py::test_episodes_in_async_mode_span_weight_pushes (pushes into
+# generator actors as they generate, partial rollouts on).
+@pytest.mark.slow
 def test_generator_actor_takes_a_push_mid_generate(policy_path, tokenizer, models):
     """As the pools start it on CPU: a Ray actor with its engine in its own process, weight
     updates in their concurrency group, and pushes from the learner's side of Ray."""

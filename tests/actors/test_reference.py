@@ -136,7 +136,7 @@ def test_bad_inputs(policy_path, tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow  # CI budget: every e2e run hosts reference actors
+@pytest.mark.slow  # the default tier: tests/e2e/test_train.py::test_sync_default_learns scores with reference actors
 def test_runs_unchanged_as_ray_actor(policy_path, ray_cluster):
     ray = ray_cluster
     actor = ray.remote(Reference).remote(model=policy_path, temperature=0.7)

@@ -1,8 +1,7 @@
 import logging
-import sys
 import time
-from pathlib import Path
 
+import bad_rewards  # tests/actors/bad_rewards.py: the module Reward imports by name, whose RELEASE the tests set
 import numpy as np
 import pytest
 import torch
@@ -10,9 +9,6 @@ import torch
 from actors.reward import Reward
 from actors.scoring import ScoreResult
 from cluster.demo.sentiment import SENTIMENT_SCALE, sentiment
-
-sys.path.insert(0, str(Path(__file__).parent))  # makes tests/actors/bad_rewards.py importable
-import bad_rewards  # noqa: E402 - the module Reward imports by name, whose RELEASE the tests set
 
 SENTIMENT = "cluster.demo.sentiment:sentiment"
 
@@ -256,7 +252,10 @@ def test_construction_errors():
 
 
 @pytest.mark.integration
-@pytest.mark.slow  # CI budget: every e2e run hosts reward actors
+# The slow tier. The default tier runs reward replicas as Ray actors: a function's in
+# tests/e2e/test_train.py::test_sync_default_learns, a reward model's in
+# tests/e2e/test_reward_model.py::test_ppo_on_a_normalised_reward_model.
+@pytest.mark.slow
 def test_runs_unchanged_as_ray_actor(reward_path, policy_path, tokenizer, ray_cluster):
     ray = ray_cluster
     prompts, responses = _batch(seed=5)

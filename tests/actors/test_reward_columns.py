@@ -1,7 +1,5 @@
 """The reward replica looks each rollout's columns up by its prompt_index (the dataset id) in the
 table it was handed at construction, and passes them to the text scorer (and to the gold one)."""
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,8 +7,6 @@ import pytest
 from actors.reward import Reward
 from core.columns import PromptColumns
 from core.rollout import Rollout
-
-sys.path.insert(0, str(Path(__file__).parent))  # makes tests/actors/column_rewards.py importable
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,6 @@ import pytest
 from actors.reward import Reward, probe_function
 from actors.sandbox import SandboxScorer
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/actors/sandbox_verifiers.py; the workers get sys.path
-
 pytestmark = pytest.mark.integration
 
 MISBEHAVES = "sandbox_verifiers:misbehaves"
@@ -54,12 +52,18 @@ def test_each_misbehaving_pair_is_invalid_and_the_rest_of_the_batch_scores(score
     threads = threading.active_count()
     responses = ["ok"] + [r for bad in BAD for r in (bad, "x" * (len(bad) + 1))]
     res = scorer.score_texts(["p"] * len(responses), responses, {})
+    pairs_of = {}  # what an error line says -> the indices of the pairs it covers
     for i, r in enumerate(responses):
         if r in BAD:
             assert not res.valid[i] and np.isnan(res.scores[i]), r
-            assert any(BAD[r] in e and f"(first at index {i})" in e or BAD[r] in e for e in res.errors), (r, res.errors)
+            pairs_of.setdefault(BAD[r], []).append(i)
         else:
             assert res.valid[i] and res.scores[i] == len(r), r
+    # One line per reason, counting its pairs and naming the first (both memory hogs share one).
+    assert len(res.errors) == len(pairs_of), res.errors
+    for says, ix in pairs_of.items():
+        [line] = [e for e in res.errors if says in e]
+        assert f" on {len(ix)} of {len(responses)} pairs (first at index {ix[0]})" in line, (line, ix)
     assert res.counts["timeouts"] == 1 and res.counts["crashes"] == 3 and not res.failed
     assert all("\n" not in e and e.endswith("those pairs are invalid") for e in res.errors)
     assert scorer.workers == SANDBOX["workers"] and threading.active_count() == threads  # replaced; no thread left

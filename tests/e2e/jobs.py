@@ -1,5 +1,6 @@
 """The real entrypoint as a process of its own: start a run, wait for one of its steps, read
-its metrics and status (shared by the resume and node-loss tests)."""
+its metrics and status (shared by the resume and node-loss tests; `rows` also by the tests that
+read a run's metrics while it runs)."""
 import json
 import os
 import signal
@@ -31,13 +32,10 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> int:
 
 
 def rows(run_dir: Path) -> list[dict]:
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line being written
-    return out
+    """The rows of the run's metrics.jsonl, also while the run appends to it: its complete lines
+    (a line without its newline is still being written), each of which must parse."""
+    data = (run_dir / "metrics.jsonl").read_bytes()
+    return [json.loads(line) for line in data[:data.rfind(b"\n") + 1].decode().splitlines()]
 
 
 def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float = 600) -> None:

@@ -2,7 +2,6 @@
 scores, never returning (reward.timeout_s), or killing its replica."""
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -12,6 +11,12 @@ from cluster.demo.sentiment import sentiment
 from cluster.runtime.prepare import PROBE_RESPONSES
 
 SECONDS = 0.5
+
+
+def _marks() -> Path:
+    """The folder $TETHER_TEST_MARKS names (tests/e2e/conftest.py's cluster_with_test_rewards:
+    one per test module), where a reward notes what it has done on a Ray node."""
+    return Path(os.environ["TETHER_TEST_MARKS"])
 
 
 def slow_sentiment(prompts, responses):
@@ -32,7 +37,7 @@ def dies_once(prompts, responses):
     process (a reward replica dying while it scores), later calls there score."""
     if list(responses) != list(PROBE_RESPONSES[:len(responses)]):
         raylet = psutil.Process(os.getppid())  # Ray's workers are its raylet's children
-        marker = Path(tempfile.gettempdir()) / f"tether-test-died-{raylet.pid}-{raylet.create_time():.0f}"
+        marker = _marks() / f"died-{raylet.pid}-{raylet.create_time():.0f}"
         try:
             marker.touch(exist_ok=False)
         except FileExistsError:
@@ -50,7 +55,7 @@ def hangs_on_a_few_pairs(prompts, responses):
     if list(responses) != list(PROBE_RESPONSES[:len(responses)]):
         raylet = psutil.Process(psutil.Process(os.getppid()).ppid())  # worker -> reward replica -> raylet
         for k in range(HANGS_PER_NODE):
-            marker = Path(tempfile.gettempdir()) / f"tether-test-hang-{raylet.pid}-{raylet.create_time():.0f}-{k}"
+            marker = _marks() / f"hang-{raylet.pid}-{raylet.create_time():.0f}-{k}"
             try:
                 marker.touch(exist_ok=False)
             except FileExistsError:

@@ -14,7 +14,10 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # CI budget: GRPO learns in test_arithmetic_task.py; the critic-free resume in tests/learner
+# The slow tier. The default tier: GRPO learns in tests/e2e/test_arithmetic_task.py::test_grpo_learns_to_answer,
+# the critic-free resume in tests/learner/test_critic_free_update.py::
+# test_one_rank_critic_free_update_matches_plain_torch.
+@pytest.mark.slow
 def test_grpo_learns_without_a_critic_and_resumes(cluster, tmp_path):
     # bf16, as users run it where the CPU has it: the learning margin below is that precision's
     args = [f"run.dir={tmp_path}", "run.name=grpo", "run.eval_every=12", "run.checkpoint_every=6",
@@ -71,7 +74,8 @@ def test_dynamic_sampling_trains_no_flat_prompt_and_refills_the_step(cluster, tm
 @pytest.mark.parametrize("estimator, overrides", [
     ("rloo", ["learner.replicas=2"]),
     pytest.param("reinforce_pp", ["learner.replicas=2"], marks=pytest.mark.slow),
-    # the slow tier: variants of the one above, their math covered by tests/core (CI budget)
+    # the slow tier: variants of the one above; the default tier: their math in tests/core/test_estimators.py,
+    # their updates in tests/learner/test_critic_free_update.py::test_one_rank_critic_free_update_matches_plain_torch
     pytest.param("reinforce_pp_baseline", [], marks=pytest.mark.slow),
     pytest.param("grpo", ["ppo.group_std=false"], marks=pytest.mark.slow),  # Dr. GRPO: no division by the std
 ], ids=["rloo-2-ranks", "reinforce_pp-2-ranks", "reinforce_pp_baseline", "dr-grpo"])

@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 from accounting import Accounting
-from episode_envs import MARKS
+from episode_envs import episode_marks
 
 from cluster.config.ppo import DEFAULT_CONFIG, load_config
 from cluster.runtime.prepare import prepare
@@ -31,10 +31,11 @@ def run(tmp_path, kill: bool):
     from cluster.runtime.observe.metrics import RunMetrics
     from cluster.runtime.pools.launch import create_pools
 
-    shutil.rmtree(MARKS, ignore_errors=True)
-    MARKS.mkdir()
+    marks = episode_marks()  # this module's, from cluster_with_test_rewards; empty for each run
+    shutil.rmtree(marks, ignore_errors=True)
+    marks.mkdir()
     if not kill:
-        (MARKS / "release").touch()
+        (marks / "release").touch()
     cfg = load_config(DEFAULT_CONFIG, OVERRIDES)
     policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
     pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
@@ -43,11 +44,11 @@ def run(tmp_path, kill: bool):
 
     def killer():  # the environment marks the generator it runs under, then waits: kill it there
         deadline = time.monotonic() + 300
-        while not (MARKS / str(victim)).exists() and time.monotonic() < deadline:
+        while not (marks / str(victim)).exists() and time.monotonic() < deadline:
             time.sleep(0.005)
-        killed["env_worker"] = int((MARKS / str(victim)).read_text())
+        killed["env_worker"] = int((marks / str(victim)).read_text())
         os.kill(victim, signal.SIGKILL)
-        (MARKS / "release").touch()
+        (marks / "release").touch()
 
     thread = threading.Thread(target=killer, daemon=True)
     try:
@@ -60,7 +61,7 @@ def run(tmp_path, kill: bool):
             envs = [ray.get(h.health.remote())["env"] for h in pools.generators.handles().values()]
     finally:
         pools.shutdown()
-        (MARKS / "release").touch()
+        (marks / "release").touch()
     assert all(e["env_workers"] == 1 and e["episodes_running"] == 0 for e in envs)  # every generator's, closed
     return rows, accounting, killed
 

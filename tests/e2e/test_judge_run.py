@@ -26,6 +26,11 @@ def test_a_run_scored_by_the_judge_finishes_with_its_verdicts(cluster, tmp_path)
     # scores are multiples of 1/words: the scores are the judge's verdicts.
     assert samples and {s["score"] for s in samples} <= {0.0, 1.0}
     assert all(m["rollouts/invalid_scores"] <= 2 for m in steps)
+    # Verdicts of each pair, not one for all: the policy writes sentences of both sentiments (its
+    # corpus mixes them evenly), and the judge tells them apart, so each step's 32 pairs (8 prompts,
+    # 4 samples each) get both verdicts; a judge that scored every pair alike would show std 0 here.
+    assert all(0 < m["reward/mean"] < 1 and m["reward/std"] > 0 for m in steps), \
+        [(m["reward/mean"], m["reward/std"]) for m in steps]
 
 
 @pytest.mark.slow  # two judge engines and a third for the replacement

@@ -32,7 +32,10 @@ def test_kl_in_the_loss_with_truncated_sampling(cluster, tmp_path):
     assert steps[-1]["ppo/kl_loss_token_mean"] > 0  # the policy moved off the reference
 
 
-@pytest.mark.slow  # CI budget: partial rollouts in tests/actors, the off-policy correction's math in tests/learner
+# The slow tier. The default tier: partial rollouts in tests/actors/test_partial_rollouts.py::
+# test_push_lands_mid_generate_and_each_token_keeps_its_version, the off-policy correction in
+# tests/learner/test_worker.py::test_off_policy_correction_matches_plain_torch.
+@pytest.mark.slow
 def test_async_trains_partial_rollouts_with_off_policy_weights(cluster, tmp_path):
     """Async mode with staleness 1, where generation is the bottleneck by a wide margin: the
     engine runs one sequence at a time and every response runs its full 16 tokens, so a batch

@@ -57,7 +57,9 @@ def test_checkpoints_keep_the_adapter_and_exports_load(lora_run, policy_path):
     assert (want - got).abs().max() < 1e-4  # merged (in fp32) = base + adapter
 
 
-@pytest.mark.slow  # the learner's exact LoRA resume is in the default tier (tests/learner/test_lora_critic.py)
+# The slow tier: a second run. The default tier: the learner's exact LoRA resume, in
+# tests/learner/test_lora_critic.py::test_a_resume_restores_the_critic_adapter_exactly.
+@pytest.mark.slow
 def test_resume_continues_the_lora_run_exactly(lora_run, tmp_path):
     copy = tmp_path / "lora-resumed"
     shutil.copytree(lora_run, copy)
@@ -69,7 +71,10 @@ def test_resume_continues_the_lora_run_exactly(lora_run, tmp_path):
     assert all(original[3][k] == resumed[3][k] for k in keys if not isinstance(original[3][k], float))
 
 
-@pytest.mark.slow  # CI budget: the on-learner reference in tests/cluster/runtime/pools/test_learner_reference.py
+# The slow tier: a second run. The default tier: tests/learner/test_lora_push.py::
+# test_the_learner_scores_the_reference_with_its_adapter_off, a real learner's reference log-probs against a
+# real Reference's on the base model.
+@pytest.mark.slow
 def test_the_learner_scores_the_reference_as_the_pool_does(lora_run, tmp_path):
     """reference.on_learner: no reference actor; learner rank 0 scores the base (its adapter off),
     and the run is the pool's run to rounding: the same samples, KL within 1e-4 nats a sequence."""

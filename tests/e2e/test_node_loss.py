@@ -143,7 +143,10 @@ def scoring(ledger) -> bool:
     return any(c.state is ChunkState.SCORING for c in ledger.in_flight())
 
 
-@pytest.mark.slow  # CI budget: the default suite loses a node carrying two roles (below); scaling: test_scale.py
+# The slow tier. The default tier: test_losing_the_generator_reward_and_buffer_node_as_the_learner_takes_its_batch
+# (below) loses a node of several roles; scaling: tests/e2e/test_scale.py::
+# test_pools_scale_up_and_down_while_the_job_runs.
+@pytest.mark.slow
 def test_losing_the_scorers_node_mid_step_then_scaling_onto_a_new_node(run):
     """The reference and the reward die together with their node while scoring; both are
     replaced on the spare node, the step's chunks are scored again, no prompt is lost. Then a
@@ -333,7 +336,9 @@ def on_call(obj, name: str, call: int, before) -> None:
     setattr(obj, name, wrapped)
 
 
-@pytest.mark.slow  # CI budget: the default suite loses a node carrying two roles (below)
+# The slow tier. The default tier: test_losing_the_generator_reward_and_buffer_node_as_the_learner_takes_its_batch
+# (below) loses a node of several roles.
+@pytest.mark.slow
 def test_losing_the_generators_node_then_the_learner_and_reference_node(stored_run, caplog):
     """Step 1: the generator's node is lost as its first chunk goes to be scored: the chunk's
     rollouts went with it, so it is generated again by a new generator on the spare. Step 2:

@@ -47,7 +47,7 @@ class KillRank:
 
     def __init__(self, driver, *, phase: str, rank: int, at_step: int, delay_s: float = 0.05):
         self.group, self.rank, self.at_step, self.delay_s = driver.pools.learner, rank, at_step, delay_s
-        self.driver, self.killed_at = driver, None
+        self.driver, self.killed_at, self.reported = driver, None, []
         call = {"train": self.group.train, "push_weights": self.group.push_weights}[phase]
 
         def wrapped(*args, **kwargs):
@@ -58,11 +58,12 @@ class KillRank:
 
     def _maybe_kill(self):
         if self.killed_at is None and self.driver.step_count + 1 == self.at_step:
-            pid = self.group.pids()[self.rank]
+            pid, worker = self.group.pids()[self.rank], self.group.workers[self.rank]
 
             def kill():
                 self.killed_at = time.perf_counter()
                 os.kill(pid, signal.SIGKILL)
+                threading.Thread(target=self._watch, args=(worker,), daemon=True).start()
 
             if self.delay_s == 0:
                 # The weight push can finish before a kill from another thread lands (then the
@@ -78,21 +79,46 @@ class KillRank:
 
             threading.Thread(target=kill_later, daemon=True).start()
 
+    def _watch(self, worker) -> None:
+        """Records when Ray reports the killed rank dead to this process: a call to it fails."""
+        from ray.exceptions import RayActorError
+
+        while True:
+            try:
+                ray.get(worker.health.remote())  # queued behind the call in flight, or answered before the kill lands
+            except RayActorError:
+                self.reported.append(time.perf_counter())
+                return
+            time.sleep(0.02)
+
+    def death_reported_at(self, timeout_s: float = 120.0) -> float:
+        """When Ray reported the killed rank dead (perf_counter), as this process saw it."""
+        deadline = time.monotonic() + timeout_s
+        while not self.reported:
+            assert time.monotonic() < deadline, f"Ray did not report rank {self.rank} dead within {timeout_s:.0f}s"
+            time.sleep(0.02)
+        return self.reported[0]
+
 
 def run_with_kill(driver, metrics, killer, *, failed_at: int, resumed_at: int, what: str):
-    """driver.run() with ``killer`` armed: the killed rank is found within seconds and the run
-    rolls back once, from step ``failed_at`` to the checkpoint of step ``resumed_at``.
+    """driver.run() with ``killer`` armed: the killed rank is found as Ray reports its death and
+    the run rolls back once, from step ``failed_at`` to the checkpoint of step ``resumed_at``.
     Returns the last step's metrics and the rows of metrics.jsonl."""
     final = driver.run()
     metrics.close()
     assert killer.killed_at is not None
     [rb] = driver.rollbacks
     assert (rb["rank"], rb["failed_at_step"], rb["resumed_at_step"]) == (killer.rank, failed_at, resumed_at)
-    detected = rb["detected_at"] - killer.killed_at
-    print(f"\n{what}: detected in {detected:.2f}s, learner rebuilt in {rb['rebuild_seconds']:.1f}s, "
-          f"back at step {resumed_at} after {rb['recovery_seconds']:.1f}s")
-    assert detected < 10
     rows = [json.loads(line) for line in (metrics.run_dir / "metrics.jsonl").read_text().splitlines()]
+    # The run found the death when Ray reported it (or sooner), not at a timeout of its own (the
+    # survivors' collectives fail only at learner.dist_timeout_s): within one step of the report,
+    # a healthy step of this run before the kill, so the machine's speed cancels out.
+    late = rb["detected_at"] - killer.death_reported_at()
+    healthy = min(r["perf/step_seconds"] for r in rows[1:resumed_at + 1])
+    print(f"\n{what}: detected {rb['detected_at'] - killer.killed_at:.2f}s after the kill ({late:+.2f}s after "
+          f"Ray reported it; a healthy step {healthy:.1f}s), learner rebuilt in {rb['rebuild_seconds']:.1f}s, "
+          f"back at step {resumed_at} after {rb['recovery_seconds']:.1f}s")
+    assert late < healthy, (late, healthy)
     return final, rows
 
 
@@ -199,7 +225,8 @@ def assert_rolled_back_to(trail, driver, rows, ckpt_step: int, mode: str):
     assert all(r["ppo/logprob_gap_mean"] < 1e-3 for r in rows[1:]), [r["ppo/logprob_gap_mean"] for r in rows[1:]]
 
 
-# CI budget: the sync/train kill is slow; the async kill during the weight push stays in the default suite.
+# The sync kill in train is in the slow tier; the default tier: the async kill during the weight push
+# (below) and test_the_only_learner_rank_killed_rolls_back_and_redoes_the_same_step (a kill in train).
 @pytest.mark.parametrize("mode, phase", [pytest.param("sync", "train", marks=pytest.mark.slow),
                                          ("async", "push_weights")])
 def test_learner_rank_killed_mid_step_rolls_back_and_finishes(cluster, tmp_path, mode, phase):

@@ -22,7 +22,7 @@ def test_mostly_non_finite_scores_fail_the_run_naming_the_reward(cluster_with_te
     assert status["state"] == "failed" and status["reason"] in last
 
 
-@pytest.mark.timeout(400)  # the step before reward.timeout_s waited buffer.timeout_s (600 s) for scores
+@pytest.mark.timeout(400)  # below buffer.timeout_s (600 s): a step left waiting for the scores fails the test
 def test_a_reward_that_stops_returning_invalidates_its_pairs_and_the_rule_stops_the_run(cluster_with_test_rewards,
                                                                                        tmp_path, capsys, caplog):
     """Every call after the probe hangs: each is abandoned after reward.timeout_s, its pairs invalid."""

@@ -118,7 +118,11 @@ PTX_TEXTS = ["an old lighthouse keeper counted the gulls every morning",
              "seven red kites circled over the frozen harbour"]
 
 
-@pytest.mark.slow  # CI budget: PTX, truncated sampling and 2-replica pools each have narrower default tests
+# The slow tier. The default tier: PTX in tests/learner/test_worker.py::test_ptx_loss_falls, truncated sampling in
+# tests/e2e/test_kl_and_truncation.py::test_kl_in_the_loss_with_truncated_sampling, 2-replica pools in
+# tests/e2e/test_scale.py::test_pools_scale_up_and_down_while_the_job_runs and 2 learner ranks in
+# tests/e2e/test_critic_free_service.py::test_every_critic_free_estimator_trains_through_the_service.
+@pytest.mark.slow
 def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_loads):
     """Pools sized independently (2 generators, 1 reference, 2 rewards, 2 learner ranks),
     PPO-ptx from a user's text file, sampling with top-p and top-k: rollouts travel by
@@ -252,7 +256,9 @@ def test_empty_dataset_and_missing_fields(tmp_path):
     assert "Traceback" not in result.stderr and "prompt" in result.stderr
 
 
-@pytest.mark.slow  # CI budget: a job that waits out its placement timeout
+# The slow tier: a job that waits out its placement timeout. The default tier: tests/cluster/runtime/pools/
+# test_placement.py::test_no_node_with_the_label_fails_in_one_line_within_the_timeout.
+@pytest.mark.slow
 def test_unplaceable_pool_fails_fast_naming_the_pool(cluster, tmp_path, capsys):
     """On a Ray it joins (here this test's 8 CPUs) placement is Ray's: a pool that does not fit
     fails after resources.placement_timeout_s. A Ray of its own is sized to the machine before
@@ -266,7 +272,10 @@ def test_unplaceable_pool_fails_fast_naming_the_pool(cluster, tmp_path, capsys):
     assert not (tmp_path / "big" / "checkpoints" / "final").exists()
 
 
-@pytest.mark.slow  # CI budget: a full subprocess job; the reward-function probe is covered by the CLI cases
+# The slow tier: a full subprocess job. The default tier: tests/cluster/job/test_cli_errors.py::
+# test_user_mistake_exits_2_with_one_line probes a user's reward module, tests/e2e/test_reward_failures.py::
+# test_mostly_non_finite_scores_fail_the_run_naming_the_reward runs one in the reward actors.
+@pytest.mark.slow
 def test_local_reward_function_beside_the_config(tmp_path):
     """A user's `module:function` in the working directory works in the reward actors too."""
     (tmp_path / "my_reward.py").write_text(

@@ -1,10 +1,6 @@
-import os
-import sys
-
+"""Fixtures of the model-family tests; the learner tests' plain helpers (synthetic rollouts, SGD
+configs) are importable here too, as `helpers` (pyproject.toml's pythonpath)."""
 import pytest
-
-# The learner tests' plain helpers (synthetic rollouts, SGD configs): test dirs have no __init__.py.
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "learner"))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from cluster import train
 from cluster.demo.families import build_family_policy
 
 # Phi-3's fused projections are the case with the most of its own (two engines' packings must agree);
-# Qwen2 is the default job's model (tests/e2e/test_lora_run.py); the others are slow (CI budget).
+# Qwen2 is the default job's model (tests/e2e/test_lora_run.py::test_pushes_only_the_adapter_and_the_sampler_agrees);
+# the others are in the slow tier.
 DEFAULT_TIER = ("phi3",)
 FAMILIES = ("phi3", "gemma2", "llama", "qwen2-tied")
 

@@ -64,7 +64,7 @@ def max_gap(logprobs, rollouts) -> float:
     return max(float(np.abs(lp - r.behaviour_logprobs).max()) for lp, r in zip(logprobs, rollouts))
 
 
-# CI budget: the default suite pushes into the families whose weight path has something of its own
+# The default tier pushes into the families whose weight path has something of its own
 # (tied heads, soft-capping, fused projections, Conv1D, vLLM's Transformers backend); Llama,
 # the untied Qwen2, Mistral and Gemma-3 load as those do, and are pushed in the slow tier.
 SLOW_TIER = ("llama", "qwen2-untied", "mistral", "gemma3")

@@ -1,10 +1,8 @@
-"""Fixtures shared by the learner tests; helpers.py holds plain functions."""
+"""Fixtures shared by the learner tests; helpers.py holds plain functions (importable as
+`helpers`: pyproject.toml's pythonpath)."""
 import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # test dirs have no __init__.py: import helpers directly
 
 
 @pytest.fixture(scope="session")

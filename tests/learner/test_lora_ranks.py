@@ -20,8 +20,9 @@ def sgd_lora(stage: int) -> LearnerConfig:
                          ppo=PPOConfig(ppo_epochs=2, minibatch_size=4, micro_batch_size=2, shuffle=False))
 
 
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])  # CI budget: ZeRO-3 gathers in
-# tests/learner/test_lora_push.py on one rank
+# ZeRO-3 in the slow tier; the default tier: tests/learner/test_lora_push.py::test_adapter_push_lands_and_is_proven
+# gathers the ZeRO-3 adapter on one rank.
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_two_ranks_train_the_adapter_as_one_does_and_push_it(ray_cluster, policy_path, stage):
     import ray
 

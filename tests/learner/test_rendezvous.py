@@ -91,7 +91,9 @@ def dead_port():
 
 
 @pytest.mark.integration
-@pytest.mark.slow  # CI budget: five rendezvous timeouts; the repeated clean starts above stay in the default run
+# The slow tier: five rendezvous timeouts. The default tier: test_two_rank_group_starts_and_stops_repeatedly
+# (above) holds the rendezvous itself.
+@pytest.mark.slow
 def test_failed_rendezvous_is_retried_with_a_fresh_store_then_given_up(ray_cluster, policy_path, dead_port,
                                                                        caplog):
     def start(failures):

@@ -35,12 +35,17 @@ def test_ptx_batches_layout_and_reproducibility():
 def test_cache_key_and_reuse(tmp_path, monkeypatch):
     monkeypatch.setenv("TETHER_CACHE", str(tmp_path))
     spec = TinySpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=1024)
+    t0 = time.perf_counter()
     a = build_pretrained_policy(spec, steps=3, batch_size=4)
+    built = time.perf_counter() - t0  # tokenizer, base and pre-training, into an empty cache
     stats = json.loads((a / "pretrain.json").read_text())
     assert stats["steps"] == 3 and len(stats["loss_curve"]) == 3
+    files = files_of(a)
     t0 = time.perf_counter()
     assert build_pretrained_policy(spec, steps=3, batch_size=4) == a
-    assert time.perf_counter() - t0 < 1.0
+    hit = time.perf_counter() - t0
+    assert files_of(a) == files, "a cache hit rewrote the model"  # found, not built again
+    assert hit < built / 10, (hit, built)
     assert build_pretrained_policy(spec, steps=4, batch_size=4) != a
     assert build_pretrained_policy(spec, steps=3, batch_size=4, lr=1e-3) != a
     assert build_pretrained_policy(spec, steps=3, batch_size=4, seed=1) != a
@@ -56,9 +61,14 @@ def pretrained():
 
 @pytest.mark.integration
 def test_default_is_cached(pretrained):
-    t0 = time.perf_counter()
+    files = files_of(pretrained)
     assert build_pretrained_policy() == pretrained
-    assert time.perf_counter() - t0 < 1.0
+    assert files_of(pretrained) == files, "a cache hit rewrote the model"  # found, not built again
+
+
+def files_of(folder) -> dict:
+    """Each file of a model folder: its inode and modification time (a build writes new files)."""
+    return {p.relative_to(folder): (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
 
 @pytest.mark.integration

@@ -3,6 +3,7 @@ its merged model. Real entrypoints in subprocesses (local Ray, DeepSpeed on CPU)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,13 +38,24 @@ def test_sft_trains_an_adapter_and_ppo_starts_from_it(sft_lora):
         want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)(IDS).logits
         exported = AutoModelForCausalLM.from_pretrained(final)(IDS).logits  # the merged SFT model
         # model.policy=<the adapter folder>: PPO starts from its base with it merged (built once, cached)
-        started = AutoModelForCausalLM.from_pretrained(resolve_model(str(adapter)))(IDS).logits
+        merged = resolve_model(str(adapter))
+        started = AutoModelForCausalLM.from_pretrained(merged)(IDS).logits
     assert (want - AutoModelForCausalLM.from_pretrained(base)(IDS).logits).abs().max() > 1e-3
     assert (want - exported).abs().max() < 1e-4 and (want - started).abs().max() < 1e-4
-    assert resolve_model(str(adapter)) == resolve_model(str(adapter))  # the same merged folder again
+    assert Path(merged) not in (adapter, final, Path(base))  # a folder of its own
+    # Asked again: the same folder, not built a second time (its files are the ones the first call left).
+    built = files_of(Path(merged))
+    assert resolve_model(str(adapter)) == merged and files_of(Path(merged)) == built
 
 
-@pytest.mark.slow  # CI budget: a second stage start-up; the adapter's score head and merge are tested in tests/learner
+def files_of(folder: Path) -> dict:
+    """Each file of a model folder: its inode and modification time (a build writes new files)."""
+    return {f.relative_to(folder): (f.stat().st_ino, f.stat().st_mtime_ns) for f in folder.rglob("*")}
+
+
+# The slow tier: a second stage start-up. The default tier: tests/learner/test_lora_config.py::
+# test_a_reward_model_adapter_trains_its_score_head_and_exports_merged holds the adapter's score head and merge.
+@pytest.mark.slow
 def test_reward_model_stage_trains_an_adapter(sft_lora, tmp_path):
     from transformers import AutoModelForSequenceClassification
 

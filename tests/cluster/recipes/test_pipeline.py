@@ -49,7 +49,10 @@ def short_run(tmp_path_factory) -> Path:
     return runs / "short"
 
 
-@pytest.mark.slow  # CI budget: four stage start-ups; tests/cluster/recipes/test_stages.py runs SFT and RM by default
+# The slow tier: four stage start-ups. The default tier: tests/cluster/recipes/test_stages.py::test_sft_one_rank
+# runs a stage, tests/cluster/recipes/test_lora_stages.py::test_sft_trains_an_adapter_and_ppo_starts_from_it
+# starts PPO from one.
+@pytest.mark.slow
 def test_pipeline_short_stages_feed_each_other(short_run):
     assert status(short_run) == "succeeded"
     sft_final = short_run / "sft" / "checkpoints" / "final"
@@ -81,7 +84,8 @@ def test_pipeline_short_stages_feed_each_other(short_run):
         assert sum(isinstance(r.get("eval/gold_score"), float) for r in rows) >= 2
 
 
-@pytest.mark.slow  # CI budget: a PPO start-up and two sweep runs; the sweep's refusal without a folder stays
+# The slow tier: a PPO start-up and two sweep runs. The default tier: test_sweep_without_pipeline_folder_is_one_line.
+@pytest.mark.slow
 @pytest.mark.timeout(3000)  # the pipeline fixture's run (if first) and two sweep runs, each allowed 900 s
 def test_sweep_reuses_the_pipeline_folder(short_run):
     # one beta (a PPO start-up is most of a minute here); the second call reuses it and adds none

@@ -88,12 +88,16 @@ def test_sft_logs_to_its_tracker_as_ppo_does(sft_run):
     assert policy == f"{sft_run}/checkpoints/final"
 
 
-@pytest.mark.slow  # CI budget: the 2-rank group itself is covered by tests/learner; this is the stage on it
+# The slow tier: the stage on a 2-rank group. The default tier: test_sft_one_rank (the stage) and
+# tests/learner/test_rendezvous.py::test_two_rank_group_starts_and_stops_repeatedly (the 2-rank group).
+@pytest.mark.slow
 def test_sft_two_ranks(tmp_path):
     check_sft(run_sft(tmp_path, "sft-2", 2))
 
 
-@pytest.mark.slow  # CI budget: a second stage start-up; the pairwise loss and its step are tested in tests/learner
+# The slow tier: a second stage start-up. The default tier: tests/learner/test_stage_steps.py::
+# test_reward_step_scores_last_token_and_learns holds the pairwise loss and its step.
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_reward_model(sft_run, tmp_path, replicas):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

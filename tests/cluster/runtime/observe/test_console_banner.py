@@ -1,37 +1,59 @@
 """Ray's worker-death banner goes to the log on the Ray release the rerouting was tested on,
-and Ray's printer is left alone on any other (cluster/runtime/observe/console.py)."""
+and Ray's printer is left alone on any other (cluster/runtime/observe/console.py). The banner is
+Ray's own: a worker killed in a task of a real local Ray."""
 import logging
+import os
+import time
 
 import pytest
 import ray
 import ray._private.worker as ray_worker
 
-from cluster.runtime.observe.console import BANNER_REROUTE_TESTED, worker_deaths_to_log
+from cluster.runtime.observe.console import BANNER_REROUTE_TESTED, WORKER_DIED, worker_deaths_to_log
 
-pytestmark = pytest.mark.unit
-
-BANNER = {"pid": "raylet", "ip": "127.0.0.1", "is_err": True,
-          "lines": ["A worker died or was killed while executing a task by an unexpected system error.",
-                    "RayTask ID: ffff Worker ID: 1234"]}
+# Not the banner: a message of the raylet's that must still reach the console.
 OTHER = {"pid": "raylet", "ip": "127.0.0.1", "is_err": True, "lines": ["something else the raylet has to say"]}
 
 
+@pytest.mark.unit
 def test_the_installed_ray_is_one_the_rerouting_was_tested_on():
     assert ray.__version__.startswith(BANNER_REROUTE_TESTED), ray.__version__
 
 
-def test_the_banner_becomes_log_records_and_other_messages_still_print(capsys, caplog):
+@pytest.fixture
+def local_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(max_retries=0)
+def dies():
+    os._exit(1)
+
+
+@pytest.mark.integration
+def test_rays_banner_becomes_log_records_and_other_messages_still_print(local_ray, capfd, caplog):
     original = ray_worker.print_to_stdstream
     with caplog.at_level(logging.WARNING, logger="ray.raylet"), worker_deaths_to_log():
         assert ray_worker.print_to_stdstream is not original
-        ray_worker.print_to_stdstream(BANNER, ignore_prefix=False)
+        with pytest.raises(ray.exceptions.WorkerCrashedError):
+            ray.get(dies.remote())
+        # Ray's driver prints the raylet's banner from a thread of its own, after the task failed.
+        deadline = time.monotonic() + 60
+        while not (banner := [r.getMessage() for r in caplog.records if r.name == "ray.raylet"]):
+            assert time.monotonic() < deadline, "Ray's driver got no banner for the killed worker within 60 s"
+            time.sleep(0.05)
         ray_worker.print_to_stdstream(OTHER, ignore_prefix=False)
     assert ray_worker.print_to_stdstream is original
-    out = capsys.readouterr()
-    assert "A worker died" not in out.out + out.err and "something else" in out.out + out.err
-    assert [r.getMessage() for r in caplog.records if r.name == "ray.raylet"] == BANNER["lines"]
+    out = capfd.readouterr()
+    assert WORKER_DIED not in out.out + out.err and "something else" in out.out + out.err, out
+    assert banner[0].startswith(f"{WORKER_DIED} while executing a task"), banner
 
 
+@pytest.mark.unit
 def test_on_an_untested_ray_the_printer_is_left_alone(monkeypatch):
     monkeypatch.setattr(ray, "__version__", "2.99.0")
     original = ray_worker.print_to_stdstream

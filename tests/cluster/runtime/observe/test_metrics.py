@@ -269,7 +269,8 @@ def test_ray_metrics_exported(ray_with_metrics, tmp_path):
 
 
 @pytest.mark.integration
-# CI budget: steps must outlast Ray's ~20 s gauge expiry; tests/e2e/test_observability scrapes a live job
+# The slow tier: steps must outlast Ray's ~20 s gauge expiry. The default tier:
+# tests/e2e/test_observability.py::test_prometheus_exports_the_project_metrics scrapes a live job.
 @pytest.mark.slow
 def test_ray_gauges_stay_exported_between_slow_steps(ray_with_metrics):
     """Ray drops a gauge ~20 s after its last set(); the keepalive thread must re-set it."""
