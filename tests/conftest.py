@@ -40,6 +40,13 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = NOTHING_PASSED_EXIT
 
 
+def pytest_unconfigure(config):
+    # After every fixture's teardown (some kill actors of the shared Ray): the session's shared
+    # Ray (tests/rays.py) goes, if a test started it.
+    if "rays" in sys.modules:
+        sys.modules["rays"].stop()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getoption("require_passed") and exitstatus == 0 and not _PASSED:
@@ -180,6 +187,66 @@ def pytest_runtest_teardown(item, nextitem):
                                         "mark it integration")
 
 
+# ---------------------------------------------------------------- nothing outlives its test
+# Modules share a Ray (and module fixtures share actors across their tests), so what a test
+# leaves behind would change the tests after it. After each test (and each module), the named
+# actors, placement groups and alive nodes it added must be gone: a leftover fails the test that
+# left it, not whichever test it disturbs. Teardown is asynchronous in Ray (an actor killed a
+# moment ago is still listed), so the check waits for them to go, up to LEFTOVER_WAIT_S.
+LEFTOVER_WAIT_S = 60.0
+
+
+def _ray_state() -> dict[str, set] | None:
+    """Named actors, placement groups not removed, alive nodes of the Ray this process is
+    connected to; None when it is not connected."""
+    import ray
+    if not ray.is_initialized():
+        return None
+    from ray.util import list_named_actors, placement_group_table
+    try:
+        actors = {f"{a['namespace']}/{a['name']}" for a in list_named_actors(all_namespaces=True)}
+        groups = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+        nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    except (ray.exceptions.RayError, ConnectionError, RuntimeError, TimeoutError):
+        # the cluster went away under the test (a head node killed on purpose)
+        return None
+    return {"named actors": actors, "placement groups": groups, "nodes": nodes}
+
+
+def _leftovers(before: dict[str, set] | None) -> dict[str, set]:
+    after = _ray_state()
+    if before is None or after is None:  # Ray started or ended in between: its own start/shutdown cleans up
+        return {}
+    return {what: extra for what in after if (extra := after[what] - before[what])}
+
+
+def _assert_nothing_left(before: dict[str, set] | None, who: str) -> None:
+    import time
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while (left := _leftovers(before)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        listed = "; ".join(f"{what}: {sorted(ids)}" for what, ids in left.items())
+        raise AssertionError(f"{who} left behind in the shared Ray {listed} (kill/remove them in its teardown)")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_outlives_the_test(request):
+    if request.node.get_closest_marker("unit") is not None:
+        yield
+        return
+    before = _ray_state()
+    yield
+    _assert_nothing_left(before, request.node.nodeid)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _nothing_outlives_the_module(request):
+    before = _ray_state()
+    yield
+    _assert_nothing_left(before, request.node.nodeid)
+
+
 # Tiny offline models (cached on disk by content): one build serves every test session.
 @pytest.fixture(scope="session")
 def policy_path():
@@ -210,15 +277,24 @@ def entrypoints():
     server.close()
 
 
-@pytest.fixture
-def ray_nodes():
-    """A multi-node Ray on this machine (tests/nodes.py), this process connected to it."""
+@pytest.fixture(scope="module")
+def _module_nodes():
+    """One multi-node Ray per test module (tests/nodes.py): a head node, this process connected."""
     import ray
+    import rays
     from nodes import LocalNodes
-
+    rays.leave()
     nodes = LocalNodes()
     ray.init(address=nodes.address, logging_level="WARNING")
     try:
         yield nodes
     finally:
         nodes.shutdown()
+
+
+@pytest.fixture
+def ray_nodes(_module_nodes):
+    """The module's multi-node Ray; the worker nodes this test adds are removed after it."""
+    kept = set(_module_nodes.nodes)
+    yield _module_nodes
+    _module_nodes.remove_all_but(kept)

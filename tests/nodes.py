@@ -4,7 +4,8 @@ and the fast node-failure detection tether runs with (cluster/nodes/health.py).
 
 The head node has no CPUs, so every actor that reserves one lands on a worker node and the
 driver's process (on the head) shares no node with them. Use through the ``ray_nodes``
-fixture (tests/conftest.py): it connects this process and shuts everything down after.
+fixture (tests/conftest.py): one cluster per test module, this process connected to it; each
+test adds its own worker nodes, and they are removed after it.
 """
 from __future__ import annotations
 
@@ -59,6 +60,19 @@ class LocalNodes:
 
     def kill_head(self) -> list[int]:
         return kill_head(self.head_id)
+
+    def remove_all_but(self, keep: set[str]) -> None:
+        """Stop the worker nodes added since ``keep`` (node ids) was noted, and wait until the
+        cluster lists each as dead: the next test on this cluster starts from the nodes it had."""
+        gone = [nid for nid in self.nodes if nid not in keep]
+        for nid in gone:
+            self.cluster.remove_node(self.nodes.pop(nid))
+            del self.labels[nid]
+        deadline = time.monotonic() + 60.0
+        while any(n["NodeID"] in gone and n["Alive"] for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"removed nodes still listed alive after 60s: {gone}")
+            time.sleep(0.05)
 
     def node_of(self, labels: dict) -> str:
         """The id of the one worker node carrying ``labels``."""

@@ -3,9 +3,10 @@ import pytest
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A small local Ray cluster per test module (each module's actors start clean)."""
+    """The session's shared local Ray (tests/rays.py); nothing a test starts outlives it
+    (tests/conftest.py checks)."""
     import ray
+    import rays
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield ray
-    ray.shutdown()
+    rays.shared()
+    return ray

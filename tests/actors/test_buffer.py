@@ -37,9 +37,8 @@ def until(stats, **expected):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
+    import rays
+    rays.shared()
 
 
 RemoteBuffer = ray.remote(max_concurrency=8)(RolloutBuffer)

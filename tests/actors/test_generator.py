@@ -224,19 +224,21 @@ def test_bad_model_paths(tmp_path):
 @pytest.mark.slow  # the e2e scaled-pools test runs 2 generators as Ray actors in the default suite
 def test_two_generators_as_ray_actors(policy_path, tokenizer):
     import ray
-    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    import rays
+    rays.shared()
+    remote_gen = ray.remote(num_cpus=1)(Generator)
+    gens = [remote_gen.options(name=f"generator-{i}").remote(
+                model=policy_path, name=f"generator-{i}",
+                sampling={"max_new_tokens": 8, "seed": i},
+                engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20}) for i in range(2)]
     try:
-        remote_gen = ray.remote(num_cpus=1)(Generator)
-        gens = [remote_gen.options(name=f"generator-{i}").remote(
-                    model=policy_path, name=f"generator-{i}",
-                    sampling={"max_new_tokens": 8, "seed": i},
-                    engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20}) for i in range(2)]
         results = ray.get([g.generate.remote(encode(tokenizer, PROMPTS)) for g in gens])
         assert [len(r.rollouts) for r in results] == [len(PROMPTS)] * 2
         assert {ray.get(g.health.remote())["name"] for g in gens} == {"generator-0", "generator-1"}
         assert ray.get_actor("generator-1") is not None
     finally:
-        ray.shutdown()
+        for g in gens:
+            ray.kill(g)
 
 
 # The slow tier. The default tier: tests/e2e/test_chaos.py::test_kill_every_rollout_role_once starts CPU
@@ -256,13 +258,12 @@ def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer)
     assert engine_process_env(num_gpus=1, tensor_parallel=1) == {}  # GPU engines keep vLLM's layout
     assert engine_process_env(num_gpus=0, tensor_parallel=2) == {}
     env = pool_env(load_config(None, []), "generator", 1)  # what the pools give a CPU generator
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    import rays
+    rays.shared()
+    gen = ray.remote(num_cpus=1)(Generator).options(runtime_env={"env_vars": env}).remote(
+        model=policy_path, sampling={"max_new_tokens": 8, "seed": 3},
+        engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
     try:
-        gen = ray.remote(num_cpus=1)(Generator).options(runtime_env={"env_vars": env}).remote(
-            model=policy_path, sampling={"max_new_tokens": 8, "seed": 3},
-            engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
         pid = ray.get(gen.health.remote())["pid"]
         helpers = [p.name() for p in psutil.Process(pid).children(recursive=True)]
         assert helpers == [], f"the engine runs in helper processes: {helpers}"
@@ -277,8 +278,7 @@ def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer)
         after = ray.get(gen.generate.remote(encode(tokenizer, PROMPTS))).rollouts
         assert max_gap(model.eval(), after, 1.0) < 1e-3 < max_gap(model, before, 1.0)
     finally:
-        if started:
-            ray.shutdown()
+        ray.kill(gen)
 
 
 def test_lm_head_repack_is_gated_on_the_vllm_release(monkeypatch, caplog):

@@ -127,14 +127,13 @@ def test_generator_actor_takes_a_push_mid_generate(policy_path, tokenizer, model
     old, new = models
     cfg = load_config(None, ["run.mode=async"])
     env = pool_env(cfg, "generator", 1)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    import rays
+    rays.shared()
+    gen = ray.remote(concurrency_groups={WEIGHT_UPDATE_GROUP: 1})(MidCallPushGenerator).options(
+        num_cpus=1, runtime_env={"env_vars": env}).remote(
+        model=policy_path, partial_rollouts=True, engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20},
+        sampling={"max_new_tokens": NEW_TOKENS, "n": 2, "ignore_eos": True})
     try:
-        gen = ray.remote(concurrency_groups={WEIGHT_UPDATE_GROUP: 1})(MidCallPushGenerator).options(
-            num_cpus=1, runtime_env={"env_vars": env}).remote(
-            model=policy_path, partial_rollouts=True, engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20},
-            sampling={"max_new_tokens": NEW_TOKENS, "n": 2, "ignore_eos": True})
         ray.get(gen.land_next_update_after.remote(PUSH_AFTER_STEPS))
         call = gen.generate.remote(encode(tokenizer, PROMPTS))
         push = gen.load_weights.options(concurrency_group=WEIGHT_UPDATE_GROUP).remote(2, ray.put(buckets_of(new)))
@@ -142,5 +141,4 @@ def test_generator_actor_takes_a_push_mid_generate(policy_path, tokenizer, model
         check_versions_and_logprobs(ray.get(call).rollouts, old, new, versions=(0, 2))
         assert ray.get(gen.health.remote())["pushes_mid_generate"] == 1
     finally:
-        if started:
-            ray.shutdown()
+        ray.kill(gen)

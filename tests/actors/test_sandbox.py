@@ -1,11 +1,9 @@
 """A reward function in the sandbox's worker processes (actors/sandbox.py): a pair that hangs, crashes,
 eats memory, raises or returns no number is invalid on its own; the other pairs of its call score,
 the scorer serves on with the same number of workers, and close() reaps them."""
-import os
 import sys
 import threading
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,21 +122,13 @@ def _encode(tokenizer, texts):
 
 
 @pytest.fixture(scope="module")
-def ray_with_verifiers(monkeypatch_module):
-    """A local Ray whose workers import tests/actors/sandbox_verifiers.py (PYTHONPATH, set before ray.init)."""
+def ray_with_verifiers():
+    """The shared Ray (tests/rays.py), whose workers import tests/actors/sandbox_verifiers.py."""
     import ray
+    import rays
 
-    monkeypatch_module.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p))
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
+    rays.shared()
+    return ray
 
 
 def test_a_reward_replica_as_a_ray_actor_scores_through_a_hang_and_a_crash(policy_path, tokenizer,

@@ -14,25 +14,18 @@ from cluster import train
 from cluster.demo.sentiment import builtin_prompts
 
 pytestmark = pytest.mark.e2e
-HERE = Path(__file__).resolve().parent
 COMMON = ["reward.function=column_reward:graded", "reward.gold=column_reward:graded", "data.prompts_per_step=4",
           "data.eval_prompts=4", "ppo.minibatch_size=16", "run.checkpoint_every=2", "run.eval_every=3",
           "run.samples_every=1", "run.plot_every=0"]
 
 
-@pytest.fixture(scope="module")
-def logged_cluster(tmp_path_factory):
-    """A local Ray whose workers import tests/e2e/column_reward.py and append to one log file
-    (both set in the environment before ray.init: workers inherit it)."""
-    log = tmp_path_factory.mktemp("columns") / "received.jsonl"
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TETHER_COLUMN_LOG")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), saved["PYTHONPATH"]) if p)
-    os.environ["TETHER_COLUMN_LOG"] = str(log)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+@pytest.fixture
+def logged_cluster(cluster_with_test_rewards):
+    """The shared Ray, whose reward replicas import tests/e2e/column_reward.py; the log it
+    appends to (one per test: removed after it)."""
+    log = cluster_with_test_rewards / "columns.jsonl"
     yield log
-    ray.shutdown()
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    log.unlink(missing_ok=True)
 
 
 def _data(path: Path) -> dict:

@@ -143,8 +143,8 @@ def scoring(ledger) -> bool:
     return any(c.state is ChunkState.SCORING for c in ledger.in_flight())
 
 
-# The slow tier. The default tier: test_losing_the_generator_reward_and_buffer_node_as_the_learner_takes_its_batch
-# (below) loses a node of several roles; scaling: tests/e2e/test_scale.py::
+# The slow tier. The default tier: test_losing_each_packed_node_in_turn_trains_every_prompt_once
+# (below) loses nodes of several roles; scaling: tests/e2e/test_scale.py::
 # test_pools_scale_up_and_down_while_the_job_runs.
 @pytest.mark.slow
 def test_losing_the_scorers_node_mid_step_then_scaling_onto_a_new_node(run):
@@ -254,7 +254,7 @@ def test_node_loss_table(run):
         print(f"| {what} ({node}) | {detect:.2f} | {recover:.2f} | {lost} | {twice} |")
 
 
-@pytest.mark.slow  # three full runs; the default suite loses a worker node (above) and a driver (test_resume)
+@pytest.mark.slow  # three full runs; the default suite loses worker nodes (below) and a driver (test_resume)
 def test_head_node_death_ends_the_job_and_resubmitting_resumes(tmp_path):
     """The head (GCS and its raylet) dies mid-run: the job ends with it. A fresh cluster and the
     same command with run.resume=auto continue from the last checkpoint: every step once, the
@@ -297,7 +297,7 @@ def test_head_node_death_ends_the_job_and_resubmitting_resumes(tmp_path):
 
 # ---------------------------------------------------------------- several roles on one lost node
 # Roles packed on nodes the way Ray packs a job without labels (the learner beside the
-# reference, the generator beside the reward and the buffer), each node then lost whole.
+# reference, the reward beside the buffer), each node then lost whole.
 # Every object goes to an object store (none inline in its owner's reply, as a real model's
 # rollouts and shards would not be), so a lost node takes its rollouts and shards with it.
 STORED = {"max_direct_call_object_size": 1024}
@@ -306,8 +306,9 @@ PAIR = {"learner": "pair", "reference": "pair"}
 
 @pytest.fixture
 def stored_run(tmp_path):
+    import rays
     from nodes import LocalNodes
-
+    rays.leave()
     nodes, runs = LocalNodes(system_config=STORED), []
     ray.init(address=nodes.address, logging_level="WARNING")
 
@@ -336,50 +337,39 @@ def on_call(obj, name: str, call: int, before) -> None:
     setattr(obj, name, wrapped)
 
 
-# The slow tier. The default tier: test_losing_the_generator_reward_and_buffer_node_as_the_learner_takes_its_batch
-# (below) loses a node of several roles.
-@pytest.mark.slow
-def test_losing_the_generators_node_then_the_learner_and_reference_node(stored_run, caplog):
-    """Step 1: the generator's node is lost as its first chunk goes to be scored: the chunk's
-    rollouts went with it, so it is generated again by a new generator on the spare. Step 2:
-    the node of the learner's rank and the reference is lost as the learner trains: the run
-    rolls back to step 1's checkpoint; the new rank (and the new reference) must not be
-    started on the dying node before Ray declares it dead, or, if it is, started again; step 2
-    is made again on the new ones."""
-    c = stored_run("run.steps=2", "run.checkpoint_every=1", nodes={"pair": 2, "gen": 1, "rb": 1},
-                   pools={**PAIR, "generator": "gen", "reward": "rb", "buffer": "rb"}, spare_for=("pair", "gen"))
+def test_losing_each_packed_node_in_turn_trains_every_prompt_once(stored_run, caplog):
+    """Three nodes, each lost in turn in one run of three steps. Step 1: the generator's node
+    is lost as its first chunk goes to be scored: the chunk's rollouts went with it, so it is
+    generated again by a new generator on the spare. Step 2: the node of the reward and the
+    buffer is lost just after the learner's take: the ranks' shards went with the buffer's
+    object store (LearnerInputLost), so the run rolls back to step 1's checkpoint; the buffer
+    and the reward start again on the spare. Step 3: the node of the learner's rank and the
+    reference is lost as the learner trains: the run rolls back to step 2's checkpoint; the new
+    rank (and the new reference) must not be started on the dying node before Ray declares it
+    dead, or, if it is, started again; step 3 is made again on the new ones.
+
+    The buffer's node is lost before the learner's: a rollback replaces the buffer, and with
+    its node still alive the new one may land on the spare, where a later loss of that node
+    would not take the shards."""
+    nodes = {"pair": 2, "gen": 1, "rb": 1}
+    # The spare carries every node's label and CPUs: all three nodes' actors end up on it.
+    c = stored_run("run.steps=3", "run.checkpoint_every=1", nodes=nodes,
+                   pools={**PAIR, "generator": "gen", "reward": "rb", "buffer": "rb"}, spare_for=tuple(nodes))
     account = Accounting(c.driver)
     account.follow_rollbacks(c.driver)
     on_call(c.driver.rollouts, "_score", 1, lambda: c.kill("gen"))
-    on_call(c.pools.learner, "train", 2, lambda: c.kill("pair"))
+    # The learner's calls: step 1, step 2 (lost), step 2 again, step 3 (lost), step 3 again.
+    on_call(c.pools.learner, "train", 2, lambda: c.kill("rb"))
+    on_call(c.pools.learner, "train", 4, lambda: c.kill("pair"))
     c.driver.run()
-    assert c.driver.step_count == 2 and "its rollouts were lost with a node" in caplog.text
-    [rb] = c.driver.rollbacks
-    assert (rb["failed_at_step"], rb["resumed_at_step"]) == (1, 1)
+    assert c.driver.step_count == 3
+    assert "its rollouts were lost with a node" in caplog.text and "lost its input during train" in caplog.text
+    assert [(rb["failed_at_step"], rb["resumed_at_step"]) for rb in c.driver.rollbacks] == [(1, 1), (2, 2)]
     roles = [r["role"] for r in c.driver.rollouts.recoveries]
-    assert sorted(roles) == ["generator", "reference"], roles
-    for actor in (c.pools.generators.first(), c.pools.references.first(), c.pools.learner.workers[0]):
+    assert sorted(roles) == ["generator", "reference", "reward"], roles
+    for actor in (c.pools.generators.first(), c.pools.rewards.first(), c.pools.buffer,
+                  c.pools.references.first(), c.pools.learner.workers[0]):
         assert c.where(actor) == c.spare
-    assert account.lost_and_twice() == (0, 0) and len(account.trained) == 2 * 64
-    assert [r["step"] for r in rows(c.metrics.run_dir) if r["step"]] == [1, 2]
-    print(f"\nlearner's node: rollback {rb['recovery_seconds']:.1f}s after the loss was noticed")
-
-
-def test_losing_the_generator_reward_and_buffer_node_as_the_learner_takes_its_batch(stored_run, caplog):
-    """The node of the generator, the reward and the buffer is lost just after the learner's
-    take: the ranks' shards went with the buffer's object store (LearnerInputLost), so the run
-    rolls back; the buffer, the generator and the reward start again on the spare."""
-    c = stored_run("run.steps=2", "run.checkpoint_every=1", nodes={"pair": 2, "trio": 2},
-                   pools={**PAIR, "generator": "trio", "reward": "trio", "buffer": "trio"}, spare_for=("trio",))
-    account = Accounting(c.driver)
-    account.follow_rollbacks(c.driver)
-    on_call(c.pools.learner, "train", 2, lambda: c.kill("trio"))
-    c.driver.run()
-    assert c.driver.step_count == 2 and "lost its input during train" in caplog.text
-    [rb] = c.driver.rollbacks
-    assert (rb["failed_at_step"], rb["resumed_at_step"]) == (1, 1)
-    assert sorted(r["role"] for r in c.driver.rollouts.recoveries) == ["generator", "reward"]
-    for actor in (c.pools.generators.first(), c.pools.rewards.first(), c.pools.buffer):
-        assert c.where(actor) == c.spare
-    assert account.lost_and_twice() == (0, 0) and len(account.trained) == 2 * 64
-    assert [r["step"] for r in rows(c.metrics.run_dir) if r["step"]] == [1, 2]
+    assert account.lost_and_twice() == (0, 0) and len(account.trained) == 3 * 64
+    assert [r["step"] for r in rows(c.metrics.run_dir) if r["step"]] == [1, 2, 3]
+    print(f"\nlearner's node: rollback {c.driver.rollbacks[-1]['recovery_seconds']:.1f}s after the loss was noticed")

@@ -48,7 +48,9 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 RAY = BIN / "ray"
-STEPS = 8
+# The job's length: long enough for every actor to be seen alive and scraped; the slow tier's
+# browser needs longer (it loads the dashboard's pages while the job runs).
+STEPS, UI_STEPS = 4, 8
 ACTORS = ("generator-0", "reference-0", "reward-0", "learner-0", "buffer-0")
 EXCLUDES = [".venv", "runs", ".git", "*.egg-info", ".pytest_cache", ".hypothesis", "__pycache__", ".cache"]
 # Submit -> terminal state: the job fails the test only when neither its state nor its metrics.jsonl
@@ -101,6 +103,7 @@ class Live:
     submission_id: str
     run_dir: Path
     out: Path                                          # kept (pytest temp): screenshot, logs
+    steps: int = STEPS                                 # the job's run.steps
     submit_output: str = ""
     unauthenticated_status: Optional[int] = None
     job: dict = field(default_factory=dict)            # last REST job info
@@ -457,18 +460,20 @@ def live(tmp_path_factory, request):
         except urllib.error.HTTPError as e:
             live.unauthenticated_status = e.code
 
+        ui_test = "test_dashboard_ui_shows_the_job_and_its_actors"
+        ui_selected = any(item.name == ui_test for item in request.session.items)
+        live.steps = UI_STEPS if ui_selected else STEPS
         sub = live.ray("job", "submit", "--address", live.dashboard,
                        "--submission-id", live.submission_id, "--working-dir", ".",
                        "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--no-wait", "--",
-                       "python", "-m", "cluster.train", f"run.steps={STEPS}",
-                       f"run.dir={run_root / 'runs'}", "run.name=obs", "run.eval_every=4",
+                       "python", "-m", "cluster.train", f"run.steps={live.steps}",
+                       f"run.dir={run_root / 'runs'}", "run.name=obs", f"run.eval_every={live.steps // 2}",
                        "run.samples_every=2")
         live.submit_output = sub.stdout + sub.stderr
         assert sub.returncode == 0, f"ray job submit failed:\n{live.submit_output}"
         live.timings["submitted_s"] = round(time.monotonic() - t_module, 1)
 
-        ui_test = "test_dashboard_ui_shows_the_job_and_its_actors"
-        if not any(item.name == ui_test for item in request.session.items):
+        if not ui_selected:
             live.ui_skip = f"{ui_test} is not selected (slow tier)"  # no browser competing for the cores
         elif find_chromium() is None:
             live.ui_skip = "no Chromium (scripts/setup.sh installs Debian's chromium with apt)"
@@ -517,13 +522,14 @@ def test_job_succeeds_with_a_progress_line_per_step(live):
         f"log tail:\n{live.job_logs[-4000:]}")
     assert f"Job '{live.submission_id}' succeeded" in live.cli_status, live.cli_status
     assert live.job.get("entrypoint", "").startswith("python -m cluster.train")
-    for k in range(1, STEPS + 1):
-        lines = [ln for ln in live.job_logs.splitlines() if f"step {k}/{STEPS} " in ln]
+    steps = live.steps
+    for k in range(1, steps + 1):
+        lines = [ln for ln in live.job_logs.splitlines() if f"step {k}/{steps} " in ln]
         assert len(lines) == 1, f"step {k}: expected one progress line, got {lines}"
-        assert re.search(rf"step {k}/{STEPS} v{k} \| reward -?\d+\.\d{{3}}±\d+\.\d{{2}} \| "
+        assert re.search(rf"step {k}/{steps} v{k} \| reward -?\d+\.\d{{3}}±\d+\.\d{{2}} \| "
                          rf"kl -?\d+\.\d{{3}} beta \d+\.\d{{3}} \|.* tok/s \| \d+\.\d+s \(gen ",
                          lines[0]), lines[0]
-    assert "eta " in next(ln for ln in live.job_logs.splitlines() if f"step 1/{STEPS} " in ln)
+    assert "eta " in next(ln for ln in live.job_logs.splitlines() if f"step 1/{steps} " in ln)
     assert "tether: done; reward/mean=" in live.job_logs
     assert "Traceback" not in live.job_logs, live.job_logs[-4000:]
 
@@ -555,19 +561,19 @@ def test_dashboard_lists_the_named_actors_while_running(live):
 def test_run_folder(live):
     run = live.run_dir
     status = json.loads((run / "status.json").read_text())
-    assert status["state"] == "succeeded" and status["steps"] == STEPS, status
+    assert status["state"] == "succeeded" and status["steps"] == live.steps, status
     nodes = status["nodes"]  # where each actor ran: all on this one-node cluster
     assert set(nodes) == set(ACTORS) and len({n["node_id"] for n in nodes.values()}) == 1, nodes
     rows = [_strict_json(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(live.steps + 1))
     assert "eval/score_mean" in rows[0]
     for r in rows[1:]:
         assert r["policy/version"] == r["step"]
         assert math.isfinite(r["reward/mean"]) and math.isfinite(r["kl/mean"])
-        assert ("eval/score_mean" in r) == (r["step"] % 4 == 0), r["step"]
+        assert ("eval/score_mean" in r) == (r["step"] % (live.steps // 2) == 0), r["step"]
     samples = [_strict_json(ln) for ln in (run / "samples.jsonl").read_text().splitlines()]
     assert samples, "samples.jsonl is empty"
-    assert {s["step"] for s in samples} == {2, 4, 6, 8}
+    assert {s["step"] for s in samples} == set(range(2, live.steps + 1, 2))
     assert all(isinstance(s["response"], str) and "score" in s for s in samples)
     for name in ("reward.png", "kl.png"):
         data = (run / "plots" / name).read_bytes()

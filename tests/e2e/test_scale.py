@@ -47,12 +47,13 @@ def test_scale_refuses_a_folder_that_is_not_a_running_job(tmp_path):
 @pytest.fixture
 def running_job(tmp_path):
     """The default job, driven in a thread of this process, with its control actor and status.json."""
+    import rays
+
     from cluster.config.ppo import load_config
     from cluster.runtime.loop.driver import Driver
     from cluster.runtime.observe.metrics import RunMetrics
     from cluster.runtime.pools.launch import create_pools
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    rays.shared()
     cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32", "run.eval_every=0", "run.samples_every=0",
                                              "run.steps=10000",
                                              "run.checkpoint_every=0"])
@@ -72,7 +73,6 @@ def running_job(tmp_path):
         thread.join(120)
         metrics.close()
         pools.shutdown()
-        ray.shutdown()
 
 
 def rows_after(run_dir: Path, step: int) -> list[dict]:

@@ -61,10 +61,14 @@ def run(tmp_path, name, *overrides):
 
 
 def test_sync_default_learns(cluster, tmp_path):
-    # float32: the log-prob gap below checks the push to 1e-3, which bf16's rounding alone exceeds
-    run_dir, steps = run(tmp_path, "sync", "run.steps=12", "run.eval_every=6", "model.dtype=float32",
+    """The default task in model.dtype=bfloat16, the precision users run where the CPU has it:
+    every role computes in bf16 (as each reports it), the learner steps fp32 master weights, a
+    push carries bf16 tensors, and the task learns. That the pushed weights serve exactly the
+    learner's policy (log-prob gap < 1e-3, fp32) is held by tests/families/test_family_push.py::
+    test_pushed_weights_serve_the_learners_policy; bf16's rounding alone exceeds that gap here."""
+    run_dir, steps = run(tmp_path, "sync", "run.steps=8", "run.eval_every=4", "model.dtype=bfloat16",
                          "reward.gold=cluster.demo.sentiment:sentiment")
-    assert [m["policy/version"] for m in steps] == list(range(1, 13))
+    assert [m["policy/version"] for m in steps] == list(range(1, 9))
     step0 = read_metrics(run_dir)[0]  # start-up is timed by phase, and the phases add up
     phases = [step0[f"perf/startup_{p}_seconds"] for p in ("imports", "prepare", "ray", "pools", "other")]
     assert step0["step"] == 0 and step0["perf/startup_pools_seconds"] > 1
@@ -72,7 +76,7 @@ def test_sync_default_learns(cluster, tmp_path):
     # The gold function is scored at evaluation only, on the same held-out rollouts as the
     # reward (here the same function, so the same numbers), and the alarms report every step.
     evals = [m for m in read_metrics(run_dir) if "eval/gold_score" in m]
-    assert [m["step"] for m in evals] == [0, 6, 12]
+    assert [m["step"] for m in evals] == [0, 4, 8]
     assert all(m["eval/gold_score"] == pytest.approx(m["eval/score_mean"], abs=1e-6) for m in evals)
     assert all("alarm/kl_up_entropy_down" in m and "alarm/length_drift" in m for m in steps)
     for m in steps:  # every prompt of the step accounted for, on-policy
@@ -80,22 +84,6 @@ def test_sync_default_learns(cluster, tmp_path):
         assert m["rollouts/used"] + 4 * (m["rollouts/skipped_prompts"]) \
             + m["rollouts/invalid_scores"] + m["rollouts/empty_responses"] == 16 * 4
         assert m["buffer/staleness_max"] == 0
-        # The generators sampled with exactly the learner's weights: a push that loaded
-        # nothing but bumped the version would show a gap here.
-        assert m["ppo/logprob_gap_mean"] < 1e-3
-    first = sum(m["reward/mean"] for m in steps[:3]) / 3
-    last = sum(m["reward/mean"] for m in steps[-3:]) / 3
-    print(f"reward first 3 steps {first:.3f} -> last 3 steps {last:.3f}")
-    assert last > first + 0.3
-    assert (run_dir / "checkpoints" / "final" / "config.json").exists()
-    assert (run_dir / "config.yaml").exists() and (run_dir / "plots" / "reward.png").exists()
-
-
-def test_bf16_service_learns(cluster, tmp_path):
-    """model.dtype=bfloat16: every role computes in bf16 (as each reports it), the learner steps
-    fp32 master weights, a push carries bf16 tensors, and the default task still learns."""
-    run_dir, steps = run(tmp_path, "bf16", "run.steps=12", "run.eval_every=12", "model.dtype=bfloat16",
-                         "reward.gold=cluster.demo.sentiment:sentiment")
     status = json.loads((run_dir / "status.json").read_text())
     assert status["dtypes"] == {"generator-0": "bfloat16", "reference-0": "bfloat16",
                                 "learner-0": "bfloat16 (master weights float32)"}
@@ -106,11 +94,15 @@ def test_bf16_service_learns(cluster, tmp_path):
     assert all(2 * params <= m["perf/sync_bytes"] < 2 * params + 65536 for m in steps), steps[0]["perf/sync_bytes"]
     gaps = [m["ppo/logprob_gap_mean"] for m in steps]
     assert all(1e-5 < g < 0.05 for g in gaps), gaps  # bf16 rounding shows, and stays small
+    # generator.sampling.seed=data.seed=run.seed 0, 1, 2: reward first 3 -> last 3 steps +1.35, +1.11, +0.97;
+    # eval at step 0 -> step 8 +1.31, +1.74, +1.71. Margins 0.5 and 0.6.
     first = sum(m["reward/mean"] for m in steps[:3]) / 3
     last = sum(m["reward/mean"] for m in steps[-3:]) / 3
-    evals = [m["eval/score_mean"] for m in read_metrics(run_dir) if "eval/score_mean" in m]
-    print(f"bf16: reward first 3 steps {first:.3f} -> last 3 steps {last:.3f}; eval {evals}")
-    assert last > first + 0.3 and evals[-1] > evals[0] + 0.3
+    scores = [m["eval/score_mean"] for m in evals]
+    print(f"reward first 3 steps {first:.3f} -> last 3 steps {last:.3f}; eval {scores}")
+    assert last > first + 0.5 and scores[-1] > scores[0] + 0.6
+    assert (run_dir / "checkpoints" / "final" / "config.json").exists()
+    assert (run_dir / "config.yaml").exists() and (run_dir / "plots" / "reward.png").exists()
 
 
 PTX_TEXTS = ["an old lighthouse keeper counted the gulls every morning",
@@ -121,7 +113,7 @@ PTX_TEXTS = ["an old lighthouse keeper counted the gulls every morning",
 # The slow tier. The default tier: PTX in tests/learner/test_worker.py::test_ptx_loss_falls, truncated sampling in
 # tests/e2e/test_kl_and_truncation.py::test_kl_in_the_loss_with_truncated_sampling, 2-replica pools in
 # tests/e2e/test_scale.py::test_pools_scale_up_and_down_while_the_job_runs and 2 learner ranks in
-# tests/e2e/test_critic_free_service.py::test_every_critic_free_estimator_trains_through_the_service.
+# tests/e2e/test_critic_free_service.py::test_dynamic_sampling_trains_no_flat_prompt_and_refills_the_step.
 @pytest.mark.slow
 def test_scaled_pools_with_ptx_and_truncated_sampling(cluster, tmp_path, driver_loads):
     """Pools sized independently (2 generators, 1 reference, 2 rewards, 2 learner ranks),

@@ -5,18 +5,13 @@ import pytest
 
 @pytest.fixture(scope="module")
 def ray_local():
-    import ray
-
-    # Logical CPUs: a generator and two learner ranks (ZeRO-2, ZeRO-3) loading at once.
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    """The session's shared local Ray (tests/rays.py): room for a generator and two learner ranks."""
+    import rays
+    rays.shared()
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray with room for a whole PPO job's pools (the three-step family runs)."""
-    import ray
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
+    """The shared Ray, with room for a whole PPO job's pools (the three-step family runs)."""
+    import rays
+    rays.shared()

@@ -13,11 +13,9 @@ def pad_id(policy_path):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray for one test module (GPUs are detected: the GPU tier uses it too)."""
-    import ray
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    """The session's shared local Ray (tests/rays.py; GPUs are detected: the GPU tier uses it too)."""
+    import rays
+    rays.shared()
 
 
 @pytest.fixture(scope="module")

@@ -69,11 +69,12 @@ def sgd_config(*, zero_stage=2, lr=0.5, epochs=2, minibatch=4, micro=2, grad_cli
                                        shuffle=False, **ppo_kw))
 
 
-def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: float = 0.0):
+def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: float = 0.0, advantages=None):
     """The same PPO update in plain single-process torch: full minibatches, no DeepSpeed.
     With truncated sampling (rollouts with kept sets) the ratio is over the sampler's sets and
     the off-policy weight's numerator over the policy's own set; ``kl_coef`` weighs the KL loss
-    term of ``cfg.kl_loss_estimator``.
+    term of ``cfg.kl_loss_estimator``. ``advantages`` [B, R] (critic-free only): a test's own
+    computation of them instead of core/estimators.py's, so the estimator is checked too.
 
     Returns (state_dict after the update, list of pre-clip grad norms per step).
     """
@@ -97,7 +98,8 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
         if p.whiten_advantages:
             adv = whiten(adv, mask)
     else:  # the whole batch in one process: groups are never cut
-        adv, ret = critic_free_advantages(rollouts, batch, p), None
+        adv = critic_free_advantages(rollouts, batch, p) if advantages is None else advantages
+        ret = None
     weights, _ = ppo.behaviour_weights(own, batch.behaviour_logprobs, mask, p.off_policy, p.is_cap)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
     horizon = cfg.max_new_tokens

@@ -5,9 +5,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from helpers import make_rollouts, max_abs_diff, reference_update, sgd_config
 
+from core.choices import ESTIMATOR_TABLE
 from core.rollout import shard_rollouts
+from learner.batch import collate
 from learner.group import LearnerGroup
 from learner.policy import VALUE_HEAD_FILE
 from learner.worker import LearnerWorker
@@ -36,17 +39,66 @@ def config(name, stage=2):
     return sgd_config(zero_stage=stage, advantage=name)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
-def test_one_rank_critic_free_update_matches_plain_torch(policy_path, grouped, pad_id, tmp_path, name):
-    cfg = config(name)
+def independent_advantages(name: str, group_std: bool, rollouts) -> list:
+    """Each rollout's per-token advantages [n] (float64), written out from the estimators' definitions
+    in numpy, not through core/estimators.py. A row's return-to-go is its score plus the KL penalty
+    still to come, so the outcome estimators' "baselined score + KL returns-to-go" is the
+    return-to-go less the baseline (grpo: plus the score's rescaling by the group's std)."""
+    rtg = [np.cumsum(np.asarray(r.rewards, np.float64)[::-1])[::-1] for r in rollouts]
+    score = np.array([r.reward_score for r in rollouts], np.float64)
+    keys = [(r.chunk_id, r.prompt_index) for r in rollouts]
+    peers = [np.array([k == key for k in keys]) for key in keys]
+    mean = np.array([score[p].mean() for p in peers])
+    others = np.array([(score[p].sum() - s) / (p.sum() - 1) for p, s in zip(peers, score)])
+    std = np.array([score[p].std(ddof=1) for p in peers])
+
+    def whiten(rows):  # over every token of the batch, biased variance (as PPO whitens)
+        flat = np.concatenate(rows)
+        return [(x - flat.mean()) / np.sqrt(flat.var() + 1e-8) for x in rows]
+
+    if name == "grpo" and group_std:
+        scaled = np.where(std > 0, (score - mean) / (std + 1e-6), 0.0)
+        return [g - s + a for g, s, a in zip(rtg, score, scaled)]
+    if name == "grpo":  # Dr. GRPO: the mean alone is taken off
+        return [g - m for g, m in zip(rtg, mean)]
+    if name == "rloo":
+        return [g - o for g, o in zip(rtg, others)]
+    if name == "reinforce_pp":
+        return whiten(rtg)
+    if name == "reinforce_pp_baseline":
+        return whiten([g - m for g, m in zip(rtg, mean)])
+    raise AssertionError(f"critic-free estimator {name!r} has no independent advantages here: write them "
+                         "out above, so the learner's update with it is checked")
+
+
+def as_batch(per_row: list, rollouts, pad_id) -> torch.Tensor:
+    """[B, R] per-row advantages laid out as the learner's batch holds its responses."""
+    mask = collate(rollouts, pad_id).response_mask
+    out = torch.zeros_like(mask)
+    for row, adv in enumerate(per_row):
+        out[row, :adv.size] = torch.as_tensor(adv, dtype=out.dtype)
+    return out
+
+
+# Every critic-free estimator of the registry (a new one is a new case, and fails until it has
+# independent advantages), and grpo without the std (ppo.group_std=false, Dr. GRPO).
+CRITIC_FREE = [row.name for row in ESTIMATOR_TABLE if not row.needs_critic]
+CASES = [pytest.param(name, True, id=name) for name in CRITIC_FREE] + \
+    [pytest.param("grpo", False, id="grpo-group_std=false")]
+
+
+@pytest.mark.parametrize("name, group_std", CASES)
+def test_one_rank_critic_free_update_matches_plain_torch(policy_path, grouped, pad_id, tmp_path, name, group_std):
+    cfg = sgd_config(zero_stage=2, advantage=name, group_std=group_std)
     assert cfg.value_model == "none"
     w = LearnerWorker(rank=0, world_size=1, model=policy_path, config=cfg)
     metrics = w.train(grouped)
     got = w.full_state_dict()
     assert not any(k.startswith("value_head") for k in got), "no critic: no value head to train"
-    ref, _ = reference_update(policy_path, grouped, cfg, pad_id)
+    advantages = as_batch(independent_advantages(name, group_std, grouped), grouped, pad_id)
+    ref, _ = reference_update(policy_path, grouped, cfg, pad_id, advantages=advantages)
     diff = max_abs_diff(got, ref)
-    print(f"{name}: max |w - w_ref| = {diff:.2e}")
+    print(f"{name} group_std={group_std}: max |w - w_ref| = {diff:.2e}")
     assert diff < TOL
     assert not set(VALUE_KEYS) & set(metrics)
     # The second prompt's samples all returned the same: zero advantage under grpo and rloo,
@@ -55,6 +107,8 @@ def test_one_rank_critic_free_update_matches_plain_torch(policy_path, grouped, p
     zero = metrics["advantage/zero_frac"]
     assert (zero > 0.3) if name in ("grpo", "rloo") else zero == 0.0
     assert metrics["advantage/abs_mean"] > 0.1
+    if not group_std:  # the checkpoint does not depend on group_std: checked once per estimator
+        return
     w.save(tmp_path / "ckpt")  # a checkpoint without a value model, and a resume from it
     assert not (tmp_path / "ckpt" / "policy" / VALUE_HEAD_FILE).exists()
     again = LearnerWorker(rank=0, world_size=1, model=policy_path, config=cfg)
@@ -62,15 +116,14 @@ def test_one_rank_critic_free_update_matches_plain_torch(policy_path, grouped, p
     assert max_abs_diff(again.full_state_dict(), got) == 0.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_ranks(ray_cluster, policy_path):
+    """get(name, tag): the test's 2-rank group for an estimator, shut down after the test."""
     made = {}
 
     def get(name, tag=""):  # a new tag: a group at the initial weights
         if name + tag not in made:
-            # The module's Ray has 4 CPUs, room for two 2-rank groups: a test makes its own
-            # group and is done with the earlier ones, so they go first.
-            for g in made.values():
+            for g in made.values():  # done with the earlier one: its CPUs go to the new group
                 g.shutdown()
             made.clear()
             made[name + tag] = LearnerGroup(model=policy_path, config=config(name), world_size=2,

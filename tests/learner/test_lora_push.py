@@ -1,8 +1,10 @@
-"""LoRA: the learner trains an adapter on a frozen base and pushes the adapter alone; a real vLLM
-engine (CPU, LoRA enabled) serves base + adapter and proves what it holds.
+"""LoRA: the learner trains an adapter on a frozen base (ZeRO 0 to 3) and pushes the adapter alone;
+a real vLLM engine (CPU, LoRA enabled) serves base + adapter and proves what it holds.
 
-One engine per module as a plain object; learners run in-process as rank 0 of a world of 1.
-The Ray fan-out (AdapterSync) is the same call per generator, checked with check_adapter_report.
+One generator actor per module, as a job starts it; learners run in-process as rank 0 of a world
+of 1, one DeepSpeed engine per ZeRO stage for the whole module (``trained``). Most tests load the
+adapter with the generator's own call and check its proof with check_adapter_report; a push whose
+proof fails goes through the learner's real push (AdapterSync) and the driver's.
 """
 import numpy as np
 import pytest
@@ -27,15 +29,48 @@ def lora_config(*, zero_stage=2, rank=8, lr=1e-2, targets=("all-linear",)):
 
 
 @pytest.fixture(scope="module")
-def generator(policy_path):
-    from actors.generator import Generator
-    gen = Generator(model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 12, "n": 2, "seed": 1},
-                    engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20, "max_lora_rank": 8})
+def generator(ray_cluster, policy_path):
+    """A generator actor as the job starts one (its engine inside the actor on CPU)."""
+    import ray
+
+    from actors.generator import actor_class, engine_process_env
+
+    gen = actor_class().options(num_cpus=1, runtime_env={"env_vars": engine_process_env(num_gpus=0, tensor_parallel=1)}
+                                ).remote(model=policy_path, engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20,
+                                                                    "max_lora_rank": 8},
+                                         sampling={"temperature": 1.0, "max_new_tokens": 12, "n": 2, "seed": 1})
+    ray.get(gen.health.remote())
     yield gen
-    try:  # stop the engine process now: at interpreter exit vLLM logs into pytest's closed streams
-        gen._llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+    ray.kill(gen)
+
+
+def load_adapter(generator, version, files) -> dict:
+    import ray
+    return ray.get(generator.load_adapter.remote(version, files))
+
+
+def generate(generator, prompts) -> list:
+    import ray
+    return ray.get(generator.generate.remote(prompts)).rollouts
+
+
+@pytest.fixture(scope="module")
+def trained(policy_path):
+    """trained(stage): (a learner under ZeRO-<stage> that trained its adapter on 8 rollouts, whether
+    its base stayed as it was (None under ZeRO-3, whose partitions are not compared)), made once per
+    stage for the whole module."""
+    made = {}
+
+    def get(stage):
+        if stage not in made:
+            learner = LearnerWorker(rank=0, world_size=1, model=policy_path, config=lora_config(zero_stage=stage))
+            base = {n: p.detach().clone() for n, p in learner.engine.module.lm.named_parameters()
+                    if not adapters.is_adapter_param(n)} if stage != 3 else None
+            learner.train(make_rollouts(policy_path, 8, seed=10 + stage))
+            after = dict(learner.engine.module.lm.named_parameters())
+            made[stage] = learner, None if base is None else all(torch.equal(after[n], t) for n, t in base.items())
+        return made[stage]
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -53,23 +88,19 @@ def gap(learner, rollouts) -> float:
     return max(float(np.abs(lp - r.behaviour_logprobs).max()) for lp, r in zip(learner_lp, rollouts))
 
 
-@pytest.mark.parametrize("stage, version", [(2, 1), (3, 2)])
-def test_adapter_push_lands_and_is_proven(generator, prompts, policy_path, stage, version):
-    learner = LearnerWorker(rank=0, world_size=1, model=policy_path, config=lora_config(zero_stage=stage))
+# Every ZeRO stage: 0 and 1 keep the whole adapter on the rank as 2 does, 3 gathers it.
+@pytest.mark.parametrize("stage, version", [(0, 1), (1, 2), (2, 3), (3, 4)])
+def test_adapter_push_lands_and_is_proven(generator, prompts, trained, stage, version):
+    learner, base_unchanged = trained(stage)
     health = learner.health()
     assert health["lora_rank"] == 8 and 0 < health["trainable_parameters"] < health["parameters"] / 5
-    base = {n: p.detach().clone() for n, p in learner.engine.module.lm.named_parameters()
-            if not adapters.is_adapter_param(n)} if stage != 3 else None
-    learner.train(make_rollouts(policy_path, 8, seed=10 + stage))
-    if base is not None:  # the base is frozen: only the adapter (and the value head) moved
-        after = dict(learner.engine.module.lm.named_parameters())
-        assert all(torch.equal(after[n], t) for n, t in base.items())
-    stale_gap = gap(learner, generator.generate(prompts).rollouts)
+    assert base_unchanged in ((None,) if stage == 3 else (True,)), "the base is frozen: only the adapter moves"
+    stale_gap = gap(learner, generate(generator, prompts))
 
     files, modules = adapter_of(learner)
-    report = generator.load_adapter(version, files)
+    report = load_adapter(generator, version, files)
     check_adapter_report("generator", report, version=version, checksum=adapter_checksum(files), modules=modules)
-    fresh = generator.generate(prompts).rollouts
+    fresh = generate(generator, prompts)
     fresh_gap = gap(learner, fresh)
     full_bytes = 4 * adapters.parameter_counts(learner.engine.module.lm)[1]  # fp32
     print(f"ZeRO-{stage}: adapter push {report['bytes'] / 1e3:.1f} kB ({report['bytes'] / full_bytes:.1%} of the "
@@ -81,11 +112,10 @@ def test_adapter_push_lands_and_is_proven(generator, prompts, policy_path, stage
     assert all(r.policy_version == version for r in fresh)
 
 
-def test_a_stale_or_unbound_adapter_is_refused(generator, policy_path):
-    learner = LearnerWorker(rank=0, world_size=1, model=policy_path, config=lora_config())
-    learner.train(make_rollouts(policy_path, 8, seed=3))
+def test_a_stale_or_unbound_adapter_is_refused(generator, trained):
+    learner, _ = trained(2)
     files, modules = adapter_of(learner)
-    report = generator.load_adapter(5, files)
+    report = load_adapter(generator, 5, files)
     sent = adapter_checksum(files)
     check_adapter_report("g", report, version=5, checksum=sent, modules=modules)
     with pytest.raises(AdapterNotLoaded, match="reports version 5"):
@@ -98,7 +128,7 @@ def test_a_stale_or_unbound_adapter_is_refused(generator, policy_path):
             (n, p) for n, p in learner.engine.module.lm.named_parameters() if adapters.is_adapter_param(n)).items()
          if "self_attn" in k}, learner.engine.module.lora, None)
     try:
-        bad = generator.load_adapter(6, renamed)
+        bad = load_adapter(generator, 6, renamed)
     except Exception as e:  # noqa: BLE001 - vLLM may refuse the names itself: also not a silent base model
         assert "attention" in str(e) or "module" in str(e).lower()
     else:
@@ -106,21 +136,44 @@ def test_a_stale_or_unbound_adapter_is_refused(generator, policy_path):
             check_adapter_report("g", bad, version=6, checksum=adapter_checksum(renamed), modules=modules)
 
 
-def test_the_exported_adapter_loads_in_vllm_and_matches_the_merged_model(generator, prompts, policy_path, tmp_path):
+def test_a_push_whose_proof_fails_ends_the_job(generator, trained, monkeypatch):
+    """The learner's real push (AdapterSync, through the generator actor) of an adapter whose
+    attention modules carry names this model's engine lacks: the engine binds the rest, its proof
+    says so, and the driver's push (cluster/runtime/loop/recovery.py) raises AdapterNotLoaded with
+    the generator alive, which ends the job as a failure in one line."""
+    from cluster.job.errors import EXIT_FAILED, exit_status
+    from cluster.runtime.loop import recovery
+
+    learner, _ = trained(2)
+    real = adapters.adapter_files
+
+    def misnamed(state, *args, **kwargs):
+        return real({k.replace("self_attn", "attention"): v for k, v in state.items()}, *args, **kwargs)
+
+    monkeypatch.setattr(adapters, "adapter_files", misnamed)
+    with pytest.raises(AdapterNotLoaded, match=r"^LoRA push of version 7: generator generator-0 bound 12 of 28 "
+                                               r"adapter modules; not bound: model\.layers\.0\.attention\.") as failed:
+        recovery.push_weights(learner, {"generator-0": generator}, 7)
+    code, line = exit_status(failed.value)
+    print(f"the job's last line: tether: {line}")
+    assert code == EXIT_FAILED and "\n" not in line
+    assert line.startswith("run failed: LoRA push of version 7: generator generator-0 bound 12 of 28")
+
+
+def test_the_exported_adapter_loads_in_vllm_and_matches_the_merged_model(generator, prompts, trained, tmp_path):
     """checkpoints/final as a run writes it: the merged model (transformers) and the adapter alone
     (vLLM, as a user serves it) give the same log-probs; the merged one was merged in fp32."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    learner = LearnerWorker(rank=0, world_size=1, model=policy_path, config=lora_config())
-    learner.train(make_rollouts(policy_path, 8, seed=7))
+    learner, _ = trained(2)
     out = Path(learner.save_pretrained_policy(tmp_path / "final"))
     files = {f.name: f.read_bytes() for f in (out / adapters.ADAPTER_DIR).iterdir()}
-    report = generator.load_adapter(9, files)
+    report = load_adapter(generator, 9, files)
     assert report["bound"] == 28 and not report["stale"]
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    rollouts = generator.generate(prompts).rollouts
+    rollouts = generate(generator, prompts)
     with torch.no_grad():
         for r in rollouts:
             ids = torch.as_tensor(np.concatenate([r.prompt_ids, r.response_ids]))[None]
@@ -129,15 +182,14 @@ def test_the_exported_adapter_loads_in_vllm_and_matches_the_merged_model(generat
             assert np.abs(hf - r.behaviour_logprobs).max() < GAP_TOL
 
 
-def test_the_learner_scores_the_reference_with_its_adapter_off(policy_path):
+def test_the_learner_scores_the_reference_with_its_adapter_off(policy_path, trained):
     """The base with the adapter switched off is the reference: the learner's log-probs of it meet
     the reference pool's (a Reference on the base model) to 1e-5 in fp32, while the adapter's differ."""
     from actors.reference import Reference
     from learner.update import PPOObjective
 
-    learner = LearnerWorker(rank=0, world_size=1, model=policy_path, config=lora_config())
+    learner, _ = trained(2)
     rollouts = make_rollouts(policy_path, 8, seed=5)
-    learner.train(rollouts)
     mine = learner.apply(PPOObjective.reference_logprobs, rollouts)
     pool = Reference(model=policy_path, batch_size=4).reference_logprobs(rollouts)
     policy = learner.evaluate(rollouts)

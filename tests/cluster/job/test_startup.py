@@ -134,6 +134,7 @@ def test_an_environment_that_scores_its_episodes_needs_no_reward_pool():
 def test_only_a_ray_of_our_own_is_checked(monkeypatch):
     from cluster.job.startup import starts_local_ray
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)  # as in a driver before it connects
     assert starts_local_ray(load_config(None, []))
     assert not starts_local_ray(load_config(None, ["resources.address=10.0.0.1:6379"]))
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")

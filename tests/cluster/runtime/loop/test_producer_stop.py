@@ -98,9 +98,8 @@ class StuckGenerator:
 
 @pytest.fixture
 def cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
+    import rays
+    rays.shared()
 
 
 @pytest.mark.integration

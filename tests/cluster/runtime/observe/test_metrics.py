@@ -163,10 +163,8 @@ def test_metric_names():
 
 
 @pytest.mark.unit
-def test_ray_metrics_noop_without_ray(tmp_path):
-    import ray
-    if ray.is_initialized():
-        pytest.skip("a Ray session from another test module is still up")
+def test_ray_metrics_noop_without_ray(tmp_path, monkeypatch):
+    monkeypatch.setattr("ray.is_initialized", lambda: False)  # the shared Ray may be up (tests/rays.py)
     RayMetrics().record({"reward/mean": 1.0}, tags={"pool": "generator"})  # must not raise
     with RunMetrics(run_dir=tmp_path, plot_every=0) as m:
         m.log(1, {"reward/mean": 1.0})
@@ -216,8 +214,8 @@ def _labels(line: str) -> dict:
 @pytest.fixture(scope="module")
 def ray_with_metrics():
     import ray
-    if ray.is_initialized():
-        ray.shutdown()
+    import rays
+    rays.leave()
     ray.init(address="local", num_cpus=1, include_dashboard=False)
     port = ray.nodes()[0]["MetricsExportPort"]  # Ray's own choice: no port picked here
     yield ray, port
@@ -238,6 +236,7 @@ def test_ray_metrics_exported(ray_with_metrics, tmp_path):
 
     probe = Probe.options(name="generator-0").remote()
     assert ray.get(probe.record.remote("0"))
+    ray.kill(probe)
     with RunMetrics(run_dir=tmp_path, plot_every=0) as m:  # the driver path
         m.log(1, {"reward/mean": 0.75, "kl/beta": 0.05, "ppo/explained_variance": float("nan")})
     RayMetrics().record({"buffer/depth": 4}, tags={"pool": "buffer", "replica": "0"})
@@ -251,8 +250,10 @@ def test_ray_metrics_exported(ray_with_metrics, tmp_path):
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         except OSError:
             text = ""
+        # This session's series only: another Ray on the machine may export on a port Ray reused.
+        session = f'SessionName="{ray.get_runtime_context().get_session_name()}"'
         found = {line.split("{")[0]: line for line in text.splitlines()
-                 if line.startswith("ray_tether_")}
+                 if line.startswith("ray_tether_") and session in line}
         if wanted <= set(found):
             break
         time.sleep(1)

@@ -1,6 +1,7 @@
 """The experiment trackers' table, their start-up errors, and what TensorBoard and MLflow get from a
-run's metrics writer, read back from their real stores (W&B, which starts a service process, is in
-tests/e2e/test_trackers_run.py). One short run, resumed, serves the read-back tests (module fixture)."""
+run's metrics writer, read back from their real stores (W&B, which starts a service process, is
+in tests/e2e/test_resume.py, with the SIGTERM/resume pair). One short run, resumed, serves the
+read-back tests (module fixture)."""
 from __future__ import annotations
 
 import json

@@ -16,11 +16,9 @@ def test_an_actor_without_gpus_sees_no_gpu():
         import os
         return os.environ.get("CUDA_VISIBLE_DEVICES")
 
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        env = actor_env(TetherConfig())
-        # Ray's own default leaves the variable as inherited: on a GPU node, every GPU.
-        assert ray.get(visible_gpus.remote()) == os.environ.get("CUDA_VISIBLE_DEVICES")
-        assert ray.get(visible_gpus.options(runtime_env={"env_vars": env}).remote()) == ""
-    finally:
-        ray.shutdown()
+    import rays
+    rays.shared()
+    env = actor_env(TetherConfig())
+    # Ray's own default leaves the variable as inherited: on a GPU node, every GPU.
+    assert ray.get(visible_gpus.remote()) == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert ray.get(visible_gpus.options(runtime_env={"env_vars": env}).remote()) == ""

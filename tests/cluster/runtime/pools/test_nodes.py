@@ -102,3 +102,4 @@ def test_a_learner_rank_lost_with_its_node_and_no_room_left_fails_placement_in_o
     message = str(failed.value)
     assert "\n" not in message and "within 3s" in message and "add a node with room" in message, message
     group.shutdown()
+    ray.util.remove_placement_group(pg)

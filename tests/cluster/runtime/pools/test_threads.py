@@ -96,13 +96,8 @@ def test_ray_actor_runs_the_planned_threads():
         import torch
         return torch.get_num_threads()
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    try:
-        probe = ray.remote(num_cpus=1)(threads)
-        assert ray.get(probe.options(runtime_env={"env_vars": thread_env(2)}).remote()) == 2
-        assert ray.get(probe.options(num_cpus=2, runtime_env={"env_vars": thread_env(1)}).remote()) == 1
-    finally:
-        if started:
-            ray.shutdown()
+    import rays
+    rays.shared()
+    probe = ray.remote(num_cpus=1)(threads)
+    assert ray.get(probe.options(runtime_env={"env_vars": thread_env(2)}).remote()) == 2
+    assert ray.get(probe.options(num_cpus=2, runtime_env={"env_vars": thread_env(1)}).remote()) == 1
