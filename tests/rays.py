@@ -40,6 +40,7 @@ def shared() -> Path:
         ray.shutdown()  # a module's own Ray was left connected
     if not ray.is_initialized():
         marks = marks_dir()
+        os.environ[MARKS_VAR] = str(marks)  # the tests read the marks their workers leave
         path = os.pathsep.join([*map(str, WORKER_PATH), *filter(None, [os.environ.get("PYTHONPATH")])])
         context = ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, logging_level="WARNING",
                            runtime_env={"env_vars": {"PYTHONPATH": path, MARKS_VAR: str(marks)}})
