@@ -357,8 +357,9 @@ def test_bad_inputs_raise_one_line_value_errors(policy_path, rollouts):
 # ------------------------------------------------------------------------ two ranks on Ray
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def groups(ray_cluster, policy_path):
+    """get(stage): the test's 2-rank group, shut down after the test (nothing outlives it)."""
     made = {}
 
     def get(stage):
