@@ -31,18 +31,24 @@ def check_columns(steps: list[dict], samples: list[dict]) -> None:
     assert samples and all(s["columns"]["source"] in ("add", "sub") and s["columns"]["answer"] for s in samples)
 
 
+def success(rows: list[dict], head: int, tail: int) -> tuple[list[dict], float, float, list[float]]:
+    """The steps' rows; the mean success of the first ``head`` and the last ``tail`` steps (window
+    means: one step's rate swings by ~0.1 with the prompts it draws); the eval scores."""
+    steps = [r for r in rows if r["step"] > 0]
+    first = sum(m["reward/mean"] for m in steps[:head]) / head
+    last = sum(m["reward/mean"] for m in steps[-tail:]) / tail
+    evals = [r["eval/score_mean"] for r in rows if "eval/score_mean" in r]
+    print(f"arithmetic: success first {head} steps {first:.3f} -> last {tail} steps {last:.3f}; eval {evals}")
+    return steps, first, last, evals
+
+
 def test_grpo_learns_to_answer(cluster, tmp_path):
     rows, samples = run_arith(tmp_path, "run.steps=10", "run.eval_every=5")
-    steps = [r for r in rows if r["step"] > 0]
+    steps, first, last, evals = success(rows, 3, 3)
     assert len(steps) == 10
     check_columns(steps, samples)
-    # Window means (steps of 128 rollouts each), not single steps: the success rate of one step
-    # swings by ~0.1 with the prompts it draws. generator.sampling.seed=data.seed=run.seed 0, 1, 2:
-    # first 3 -> last 3 steps +0.28, +0.22, +0.25; eval at step 0 -> step 10 +0.33, +0.38, +0.31.
-    first = sum(m["reward/mean"] for m in steps[:3]) / 3
-    last = sum(m["reward/mean"] for m in steps[-3:]) / 3
-    evals = [r["eval/score_mean"] for r in rows if "eval/score_mean" in r]
-    print(f"arithmetic: success first 3 steps {first:.3f} -> last 3 steps {last:.3f}; eval {evals}")
+    # generator.sampling.seed=data.seed=run.seed 0, 1, 2: first 3 -> last 3 steps +0.28, +0.22,
+    # +0.25; eval at step 0 -> step 10 +0.33, +0.38, +0.31.
     assert 0.1 < first < 0.5  # the pre-trained policy answers, right, about a third of the time
     assert last > first + 0.1
     assert len(evals) == 3 and evals[-1] > evals[0] + 0.15  # held-out prompts, at steps 0, 5, 10
@@ -53,15 +59,11 @@ def test_grpo_learns_to_answer(cluster, tmp_path):
 @pytest.mark.slow
 def test_grpo_answers_most_prompts_after_the_configs_40_steps(cluster, tmp_path):
     rows, samples = run_arith(tmp_path)
-    steps = [r for r in rows if r["step"] > 0]
+    steps, first, last, evals = success(rows, 4, 10)
     assert len(steps) == 40
     check_columns(steps, samples)
     # It rises from the first steps on, so the first window is short. Seeds 0, 1, 2 (as above): first 4 steps
     # 0.27, 0.25, 0.29 -> last 10 0.75, 0.77, 0.72; eval +0.44, +0.39, +0.40; subtraction's last 10 0.81, 0.85, 0.82.
-    first = sum(m["reward/mean"] for m in steps[:4]) / 4
-    last = sum(m["reward/mean"] for m in steps[-10:]) / 10
-    evals = [r["eval/score_mean"] for r in rows if "eval/score_mean" in r]
-    print(f"arithmetic: success first 4 steps {first:.3f} -> last 10 steps {last:.3f}; eval {evals}")
     assert 0.1 < first < 0.5
     assert last > first + 0.3 and last > 0.65
     assert len(evals) == 5 and evals[-1] > evals[0] + 0.3  # held-out prompts, every 10 steps

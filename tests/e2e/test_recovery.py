@@ -48,6 +48,7 @@ class KillRank:
     def __init__(self, driver, *, phase: str, rank: int, at_step: int, delay_s: float = 0.05):
         self.group, self.rank, self.at_step, self.delay_s = driver.pools.learner, rank, at_step, delay_s
         self.driver, self.killed_at, self.reported = driver, None, []
+        self._reported = threading.Event()
         call = {"train": self.group.train, "push_weights": self.group.push_weights}[phase]
 
         def wrapped(*args, **kwargs):
@@ -88,15 +89,13 @@ class KillRank:
                 ray.get(worker.health.remote())  # queued behind the call in flight, or answered before the kill lands
             except RayActorError:
                 self.reported.append(time.perf_counter())
+                self._reported.set()
                 return
             time.sleep(0.02)
 
     def death_reported_at(self, timeout_s: float = 120.0) -> float:
         """When Ray reported the killed rank dead (perf_counter), as this process saw it."""
-        deadline = time.monotonic() + timeout_s
-        while not self.reported:
-            assert time.monotonic() < deadline, f"Ray did not report rank {self.rank} dead within {timeout_s:.0f}s"
-            time.sleep(0.02)
+        assert self._reported.wait(timeout_s), f"Ray did not report rank {self.rank} dead within {timeout_s:.0f}s"
         return self.reported[0]
 
 

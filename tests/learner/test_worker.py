@@ -357,17 +357,13 @@ def test_bad_inputs_raise_one_line_value_errors(policy_path, rollouts):
 # ------------------------------------------------------------------------ two ranks on Ray
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def groups(ray_cluster, policy_path):
-    """get(stage): the test's 2-rank group, shut down after the test (nothing outlives it)."""
-    made = {}
-
-    def get(stage):
-        if stage not in made:
-            made[stage] = LearnerGroup(model=policy_path, config=sgd_config(zero_stage=stage), world_size=2,
-                                       num_cpus_per_rank=1, name_prefix=f"learner-z{stage}")
-        return made[stage]
-    yield get
+    """get(stage): the module's 2-rank group at ZeRO ``stage`` (2 and 3), both started here so
+    that the tests share them (nothing a test starts outlives it: tests/conftest.py)."""
+    made = {stage: LearnerGroup(model=policy_path, config=sgd_config(zero_stage=stage), world_size=2,
+                                num_cpus_per_rank=1, name_prefix=f"learner-z{stage}") for stage in (2, 3)}
+    yield made.__getitem__
     for g in made.values():
         g.shutdown()
 
@@ -393,6 +389,7 @@ def test_two_ranks_update_matches_plain_torch(groups, rollouts, initial, referen
 def test_two_rank_save_load_continue(groups, policy_path, tmp_path):
     group = groups(3)  # ZeRO-3: each rank restores its own partition
     second = make_rollouts(policy_path, 8, seed=2)
+    group.train(shard_rollouts(make_rollouts(policy_path, 8, seed=3), 2))  # a step to save, in any test order
     group.save(tmp_path / "ckpt")
     group.train(shard_rollouts(second, 2))
     expected = group.state_dict()
