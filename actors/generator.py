@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actors import kept_set
-from actors.config import EngineConfig, SamplingConfig
 from actors.engine_turns import EngineTurns
-from actors.episodes import Turn, episode_runner
-from actors.reference import resolve_model_path
-from actors.vllm_support import check_served, start_engine
+from actors.environments.episodes import Turn, episode_runner
 from actors.weight_receiver import GPU_TRANSFER, EngineWeights
 from core.columns import PromptColumns
 from core.infra.threads import fit_threads
 from core.infra.weights import WEIGHT_UPDATE_GROUP
+from core.modeling.engine_config import EngineConfig, SamplingConfig
+from core.modeling.loading import resolve_model_path
+from core.modeling.vllm_engine import check_served, start_engine
 from core.rollout import Rollout
 from core.sampling import is_truncated
 
@@ -77,7 +77,7 @@ class GenerationSummary:
     seconds: float = 0.0
     version: int = 0                 # policy version that sampled them
     incomplete_kept_sets: int = 0    # positions whose kept set may hold more than was read (actors/kept_set.py)
-    episode_counts: tuple = ()       # multi-turn episodes: (name, number) pairs (actors/episodes.py)
+    episode_counts: tuple = ()       # multi-turn episodes: (name, number) pairs (actors/environments/episodes.py)
 
     @property
     def tokens_per_second(self) -> float:
@@ -115,7 +115,7 @@ class Generator:
         transport, "cpu" (load_weights of safetensors buckets), "nccl" or "ipc" (vLLM's NCCL or
         CUDA IPC weight transfer on GPU, on top of "cpu"). partial_rollouts: a weight push lands
         between two engine steps of a generate call rather than after it (module docstring).
-        env: multi-turn episodes (cluster.config.env.EnvConfig.runner_kwargs; actors/episodes.py)
+        env: multi-turn episodes (actors.environments.config.EnvConfig.runner_kwargs; actors/environments/episodes.py)
         instead of single responses, the environments given each prompt row's ``columns``."""
         fit_threads()
         model = resolve_model_path(model, name)
@@ -230,7 +230,7 @@ class Generator:
                                 seconds=seconds, version=self.weights.version(), incomplete_kept_sets=incomplete)
 
     def _play(self, keep: list[tuple[list[int], int]], skipped: list[int], t0: float) -> GenerationResult:
-        """generate() as multi-turn episodes (actors/episodes.py): the policy's tokens count."""
+        """generate() as multi-turn episodes (actors/environments/episodes.py): the policy's tokens count."""
         incomplete = self._incomplete_kept_sets
         rollouts, counts = self.episodes.play(keep, self.columns, self._llm.get_tokenizer(), self.sampling.n,
                                               self.sample_turns, self.weights.version())
@@ -241,7 +241,7 @@ class Generator:
                                 incomplete_kept_sets=self._incomplete_kept_sets - incomplete, episode_counts=counts)
 
     def sample_turns(self, transcripts: list[list[int]], room: list[int], keys: list[tuple[int, int, int]]) -> list:
-        """One round of multi-turn episodes (actors/episodes.py): each transcript's exact ids
+        """One round of multi-turn episodes (actors/environments/episodes.py): each transcript's exact ids
         continued by one turn of at most its ``room`` tokens, ending at EOS; each turn seeded by
         (seed, version, its key: prompt index, sample index, turn). -> one episodes.Turn each,
         with the version that sampled each token (with partial rollouts a push may land between

@@ -16,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.episodes import environment_scores, void_invalid_episodes
-from actors.http_reward import HTTPScorer
-from actors.reference import as_token_arrays, length_sorted_chunks, load_tokenizer, pad_token_id, resolve_model_path
-from actors.sandbox import SandboxScorer
-from actors.scoring import (
+from actors.rewards.environment_scores import environment_scores, void_invalid_episodes
+from actors.rewards.http import HTTPScorer
+from actors.rewards.sandbox import SandboxScorer
+from actors.rewards.scoring import (
     ColumnBinding,
     Columns,
     FunctionScorer,
@@ -30,16 +29,23 @@ from actors.scoring import (
     finalise,
     load_function,
 )
-from actors.timed_call import CallTimedOut, TimedCall
+from actors.rewards.timed_call import CallTimedOut, TimedCall
 from core.columns import PromptColumns
-from core.infra.architectures import load_pretrained
 from core.infra.dtypes import torch_dtype
 from core.infra.errors import type_and_first_line
 from core.infra.threads import fit_threads
 from core.infra.transfer import Pull, Transfer, pull_args
 from core.layout import pad_right, pool_last_token
-from core.packed_rows import pack_sequences
-from core.varlen_attention import use_varlen
+from core.modeling.architectures import load_pretrained
+from core.modeling.loading import (
+    as_token_arrays,
+    length_sorted_chunks,
+    load_tokenizer,
+    pad_token_id,
+    resolve_model_path,
+)
+from core.modeling.packed_rows import pack_sequences
+from core.modeling.varlen_attention import use_varlen
 
 log = logging.getLogger(__name__)
 
@@ -144,23 +150,23 @@ class Reward:
     """Scores token batches. Exactly one of ``model`` (a sequence classifier with
     num_labels=1), ``function`` (``"module:function"`` called as
     ``fn(prompts: list[str], responses: list[str], **columns) -> list[float]``) or ``judge``
-    (JudgeScorer's keyword arguments, actors/judge.py: a judge model's vLLM engine) is given.
+    (JudgeScorer's keyword arguments, actors/rewards/judge.py: a judge model's vLLM engine) is given.
 
     The function path needs ``tokenizer`` (a path) to decode tokens to text and hands the
-    pairs to a text scorer (actors/scoring.py); the model path ignores it and feeds
+    pairs to a text scorer (actors/rewards/scoring.py); the model path ignores it and feeds
     prompt+response token ids straight to the model, so the reward model must share the
     policy's vocabulary. ``batch_size`` bounds a model forward, which runs its sequences as one
-    packed row (core/packed_rows.py) with ``packing``, else right-padded; a function is called
+    packed row (core/modeling/packed_rows.py) with ``packing``, else right-padded; a function is called
     once per ``score`` call. ``gold`` (a function spec, needs ``tokenizer``) is the evaluation-only
     score of ``gold_scores``: what the proxy reward stands in for. A function (or gold) call
     that does not return within ``timeout_s`` leaves its items invalid and goes on in an
-    abandoned thread (actors/timed_call.py); the replica serves the next call. ``columns``: the
+    abandoned thread (actors/rewards/timed_call.py); the replica serves the next call. ``columns``: the
     prompt rows' other fields by dataset id (core/columns.py; the driver puts the table in the
     object store once and every replica gets that reference): ``score_rollouts`` and
     ``gold_scores`` look each rollout's up by its ``prompt_index`` and pass them to the text
     scorer; a reward model ignores them. ``sandbox`` ({workers, timeout_s, memory_mb};
     workers > 0) scores the function and gold one pair at a time in worker processes instead
-    (actors/sandbox.py): a pair that hangs, crashes or runs out of memory is invalid, and its
+    (actors/rewards/sandbox.py): a pair that hangs, crashes or runs out of memory is invalid, and its
     worker replaced.
     """
 
@@ -262,7 +268,7 @@ class Reward:
     def score_rollouts(self, rollouts: list) -> ScoreResult:
         """score() of Rollouts, for a caller that passes the generator's output by reference;
         their columns are looked up by prompt_index (none when one is not a dataset id). With
-        ``from_environment``: the episodes' environment scores (actors/episodes.py)."""
+        ``from_environment``: the episodes' environment scores (actors/environments/episodes.py)."""
         if self.from_environment:
             result = environment_scores(rollouts)
             for key, n in (("calls", 1), ("items", len(rollouts)), ("invalid_items", result.n_invalid)):
@@ -356,14 +362,14 @@ class Reward:
 def make_text_scorer(*, function: str | None, key: str, timeout_s: float, url: str | None = None,
                      http: dict | None = None, sandbox: dict | None = None, judge: dict | None = None) -> TextScorer:
     """The text scorer of a reward setting: the server at ``url`` (``http``: reward.http's settings,
-    actors/http_reward.py); ``judge`` (JudgeScorer's keyword arguments: a judge model's engine in
-    this process, actors/judge.py); or ``function`` ("module:function") called in this process,
+    actors/rewards/http.py); ``judge`` (JudgeScorer's keyword arguments: a judge model's engine in
+    this process, actors/rewards/judge.py); or ``function`` ("module:function") called in this process,
     or, with ``sandbox`` ({workers, timeout_s, memory_mb}, workers > 0), one pair at a time in
-    worker processes (actors/sandbox.py)."""
+    worker processes (actors/rewards/sandbox.py)."""
     if url is not None:
         return HTTPScorer(url, **(http or {}))
     if judge is not None:
-        from actors.judge import JudgeScorer
+        from actors.rewards.judge import JudgeScorer
         return JudgeScorer(**judge)
     name = f"reward function {function}" if key == "reward.function" else f"{key} {function}"
     if sandbox and sandbox.get("workers", 0) > 0:

@@ -56,9 +56,9 @@ class WeightReloadExtension:
         return adapter_report(self.model_runner, lora_id, weights, scaling)
 
     def tether_device_uuid(self) -> str:
-        """This worker's GPU UUID. The NCCL transport (learner/nccl_sync.py) counts the workers
+        """This worker's GPU UUID. The NCCL transport (learner/transport/nccl.py) counts the workers
         it must add to its group from these, and refuses a layout with two ranks on one GPU,
-        which NCCL rejects; the IPC transport (learner/ipc_sync.py) refuses a worker that is not
+        which NCCL rejects; the IPC transport (learner/transport/ipc.py) refuses a worker that is not
         on the learner's GPU. The receive side itself is vLLM's own weight-transfer engine
         (``weight_transfer_config``), not this extension."""
         import torch

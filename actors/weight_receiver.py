@@ -132,7 +132,7 @@ class EngineWeights:
         self._version = version
         self._llm.llm_engine.set_weight_version(str(version))
 
-    # ---- GPU transports (learner/nccl_sync.py, learner/ipc_sync.py drive these): vLLM's weight transfer
+    # ---- GPU transports (learner/transport/nccl.py, learner/transport/ipc.py drive these): vLLM's weight transfer
     def _require_transfer(self, what: str, transport: str | None = None) -> None:
         if self.weight_sync not in GPU_TRANSFER or transport not in (None, self.weight_sync):
             raise ValueError(f"{self.name}.{what}: this generator was started with weight_sync="

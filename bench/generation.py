@@ -84,8 +84,8 @@ def child_vllm(wl: dict, prompts: list, args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from actors.config import EngineConfig, SamplingConfig
     from actors.generator import request_seed
+    from core.modeling.engine_config import EngineConfig, SamplingConfig
 
     sampling, engine = settings(wl, args)
     s, e = SamplingConfig(**sampling), EngineConfig(**engine)

@@ -32,8 +32,8 @@ def main(argv=None) -> dict:
     from actors.generator import engine_process_env
     os.environ.update({**engine_process_env(num_gpus=0, tensor_parallel=1), "OMP_NUM_THREADS": str(args.threads),
                        "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    from actors.judge import JudgeScorer
-    from cluster.config.reward_judge import DEFAULT_TEMPLATE
+    from actors.rewards.config import DEFAULT_TEMPLATE
+    from actors.rewards.judge import JudgeScorer
     from cluster.demo.judge import build_judge, judge_rows
 
     rows = judge_rows(args.pairs, seed=7)

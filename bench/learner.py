@@ -15,7 +15,7 @@ minibatches of forward, clipped policy + value loss, backward and an AdamW step.
   - torch: the loop written out by hand with torch.optim.AdamW (fused, as tether builds it), no DeepSpeed;
   - tether: learner.worker.LearnerWorker (one rank, DeepSpeed ZeRO, as a run uses it);
   - tether-packed: the same with ppo.packing (padding-free micro-batches, varlen attention:
-    core/varlen_attention.py); tether-packed-masked: packed rows on sdpa's block-diagonal
+    core/modeling/varlen_attention.py); tether-packed-masked: packed rows on sdpa's block-diagonal
     mask instead (what ppo.packing ran before varlen attention), to tell the two apart.
 
 --ragged: responses of 8 to 256 tokens ending at EOS, prompts of 8 to 128 (seeded; the

@@ -61,14 +61,14 @@ def main(argv=None) -> int:
     from bench.learner import rollouts, use_device
     from bench.sizes import sized_workload
     from bench.workload import build_workload
+    from core.modeling.loading import pad_token_id
     from learner.batch import collate
-    from learner.engine import pad_token_id
     from learner.policy import PolicyWithValueHead
 
     device = use_device(args.device)
     wl = sized_workload(json.loads(build_workload().read_text()), args.policy_size, with_value=False)
     model = PolicyWithValueHead.from_pretrained(wl["policy"], critic="shared").to(device).eval()
-    batch = collate(rollouts(wl, args.rollouts, args.new_tokens), pad_token_id(model.config)).to(device)
+    batch = collate(rollouts(wl, args.rollouts, args.new_tokens), pad_token_id(None, model.config, "bench")).to(device)
     fp32 = scores(model, batch)
     bf16 = scores(model.to(torch.bfloat16), batch)  # what deepspeed's bf16 does to the module
     mask = batch.response_mask

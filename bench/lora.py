@@ -56,7 +56,7 @@ def learner_config(args, rank: int) -> dict:
 
 def push_payload(worker):
     """What the learner sends and the generator call that takes it: (seconds to build it, bytes, call)."""
-    from learner.weight_sync import policy_weights, to_buckets
+    from learner.transport.base import policy_weights, to_buckets
 
     t0 = time.perf_counter()
     module = worker.engine.module

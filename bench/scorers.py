@@ -49,7 +49,7 @@ def timed(call, repeats: int) -> tuple[float, object]:
 def fed_tokens(batch: list, role: str, packing: bool, batch_size: int = 16) -> int:
     """Positions the forwards run on: real tokens packed; padded, each chunk's width (the
     reference's prompt | response layout, the reward model's right-padded rows)."""
-    from actors.reference import length_sorted_chunks
+    from core.modeling.loading import length_sorted_chunks
 
     lengths = [r.prompt_ids.size + r.response_ids.size for r in batch]
     if packing:

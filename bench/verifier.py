@@ -1,4 +1,4 @@
-"""Verifier throughput: cluster.rewards:math in the replica's process vs in reward.sandbox workers.
+"""Verifier throughput: actors.rewards:math in the replica's process vs in reward.sandbox workers.
 
     .venv/bin/python -m bench.verifier --pairs 512
 
@@ -15,7 +15,7 @@ import time
 
 from actors.reward import make_text_scorer
 
-SPEC = "cluster.rewards:math"
+SPEC = "actors.rewards:math"
 
 
 def gsm8k_like(n: int, seed: int = 0) -> tuple[list[str], list[str], list[str]]:

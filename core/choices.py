@@ -50,7 +50,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 KLPlacement = Literal["reward", "loss"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 OffPolicyCorrection = Literal["none", "tis", "decoupled"]
-OldLogprobs = Literal["recompute", "behaviour"]  # where the PPO ratio's pi_old comes from (learner/update.py)
+OldLogprobs = Literal["recompute", "behaviour"]  # where the PPO ratio's pi_old comes from (learner/objectives/ppo.py)
 Optimizer = Literal["adamw", "sgd"]
 LRDecay = Literal["linear", "cosine", "constant"]
 TrainableDType = Literal["float32", "bfloat16"]  # the learner's: fp16 would need loss scaling
@@ -59,7 +59,7 @@ Critic = Literal["shared", "separate", "none"]
 LoraInit = Literal["default", "gaussian"]  # learner/lora.py: both start with B = 0, at the base model
 ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the adapter ranks vLLM's engine is started with
 AdvantageEstimator = Literal[tuple(row.name for row in ESTIMATOR_TABLE)]
-WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/weight_sync.py, *_sync.py)
+WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/transport/base.py, *_sync.py)
 RunMode = Literal["sync", "async"]
 CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/pools/threads.py
 PlacementStrategy = Literal["pack", "spread"]  # a pool's replicas by node (cluster/runtime/pools/placement.py)

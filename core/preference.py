@@ -1,7 +1,7 @@
 """The losses of the two stages PPO starts from: supervised fine-tuning and the reward model.
 
 Pure tensor functions, no model or distributed state (the learner's SFT and reward-model
-steps, learner/sft.py and learner/preference.py, call them).
+steps, learner/objectives/sft.py and learner/objectives/preference.py, call them).
 
     response_nll          SFT: next-token cross-entropy on response tokens only
     bradley_terry_loss    reward model: -log sigmoid(r_chosen - r_rejected - margin)

@@ -35,7 +35,7 @@ class Rollout:
     # wrote it (a multi-turn transcript's observations: context for the next turn, never trained,
     # no KL, no reward). The transcript ends on a policy token. None: every token is the policy's.
     action_mask: np.ndarray = None
-    # A multi-turn episode's environment rewards summed (actors/episodes.py), and why the episode
+    # A multi-turn episode's environment rewards summed (actors/environments/episodes.py), and why the episode
     # is invalid (its score then NaN); both None for a rollout no environment played.
     env_score: float = None
     env_error: str = None
@@ -161,7 +161,7 @@ def shard_rollouts(rollouts: list, world_size: int) -> list[list]:
     The shards in rank order are the batch (its groups gathered), so global row k is the
     same row as in one process: with shuffling off, minibatch k is rows k*M .. k*M+M-1 there
     and here. Deterministic (a resumed run shards alike); ranks may hold unequal numbers of
-    rows (learner/update.py runs the same minibatches and micro-batches on every rank).
+    rows (learner/objectives/ppo.py runs the same minibatches and micro-batches on every rank).
     """
     groups = prompt_groups(rollouts)
     if len(groups) < world_size:

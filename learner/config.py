@@ -121,7 +121,8 @@ class PPOConfig:
     minibatch_size: int = setting(8, "rollouts per optimizer step, summed over all ranks")
     micro_batch_size: int = setting(2, "rollouts per forward/backward on one rank (gradient accumulation)")
     packing: bool = setting(True, "each micro-batch as one row of its real tokens, no padding, attended per "
-                                  "sequence (learner/packing.py, core/varlen_attention.py); false: padded rows")
+                                  "sequence (learner/packing.py, core/modeling/varlen_attention.py); false: padded "
+                                  "rows")
     max_tokens_per_micro_batch: int = setting(0, "with packing: micro-batches of at most this many tokens, not "
                                                  "micro_batch_size rows (a longer rollout alone); 0 = off")
     clip_low: float = setting(0.2, "ratio clipped below at 1 - clip_low")

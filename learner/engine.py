@@ -38,14 +38,3 @@ def build_engine(model: str, config: RankConfig, world_size: int, *, load: Calla
         # turns it off itself without a process group); the stages that partition keep theirs.
         engine.enable_backward_allreduce = False
     return engine
-
-
-def pad_token_id(model_config) -> int:
-    """The id that pads batches: the model's pad token, else its EOS."""
-    for attr in ("pad_token_id", "eos_token_id"):
-        value = getattr(model_config, attr, None)
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0  # padding is masked out; any id works

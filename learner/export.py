@@ -6,9 +6,9 @@ from typing import Optional
 
 from learner import lora as adapters
 from learner.config import LearnerConfig
-from learner.ipc_sync import IPCWeightSync
-from learner.nccl_sync import NCCLWeightSync
-from learner.weight_sync import DEFAULT_BUCKET_BYTES, AdapterSync, CPUWeightSync
+from learner.transport.base import DEFAULT_BUCKET_BYTES, AdapterSync, CPUWeightSync
+from learner.transport.ipc import IPCWeightSync
+from learner.transport.nccl import NCCLWeightSync
 
 
 class WeightExporter:

@@ -17,10 +17,10 @@ from core.infra.placement import on_bundle, wait_placed
 from core.infra.ray_calls import drain
 from core.infra.transfer import Pull, lost_with_a_node
 from learner.config import LearnerConfig, RankConfig
-from learner.objective import Objective
+from learner.objectives.objective import Objective
+from learner.objectives.ppo import PPOObjective
 from learner.rendezvous import RendezvousError, StoreAddress
-from learner.update import PPOObjective
-from learner.weight_sync import DEFAULT_BUCKET_BYTES
+from learner.transport.base import DEFAULT_BUCKET_BYTES
 from learner.worker import LearnerWorker
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class LearnerGroup:
     group down and recreate it).
 
     ``config``: a LearnerConfig or SupervisedConfig is taken as validated; a dict goes through
-    ``LearnerConfig.from_dict``. ``objective``: the class every rank trains (learner/objective.py).
+    ``LearnerConfig.from_dict``. ``objective``: the class every rank trains (learner/objectives/objective.py).
     """
 
     def __init__(self, *, model: str, config: RankConfig | dict, world_size: int,

@@ -9,7 +9,7 @@ causal mask (masking_utils.find_packed_sequence_indices: a new sequence starts w
 position does not grow by 1), for sdpa and eager attention alike, and flash-attention reads
 them as sequence boundaries. An all-ones attention mask instead would switch that detection
 off and let every sequence attend to the ones before it, silently: never pass one. A model on
-varlen attention (core/varlen_attention.py) takes the boundaries as offsets instead
+varlen attention (core/modeling/varlen_attention.py) takes the boundaries as offsets instead
 (``cu_seq_lens``) and attends within each sequence, with no T x T mask at all.
 
 The LM head runs only where a logit predicts a response token (``logits_to_keep`` as an index
@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from core.packed_rows import pack_sequences
+from core.modeling.packed_rows import pack_sequences
 from learner.batch import Batch, response_slice
 
 Tensor = torch.Tensor

@@ -23,10 +23,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from core.infra.architectures import load_pretrained
 from core.infra.dtypes import torch_dtype
 from core.logprobs import entropy_from_logits, logprobs_from_logits
-from core.varlen_attention import boundaries, use_varlen
+from core.modeling.architectures import load_pretrained
+from core.modeling.varlen_attention import boundaries, use_varlen
 from learner import lora as adapters
 from learner.batch import Batch
 from learner.lora_config import LoraConfig
@@ -122,7 +122,7 @@ class PolicyWithValueHead(HFWrapper):
         disable_dropout(self)
 
     def use_varlen(self) -> dict:
-        """Packed rows attend per sequence (core/varlen_attention.py) in the LM and a critic
+        """Packed rows attend per sequence (core/modeling/varlen_attention.py) in the LM and a critic
         body, where their families allow; -> the attention each runs packed rows with."""
         bodies = {"lm": self.lm, "critic": self.critic_body}
         return {name: use_varlen(body) for name, body in bodies.items() if body is not None}
@@ -139,7 +139,7 @@ class PolicyWithValueHead(HFWrapper):
         The LM's own forward makes the logits, so whatever a family does after its head
         (Gemma's final soft-capping, a logit scale) is done as vLLM does it, with no per-family
         code here; a hook on the body keeps its last hidden state for the value head.
-        ``cu_seq_lens``: a packed row's sequence offsets (core/varlen_attention.py).
+        ``cu_seq_lens``: a packed row's sequence offsets (core/modeling/varlen_attention.py).
         """
         seen = []
         hook = body_of(self.lm).register_forward_hook(lambda _module, _args, out: seen.append(out[0]))

@@ -1,6 +1,6 @@
 """LearnerWorker: one DeepSpeed ZeRO rank, the facade Ray wraps (learner/group.py drives the ranks).
 
-It owns the engine, the step counter and exactly one objective (learner/objective.py: PPO,
+It owns the engine, the step counter and exactly one objective (learner/objectives/objective.py: PPO,
 SFT or the reward model's), and composes the parts along their duties: the weights out
 (export.py), the checkpoints (checkpoint.py).
 
@@ -22,16 +22,17 @@ import torch.distributed as dist
 
 from core.infra.threads import fit_threads, torch_threads
 from core.infra.transfer import pull_args
+from core.modeling.loading import pad_token_id
 from learner import rendezvous
 from learner.checkpoint import Checkpointer
 from learner.collectives import Collectives
 from learner.config import LearnerConfig, RankConfig
-from learner.engine import build_engine, pad_token_id
+from learner.engine import build_engine
 from learner.export import WeightExporter
 from learner.lora import parameter_counts
-from learner.objective import Objective
-from learner.update import PPOObjective
-from learner.weight_sync import DEFAULT_BUCKET_BYTES
+from learner.objectives.objective import Objective
+from learner.objectives.ppo import PPOObjective
+from learner.transport.base import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class LearnerWorker:
 
     ``config``: a LearnerConfig or SupervisedConfig is taken as validated (the driver did it
     once); a dict goes through ``LearnerConfig.from_dict`` for this world size.
-    ``objective``: the class of what this rank trains (learner/objective.py).
+    ``objective``: the class of what this rank trains (learner/objectives/objective.py).
     """
 
     def __init__(self, *, rank: int, world_size: int, model: str, config: RankConfig | dict,
@@ -93,7 +94,7 @@ class LearnerWorker:
                            device=self.device if self.backend == "nccl" else torch.device("cpu"))
         self.objective = self.objective_class(
             engine=self.engine, config=self.config, rank=self.rank, world_size=self.world_size, collectives=comm,
-            device=self.device, pad_id=pad_token_id(self.engine.module.config))
+            device=self.device, pad_id=pad_token_id(None, self.engine.module.config, "Learner"))
         self.exporter = WeightExporter(engine=self.engine, config=self.config, rank=self.rank)
         self.checkpoints = Checkpointer(engine=self.engine, exporter=self.exporter, collectives=comm, rank=self.rank)
         return self.health()

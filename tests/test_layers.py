@@ -3,9 +3,11 @@ module imports another's private (_underscore) names.
 
     core.infra        the plumbing every layer shares (errors, files, transfer accounting, HF loading rules)
     core              the shared vocabulary (rollout data units, PPO math, the estimator table)
+    core.modeling     how a model is loaded and run: paths, tokenizer, packed rows, attention, vLLM engines
+    actors.rewards    every reward source: the table, the scorers, their config sections, the built-ins
+    actors.environments  the environment interface, the episode runner, its workers, the built-ins
     actors, learner   the rollout side, the training side (neither imports the other)
     cluster.config    the typed configs          cluster.demo   the built-in demo (tiny models, task)
-    cluster.rewards   built-in rewards named by spec (cluster.rewards:math)
     cluster.data      prompts, PTX text, stage rows
     cluster.job       the job lifecycle every entrypoint shares
     cluster.runtime   the PPO service, in rooms bottom to top: state (checkpoints, resume, lineage),
@@ -27,8 +29,9 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER = {"core.infra": 0, "core": 0.5, "actors": 1, "learner": 1,
-         "cluster.config": 2, "cluster.demo": 2, "cluster.rewards": 2, "cluster.envs": 2,
+LAYER = {"core.infra": 0, "core": 0.5, "core.modeling": 0.7,
+         "actors.rewards": 0.8, "actors.environments": 0.9, "actors": 1, "learner": 1,
+         "cluster.config": 2, "cluster.demo": 2,
          "cluster.data": 3,
          "cluster.nodes": 3,
          "cluster.job": 4,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
+from actors.rewards.source import reward_source
 from cluster.config.loader import ConfigError, default_of
-from cluster.config.reward_source import reward_source
 
 # reward.* keys and the reward sources they act on ("gold": while reward.gold is set). Keys not
 # listed (the source keys themselves, gold, max_invalid_fraction, the pool's resources) are

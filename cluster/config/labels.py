@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from cluster.config.loader import ConfigError
+from core.infra.schema import ConfigError
 
 FORM = "key=value[,key=value]"
 _NAME = r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"

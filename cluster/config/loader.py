@@ -16,12 +16,7 @@ from typing import Iterator
 
 import yaml
 
-from core.infra.errors import InputError
-from core.infra.schema import choice_error, help_of, literal_choices
-
-
-class ConfigError(InputError):
-    """A user mistake in the config: the message is one line naming the key and the fix."""
+from core.infra.schema import ConfigError, choice_error, help_of, literal_choices
 
 
 class RootConfig:

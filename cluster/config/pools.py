@@ -3,7 +3,7 @@ and where the reference is scored."""
 from __future__ import annotations
 
 from cluster.config.labels import check_node_labels
-from cluster.config.loader import ConfigError
+from core.infra.schema import ConfigError
 
 
 def check_pools(cfg) -> None:

@@ -6,7 +6,7 @@ cross-field checks that no single section can make.
 Every section is a frozen config class whose keys carry their help as field metadata
 (`python -m cluster.train --help-config`, docs/config.md). Each setting is declared once:
 the learner's and PPO's own classes (learner/config.py) and the generator's
-(actors/config.py) are the sections here, not copies of them. Loading (cluster/config/loader.py)
+(core/modeling/engine_config.py) are the sections here, not copies of them. Loading (cluster/config/loader.py)
 checks unknown keys, types and choices; ``validate`` then checks impossible combinations
 before anything starts, and fails with one line naming the key and the fix.
 """
@@ -16,20 +16,18 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
-from actors.config import EngineConfig, SamplingConfig
+from actors.environments.config import EnvConfig, check_env
+from actors.rewards.config import JudgeConfig, RewardHTTPConfig, SandboxConfig, check_reward_http, check_sandbox
 from cluster.config import loader
-from cluster.config.env import EnvConfig, check_env
 from cluster.config.ineffective import check_ineffective
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.pools import check_pools
-from cluster.config.reward_http import RewardHTTPConfig, check_reward_http
-from cluster.config.reward_judge import JudgeConfig
-from cluster.config.reward_sandbox import SandboxConfig, check_sandbox
 from cluster.config.step import check_step
 from cluster.config.tracking import TRACKERS_HELP, TrackingConfig, tracker_names
 from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
 from core.infra.dtypes import resolve_precision
 from core.infra.schema import config_class, setting
+from core.modeling.engine_config import EngineConfig, SamplingConfig
 from learner.config import LearnerConfig, PPOConfig, TrainerConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the shipped configs

@@ -2,8 +2,8 @@
 prompt groups the estimators and dynamic sampling compare (``cfg``: a TetherConfig)."""
 from __future__ import annotations
 
-from cluster.config.loader import ConfigError
 from core.choices import estimator_row
+from core.infra.schema import ConfigError
 
 
 def check_step(cfg) -> None:

@@ -113,7 +113,7 @@ def reward_from_prompt(prompts: list[str], responses: list[str]) -> list[float]:
 
 
 class SecondChance:
-    """The task as a two-turn episode (an environment, actors/environment.py): a right first
+    """The task as a two-turn episode (an environment, actors/environments/base.py): a right first
     answer scores 1.0; a wrong one is told so by the question asked again, and a right second
     answer scores 0.5. The policy pre-trained on the corpus hedges ("not 5.") about two times in
     three, so an episode starts out taking ~1.7 turns; RL raises the score and brings the turns

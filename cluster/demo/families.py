@@ -86,7 +86,7 @@ def _config(family: str, s: TinySpec, tok):
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2-tied": "Qwen2ForCausalLM", "qwen2-untied": "Qwen2ForCausalLM",
             "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
             "phi3": "Phi3ForCausalLM", "gpt-neox": "GPTNeoXForCausalLM", "gpt2": "GPT2LMHeadModel"}
-# Families tether refuses at start-up (core/infra/architectures.py), kept to test the refusal:
+# Families tether refuses at start-up (core/modeling/architectures.py), kept to test the refusal:
 # GPT-Neo is a causal LM in transformers that vLLM does not serve; BERT is no causal LM.
 REFUSED = {"gpt-neo": "GPTNeoForCausalLM", "bert": "BertForMaskedLM"}
 

@@ -4,7 +4,7 @@ After ``JUDGE_TEMPLATE`` (the prompt, the response, then ``Score:``) it writes `
 for a response the sentiment task likes (more positive than negative lexicon words:
 ``cluster.demo.sentiment.is_positive``) and `` 0`` otherwise. With greedy decoding it always
 answers with a digit (every verdict of 200 held-out rows read); it agrees with ``is_positive``
-on clear one-word cases (tests/actors/test_judge.py pins six) and on 169 of those 200 rows,
+on clear one-word cases (tests/actors/rewards/test_judge.py pins six) and on 169 of those 200 rows,
 missing mostly mixed responses ("sweet and sad."): a judge whose verdicts a test can predict.
 
 It is trained for a few hundred steps (AdamW, CPU, loss on the verdict and EOS only) on

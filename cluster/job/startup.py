@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 import cluster
-from cluster.config.reward_source import reward_pool_replicas, reward_source
+from actors.rewards.source import reward_pool_replicas, reward_source
 from core.infra.errors import InputError
 
 GIB = 1 << 30

@@ -21,7 +21,7 @@ from cluster.config.stages import RMConfig
 from cluster.data.rows import epoch_shards, rank_shards
 from cluster.recipes.stage import log_epoch, prepare_rows, run_stage, save_final
 from cluster.runtime.state.lineage import STAGE_FILE, read_stage
-from learner.preference import PreferenceObjective
+from learner.objectives.preference import PreferenceObjective
 
 log = logging.getLogger("tether")
 

@@ -16,7 +16,7 @@ import numpy as np
 from cluster.config.stages import SFTConfig
 from cluster.data.rows import epoch_shards, rank_shards
 from cluster.recipes.stage import log_epoch, prepare_rows, run_stage, save_final
-from learner.sft import SFTObjective
+from learner.objectives.sft import SFTObjective
 
 log = logging.getLogger("tether")
 

@@ -121,7 +121,8 @@ class StageMetrics:
 
 def run_stage(cfg, *, stage: str, objective: type, prepare: Callable, train: Callable) -> dict:
     """``prepare(cfg)`` (refusing user input with UserErrors), a run folder, a learner group
-    training ``objective`` (learner/objective.py), then ``train(group, prepared, metrics, run_dir) -> final``;
+    training ``objective`` (learner/objectives/objective.py), then
+    ``train(group, prepared, metrics, run_dir) -> final``;
     ``stage`` (sft, rm) names it to the experiment trackers."""
     from cluster.runtime.pools.pool import quiet_libraries
 

@@ -12,8 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cluster.job.errors import UserError
-from core.infra.architectures import check_policy_config, check_reward_config
 from core.infra.errors import type_and_first_line, user_input
+from core.modeling.architectures import check_policy_config, check_reward_config
 
 log = logging.getLogger("tether")
 
@@ -90,7 +90,7 @@ def check_same_vocabulary(tokenizer, tokenizer_path: str, policy: str) -> None:
 
 def check_reward_model(path: str, tokenizer, tokenizer_path: str) -> None:
     """The reward model scores the policy's token ids with one output: check both from its config."""
-    from actors.reference import resolve_model_path
+    from core.modeling.loading import resolve_model_path
 
     try:
         path = resolve_model_path(path, "reward.model")
@@ -113,9 +113,9 @@ def check_judge(judge, columns) -> str:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from actors.judge import check_template
-    from actors.reference import resolve_model_path
+    from actors.rewards.judge import check_template
     from cluster.demo.judge import BUILTIN_JUDGE, judge_path
+    from core.modeling.loading import resolve_model_path
     try:
         check_template(judge.template, columns)
     except ValueError as e:
@@ -149,7 +149,7 @@ def check_adapter_targets(learner, policy_config) -> None:
     check_targets(policy_config, learner.lora)
     if not learner.lora.critic:
         return
-    from actors.reference import resolve_model_path
+    from core.modeling.loading import resolve_model_path
 
     try:
         with user_input(kinds=(ValueError,)):  # a folder that is not a model: its one line
@@ -166,13 +166,13 @@ def prepare(cfg):
     """Everything that can fail on user input, before any actor starts."""
     from transformers import AutoTokenizer
 
-    from cluster.config.reward_source import without_unused_reward
+    from actors.rewards.source import without_unused_reward
 
     cfg = without_unused_reward(cfg)  # env.reward=environment: the reward.* source is never called
     policy = resolve_model(cfg.model.policy)
     # Reward problems surface here, in the driver, not as a dead actor a minute later.
     from actors.reward import load_function
-    from actors.scoring import ColumnBinding
+    from actors.rewards.scoring import ColumnBinding
     with user_input(kinds=(ValueError, OSError, ImportError)):  # the user's module, run on import
         functions = {key: load_function(spec, key) for key, spec in
                      (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)) if spec}
@@ -253,20 +253,20 @@ def probe_reward(reward, train_set) -> None:
                 probe_function(spec, prompts, responses, key, reward.timeout_s, columns=columns,
                                sandbox=asdict(reward.sandbox))
     if reward.url:
-        from actors.http_reward import probe_server
+        from actors.rewards.http import probe_server
         with user_input():  # the user's server, answering
             probe_server(reward.url, prompts, responses, columns=columns, **asdict(reward.http))
 
 
 def probe_judge(judge, path: str, train_set) -> None:
     """Fill reward.judge.template with example pairs of the first training prompts (with their
-    columns) and tokenize them as the judge replicas will (actors/judge.py), with the judge's
+    columns) and tokenize them as the judge replicas will (actors/rewards/judge.py), with the judge's
     tokenizer at ``path``: a template the rows cannot fill, a chat template the tokenizer lacks or
     cannot render, an input that cannot fit the engine, or a choice label the judge cannot write
     in max_new_tokens would void every batch, so each is refused here in one line."""
     from transformers import AutoTokenizer
 
-    from actors.judge import judge_token_ids, render
+    from actors.rewards.judge import judge_token_ids, render
 
     prompts = train_set.texts[:len(PROBE_RESPONSES)]
     columns = train_set.columns.take(train_set.ids[:len(prompts)])
@@ -311,8 +311,8 @@ def probe_environment(env, train_set, tokenizer) -> None:
     columns, as a generator will, and render an observation with the policy's ``tokenizer``: a
     class that cannot be imported or reset, or a chat template that cannot append observations
     as exact ids, is refused here in one line, before any actor starts."""
-    from actors.env_workers import EnvironmentWorkers
-    from actors.transcript import ObservationTokens
+    from actors.environments.transcript import ObservationTokens
+    from actors.environments.workers import EnvironmentWorkers
 
     try:
         observations = ObservationTokens(tokenizer, role=env.observation_role, plain_format=env.plain_format,

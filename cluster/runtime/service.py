@@ -13,7 +13,7 @@ from cluster.job.signals import StopSignals
 from cluster.job.startup import StartupClock, check_fits, connect_ray
 from cluster.runtime.observe.trackers import check_trackers, open_trackers
 from cluster.runtime.prepare import prepare, prepare_ptx
-from core.infra.architectures import unsupported_model
+from core.modeling.architectures import unsupported_model
 
 log = logging.getLogger("tether")
 
@@ -155,7 +155,7 @@ def start_control(run_dir: Path, pools):
 
 
 def startup_summary(cfg) -> str:
-    from cluster.config.reward_source import reward_pool_replicas, reward_source
+    from actors.rewards.source import reward_pool_replicas, reward_source
 
     g, r, w, lp = cfg.generator, cfg.reference, cfg.reward, cfg.learner
     pool = lambda name, p: (f"{name} {p.replicas}x({p.num_cpus:g} CPU"

@@ -11,7 +11,13 @@ import dataclasses
 import typing
 from typing import Literal, Optional
 
+from core.infra.errors import InputError
+
 HELP = "help"  # the metadata key of a field's one-line help (--help-config, docs/config.md)
+
+
+class ConfigError(InputError):
+    """A user mistake in the config: the message is one line naming the key and the fix."""
 
 
 def setting(default, help: str):

@@ -1,7 +1,7 @@
 """The learner -> generator weight contract: what a generator offers the learner's weight transports.
 
 actors and learner never import each other, so the contract lives here: ``WeightReceiver`` lists
-every generator method that learner code calls (learner/weight_sync.py, learner/vllm_sync.py),
+every generator method that learner code calls (learner/transport/base.py, learner/transport/vllm_api.py),
 ``actors.generator.Generator`` implements it (tests/actors/test_weight_contract.py checks the
 signatures), and the learner reaches those methods through ``remote_method``, by the protocol's
 own function objects rather than by name strings.

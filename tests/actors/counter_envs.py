@@ -1,4 +1,4 @@
-"""Environments for tests/actors/test_env_workers.py: a counter game whose actions say how to misbehave."""
+"""Environments for tests/actors/environments/test_env_workers.py: a counter game whose actions say how to misbehave."""
 import os
 import signal
 import time

@@ -1,4 +1,4 @@
-"""Verifiers that misbehave on the pairs that ask them to, for tests/actors/test_sandbox.py: each
+"""Verifiers that misbehave on the pairs that ask them to, for tests/actors/rewards/test_sandbox.py: each
 response names what to do; any other pair scores its length."""
 import os
 import signal

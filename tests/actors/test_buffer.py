@@ -221,7 +221,7 @@ def _rollouts(n, version=0):
 
 
 def _scores(values, valid):
-    from actors.scoring import ScoreResult
+    from actors.rewards.scoring import ScoreResult
     return ScoreResult(np.array(values, np.float32), np.array(valid, bool), ["reward said no"])
 
 
@@ -272,7 +272,7 @@ def test_take_by_reference_through_ray(cluster):
 def _put_prompts(buf, chunk_id, prompts, *, n=4, invalid=(), old=()):
     """put_chunk of ``n`` samples per prompt; (prompt, sample) pairs in ``invalid`` get a NaN
     score (left out), those in ``old`` were sampled one version before the rest."""
-    from actors.scoring import ScoreResult
+    from actors.rewards.scoring import ScoreResult
     from core.annotate import RewardShaping
     from core.rollout import Rollout
 
@@ -311,7 +311,7 @@ def test_a_stale_sample_discards_its_whole_prompt():
 def test_dynamic_sampling_leaves_out_prompts_whose_samples_all_scored_alike():
     """drop_flat_groups: prompt 0 (1, 1, 1) is left out, prompt 1 (1, 0, 1) is kept, prompt 2
     keeps a single valid sample (nothing to compare it with) and stays."""
-    from actors.scoring import ScoreResult
+    from actors.rewards.scoring import ScoreResult
     from core.annotate import RewardShaping
     from core.rollout import Rollout
 

@@ -7,7 +7,7 @@ import torch
 from hf_reference import encode, hf_logprobs, perturbed_lm
 
 from actors.generator import Generator
-from learner.weight_sync import policy_weights, to_buckets
+from learner.transport.base import policy_weights, to_buckets
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from hf_reference import encode, hf_logprobs
 from actors.engine_turns import EngineTurns
 from actors.generator import Generator
 from core.infra.weights import WEIGHT_UPDATE_GROUP
-from learner.weight_sync import policy_weights, to_buckets
+from learner.transport.base import policy_weights, to_buckets
 
 pytestmark = pytest.mark.integration
 

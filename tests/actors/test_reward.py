@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actors.reward import Reward
-from actors.scoring import ScoreResult
+from actors.rewards.scoring import ScoreResult
 from cluster.demo.sentiment import SENTIMENT_SCALE, sentiment
 
 SENTIMENT = "cluster.demo.sentiment:sentiment"
@@ -178,7 +178,7 @@ def _wait_until(predicate, deadline_s=60.0):
 
 @pytest.mark.integration
 def test_a_call_past_the_timeout_invalidates_its_items_and_the_replica_serves_on(policy_path, tokenizer):
-    from actors.scoring import MAX_ABANDONED_CALLS
+    from actors.rewards.scoring import MAX_ABANDONED_CALLS
 
     bad_rewards.RELEASE.clear()
     rw = Reward(function="bad_rewards:hangs_when_asked", tokenizer=policy_path, timeout_s=2)

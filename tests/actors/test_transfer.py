@@ -38,7 +38,7 @@ class Peer:
 
     def chunk(self, n: int, length: int) -> tuple:
         """One chunk's buffer inputs, rollouts first (``n`` rollouts of ``length`` response tokens)."""
-        from actors.scoring import ScoreResult
+        from actors.rewards.scoring import ScoreResult
         from core.rollout import Rollout
 
         rollouts = [Rollout(prompt_ids=np.array([1, 2]), response_ids=np.full(length, 3),

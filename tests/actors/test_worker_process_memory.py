@@ -3,7 +3,7 @@ MemoryError, or a C extension's allocation failure that Python reports as someth
 (sympy under a 64 MiB cap gave either, depending on the environment's thread settings)."""
 import pytest
 
-from actors.worker_process import import_failure
+from core.infra.worker_process import import_failure
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """Credit per turn with the group estimators (env.reward_placement=turn): episodes annotated as the
 reference pool does, collated and handed to the estimators as a learner rank does
-(learner/advantage_inputs.py), so what is checked is what a run trains on."""
+(learner/objectives/advantage_inputs.py), so what is checked is what a run trains on."""
 from dataclasses import replace
 
 import numpy as np
@@ -12,9 +12,9 @@ from core.choices import gamma_error
 from core.estimators import EstimatorOptions, estimator
 from core.rollout import Rollout
 from core.turn_credit import turn_index, turn_units
-from learner.advantage_inputs import advantage_inputs
 from learner.batch import collate
 from learner.collectives import Collectives
+from learner.objectives.advantage_inputs import advantage_inputs
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 # The slow tier. The default tier: GRPO learns in tests/e2e/test_arithmetic_task.py::test_grpo_learns_to_answer,
-# the critic-free resume in tests/learner/test_critic_free_update.py::
+# the critic-free resume in tests/learner/objectives/test_critic_free_update.py::
 # test_one_rank_critic_free_update_matches_plain_torch.
 @pytest.mark.slow
 def test_grpo_learns_without_a_critic_and_resumes(cluster, tmp_path):
@@ -84,7 +84,8 @@ def test_dynamic_sampling_trains_no_flat_prompt_and_refills_the_step(cluster, tm
 @pytest.mark.parametrize("estimator, overrides", [
     pytest.param("reinforce_pp", ["learner.replicas=2"], marks=pytest.mark.slow),
     # the slow tier: variants of the one above; the default tier: their math in tests/core/test_estimators.py,
-    # their updates in tests/learner/test_critic_free_update.py::test_one_rank_critic_free_update_matches_plain_torch
+    # their updates in tests/learner/objectives/test_critic_free_update.py
+    # (test_one_rank_critic_free_update_matches_plain_torch)
     pytest.param("reinforce_pp_baseline", [], marks=pytest.mark.slow),
     pytest.param("grpo", ["ppo.group_std=false"], marks=pytest.mark.slow),  # Dr. GRPO: no division by the std
 ], ids=["reinforce_pp-2-ranks", "reinforce_pp_baseline", "dr-grpo"])

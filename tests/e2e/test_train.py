@@ -89,7 +89,7 @@ def test_sync_default_learns(cluster, tmp_path):
                                 "learner-0": "bfloat16 (master weights float32)"}
     from learner.policy import PolicyWithValueHead
     lm = PolicyWithValueHead.from_pretrained(run_dir / "checkpoints" / "final").lm
-    # tied head: the embedding is sent once (learner/weight_sync.py); 2 bytes each, plus safetensors headers
+    # tied head: the embedding is sent once (learner/transport/base.py); 2 bytes each, plus safetensors headers
     params = sum(p.numel() for p in lm.parameters())
     assert all(2 * params <= m["perf/sync_bytes"] < 2 * params + 65536 for m in steps), steps[0]["perf/sync_bytes"]
     gaps = [m["ppo/logprob_gap_mean"] for m in steps]

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from cluster.demo.families import FAMILIES, build_family_policy
-from core.infra.architectures import load_pretrained
+from core.modeling.architectures import load_pretrained
 from learner.lora_config import LoraConfig
+from learner.objectives.preference import RewardModule
 from learner.policy import PolicyWithValueHead
-from learner.preference import RewardModule
 
 pytestmark = pytest.mark.unit
 IDS = torch.tensor([[5, 17, 301, 44, 9, 88, 120, 7]])

@@ -2,7 +2,7 @@
 sequences with restarting position ids and no attention mask must give what the padded batch
 gives, and no sequence may see another, with the family's own attention (eager for Gemma-2's
 soft-capping, sliding windows shorter than the sequences) in the policy and in a separate
-critic body of the same family; then the same on varlen attention (core/varlen_attention.py),
+critic body of the same family; then the same on varlen attention (core/modeling/varlen_attention.py),
 which every family but Gemma-2 (soft-capping: it keeps eager attention) takes."""
 import dataclasses
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from cluster.demo.families import FAMILIES, build_family_policy, build_family_reward
+from core.modeling.varlen_attention import VARLEN
 from core.rollout import Rollout
-from core.varlen_attention import VARLEN
 from learner.batch import collate
 from learner.packing import pack
 from learner.policy import PolicyWithValueHead

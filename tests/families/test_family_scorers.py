@@ -11,7 +11,7 @@ import torch
 from helpers import model_logprobs
 
 from cluster.demo.families import FAMILIES, build_family_policy, build_family_reward
-from core.infra.architectures import UnsupportedModel, check_policy_config
+from core.modeling.architectures import UnsupportedModel, check_policy_config
 
 TEXTS = [("the movie was great and i loved every minute of it", " and so did my friends"),
          ("a terrible, boring film", " that nobody liked at all, sadly"), ("i think", " so")]
@@ -84,7 +84,7 @@ def test_a_quantized_checkpoint_is_refused(tmp_path):
 
 @pytest.mark.integration
 def test_vllm_refuses_what_it_does_not_serve():
-    from actors.vllm_support import check_served
+    from core.modeling.vllm_engine import check_served
     with pytest.raises(UnsupportedModel, match=r"^model\.policy: vLLM \S+ does not serve architecture "
                                                r"GPTNeoForCausalLM as a text generator; [^\n]+$"):
         check_served(str(build_family_policy("gpt-neo")))
@@ -94,10 +94,10 @@ def test_vllm_refuses_what_it_does_not_serve():
 @pytest.mark.integration
 def test_a_refusal_in_an_actor_constructor_reaches_the_driver_as_its_line(ray_local):
     """Ray hands the driver an ActorDiedError whose text holds the actor's error: the driver
-    finds the refusal's own line in it (core.infra.architectures.unsupported_model)."""
+    finds the refusal's own line in it (core.modeling.architectures.unsupported_model)."""
     import ray
 
-    from core.infra.architectures import unsupported_model
+    from core.modeling.architectures import unsupported_model
 
     @ray.remote(num_cpus=0)
     class Refusing:

@@ -13,9 +13,9 @@ from core.estimators import AdvantageInputs, EstimatorOptions, estimator
 from core.logprobs import logprobs_from_logits
 from core.masked import whiten
 from core.rollout import ScoredRollout
-from learner.advantage_inputs import placed_rewards
 from learner.batch import collate
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
+from learner.objectives.advantage_inputs import placed_rewards
 
 
 def model_logprobs(model_path_or_lm, prompts, responses, temperature=1.0):

@@ -108,7 +108,7 @@ def test_a_reward_model_adapter_trains_its_score_head_and_exports_merged(policy_
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
-    from learner.preference import RewardModule
+    from learner.objectives.preference import RewardModule
 
     torch.manual_seed(0)
     module = RewardModule.from_pretrained(policy_path, lora=LoraConfig(rank=8))

@@ -14,7 +14,7 @@ from helpers import make_rollouts
 from core.infra.weights import adapter_checksum
 from learner import lora as adapters
 from learner.config import LearnerConfig, LoraConfig, OptimConfig, PPOConfig
-from learner.weight_sync import AdapterNotLoaded, check_adapter_report
+from learner.transport.base import AdapterNotLoaded, check_adapter_report
 from learner.worker import LearnerWorker
 
 pytestmark = pytest.mark.integration
@@ -186,7 +186,7 @@ def test_the_learner_scores_the_reference_with_its_adapter_off(policy_path, trai
     """The base with the adapter switched off is the reference: the learner's log-probs of it meet
     the reference pool's (a Reference on the base model) to 1e-5 in fp32, while the adapter's differ."""
     from actors.reference import Reference
-    from learner.update import PPOObjective
+    from learner.objectives.ppo import PPOObjective
 
     learner, _ = trained(2)
     rollouts = make_rollouts(policy_path, 8, seed=5)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from helpers import make_rollouts, max_abs_diff, sgd_config
 
+from core.modeling.varlen_attention import VARLEN
 from core.rollout import Rollout, shard_rollouts
-from core.varlen_attention import VARLEN
 from learner.batch import collate
 from learner.group import LearnerGroup
-from learner.minibatches import minibatch_plan, visit_order
+from learner.objectives.minibatches import minibatch_plan, visit_order
 from learner.packing import pack, row_groups, token_bins
 from learner.policy import PolicyWithValueHead
 from learner.worker import LearnerWorker
@@ -220,7 +220,7 @@ def update(policy_path, reward_path, rollouts, **options):
     cfg = config(reward_path=reward_path, **options)
     torch.manual_seed(0)
     w = LearnerWorker(rank=0, world_size=1, model=policy_path, config=cfg)
-    # Packed rows attend per sequence (core/varlen_attention.py); padded ones keep sdpa.
+    # Packed rows attend per sequence (core/modeling/varlen_attention.py); padded ones keep sdpa.
     assert w.engine.module.lm.config._attn_implementation == (VARLEN if options["packing"] else "sdpa")
     before = w.full_state_dict()
     metrics = w.train(rollouts)

@@ -7,11 +7,11 @@ import pytest
 import torch
 from helpers import max_abs_diff
 
-from core.varlen_attention import VARLEN
+from core.modeling.varlen_attention import VARLEN
 from learner.config import OptimConfig, SupervisedConfig
 from learner.lora_config import LoraConfig
-from learner.preference import PreferenceObjective
-from learner.sft import SFTObjective
+from learner.objectives.preference import PreferenceObjective
+from learner.objectives.sft import SFTObjective
 from learner.worker import LearnerWorker
 
 pytestmark = pytest.mark.integration

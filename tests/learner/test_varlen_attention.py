@@ -1,4 +1,4 @@
-"""Varlen attention (core/varlen_attention.py): per-sequence attention of a packed row equals
+"""Varlen attention (core/modeling/varlen_attention.py): per-sequence attention of a packed row equals
 the block-diagonal masked attention (sliding windows, grouped KV heads, runs of equal lengths),
 and a policy on it gives the padded forward's log-probs, values, entropy and gradients, with no
 sequence seeing another and no mask built (fp32, tiny policy)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_packing import PROMPTS, RESPONSES, TOL, both, gap, models, ragged_batch
 
-from core.varlen_attention import VARLEN, runs, use_varlen, varlen_attention_forward
+from core.modeling.varlen_attention import VARLEN, runs, use_varlen, varlen_attention_forward
 from learner.packing import pack
 from learner.policy import PolicyWithValueHead, body_of
 

@@ -1,4 +1,4 @@
-"""Test stand-ins around the GPU weight transports (learner/vllm_sync.py), for rounds on the CPU.
+"""Test stand-ins around the GPU weight transports (learner/transport/vllm_api.py), for rounds on the CPU.
 
 Each replaces only what needs a GPU and keeps vLLM's own code for the rest:
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from learner.ipc_sync import IPCWeightSync
-from learner.nccl_sync import NCCLWeightSync
-from learner.weight_sync import policy_weights
+from learner.transport.base import policy_weights
+from learner.transport.ipc import IPCWeightSync
+from learner.transport.nccl import NCCLWeightSync
 
 LEARNER_GPU = "GPU-learner"
 

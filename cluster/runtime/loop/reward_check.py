@@ -11,7 +11,7 @@ episode its environment failed: the line names the environment and how its episo
 """
 from __future__ import annotations
 
-from cluster.config.reward_source import reward_source
+from actors.rewards.source import reward_source
 from core.infra.errors import InputError
 
 
@@ -40,7 +40,7 @@ def check_invalid_scores(produced, cfg, step: int) -> None:
                         f"fix the reward, or {rest}")
 
 
-# The episode counts (actors/episodes.py's episode_counts, with the workers' faults) that end an
+# The episode counts (actors/environments/episodes.py's episode_counts, with the workers' faults) that end an
 # episode invalid, and how the message says them.
 _FAILURES = (("timeouts", "timed out past env.step_timeout_s={timeout:g} s"),
              ("lost", "lost with a worker that failed another episode"),

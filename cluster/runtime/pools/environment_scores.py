@@ -1,11 +1,11 @@
 """The reward pool when the environment scores (``env.reward: environment``).
 
 An episode's score is its environment rewards summed, carried in the rollout itself
-(actors/episodes.py): a reward replica would load a reward it never calls and hold a CPU to
-copy numbers. So the run starts no reward pool (cluster/config/reward_source.py,
+(actors/environments/episodes.py): a reward replica would load a reward it never calls and hold a CPU to
+copy numbers. So the run starts no reward pool (actors/rewards/source.py,
 ``reward_pool_replicas``), and ``EnvironmentScores`` stands where the reward Pool stands: the
 dispatcher and the evaluation call its one "replica" as any reward replica, and each call runs
-as a Ray task (actors/episode_scores.py, no CPU reserved), so nothing idles between steps. It
+as a Ray task (actors/rewards/environment_scores.py, no CPU reserved), so nothing idles between steps. It
 has no replicas to list, place, resize or replace; a task whose worker dies is retried by Ray.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _tasks():
     """The reward replica's methods the run calls, as Ray tasks (called as handle.method.remote)."""
     import ray
 
-    from actors import episode_scores
+    from actors.rewards import environment_scores as episode_scores
 
     task = ray.remote(num_cpus=0, max_retries=TASK_RETRIES)
     return SimpleNamespace(score_rollouts_pulled=task(episode_scores.score_rollouts_pulled),

@@ -13,9 +13,9 @@ import ray
 from actors.generator import actor_class as generator_actor
 from actors.reference import Reference
 from actors.reward import Reward
+from actors.rewards.source import reward_pool_replicas, reward_source
 from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
-from cluster.config.reward_source import reward_pool_replicas, reward_source
 from cluster.demo.judge import judge_path
 from cluster.runtime.pools.environment_scores import EnvironmentScores
 from cluster.runtime.pools.learner_reference import LearnerReference

@@ -53,7 +53,7 @@ def plan_threads(cfg, cores: int) -> dict[str, int]:
     plan = {name: max(1, int(p.num_cpus)) for name, p in pools.items()}  # Ray's rule
     if not phases_take_turns(cfg):
         return plan
-    from cluster.config.reward_source import reward_pool_replicas, reward_source
+    from actors.rewards.source import reward_pool_replicas, reward_source
 
     computes = reward_source(cfg).holds_model  # a reward function barely computes, the episodes' scores not at all
     # reference.on_learner: learner rank 0 scores the reference in the score phase, a scorer like

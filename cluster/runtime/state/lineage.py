@@ -67,7 +67,7 @@ def check_reference(path: str, tokenizer, tokenizer_path: str, policy: str) -> s
     if not (p / "config.json").is_file():
         raise ValueError(f"reference.model={path!r} is not a Hugging Face model directory (no config.json); "
                          "point it at a causal-LM checkpoint, or leave it unset to use the policy")
-    from core.infra.architectures import check_policy_config
+    from core.modeling.architectures import check_policy_config
     config = AutoConfig.from_pretrained(path)
     check_policy_config(config, "reference.model")  # the reference is a causal LM too
     vocab = getattr(config.get_text_config(), "vocab_size", None)

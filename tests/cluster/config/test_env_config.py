@@ -1,11 +1,11 @@
 """The env section: off by default, and every setting episodes cannot run with is one line naming the key."""
 import pytest
 
-from cluster.config.loader import ConfigError
 from cluster.config.ppo import load_config
+from core.infra.schema import ConfigError
 
 pytestmark = pytest.mark.unit
-ON = ["env.environment=cluster.envs:Calculator"]
+ON = ["env.environment=actors.environments:Calculator"]
 
 
 def test_episodes_are_off_by_default_and_their_budget_is_the_learners_horizon():

@@ -2,11 +2,11 @@
 one line naming the key and the fix, as an unknown key is; their defaults written out are not."""
 import pytest
 
-from cluster.config.loader import ConfigError
 from cluster.config.ppo import load_config
+from core.infra.schema import ConfigError
 
 pytestmark = pytest.mark.unit
-EPISODES = ["env.environment=cluster.envs:Calculator"]
+EPISODES = ["env.environment=actors.environments:Calculator"]
 URL = ["reward.function=null", "reward.url=http://127.0.0.1:9/score"]
 JUDGE = ["reward.function=null", "reward.judge.model=builtin:judge"]
 MODEL = ["reward.function=null", "reward.model=runs/rm"]
@@ -25,7 +25,8 @@ MODEL = ["reward.function=null", "reward.model=runs/rm"]
     (URL + ["reward.timeout_s=5"], "reward.timeout_s=5", "scored by the reward server"),
     (["reward.batch_size=64"], "reward.batch_size=64", "acts on reward.model"),
     (JUDGE + ["reward.packing=false"], "reward.packing=False", "scored by the reward judge builtin:judge"),
-    (EPISODES + ["reward.http.retries=1"], "reward.http.retries=1", "scored by the environment cluster.envs:Calc"),
+    (EPISODES + ["reward.http.retries=1"], "reward.http.retries=1",
+     "scored by the environment actors.environments:Calc"),
 ])
 def test_a_setting_without_effect_is_one_line(overrides, key, fix):
     with pytest.raises(ConfigError) as e:

@@ -1,4 +1,4 @@
-"""Which source scores a run (cluster/config/reward_source.py), named once: the start-up line says
+"""Which source scores a run (actors/rewards/source.py), named once: the start-up line says
 it, and with the environment scoring no reward pool is started or checked."""
 import pytest
 
@@ -19,14 +19,14 @@ JUDGE = ["reward.function=null", "reward.judge.model=builtin:judge"]
     (ENV + ["env.reward=pool"], "function", "reward function cluster.demo.sentiment:sentiment"),
 ])
 def test_each_setting_names_its_source(overrides, kind, name):
-    from cluster.config.reward_source import reward_source
+    from actors.rewards.source import reward_source
     source = reward_source(load_config(None, overrides))
     assert (source.kind, source.name) == (kind, name)
     assert source.holds_model == (kind in ("model", "judge"))
 
 
 def test_the_environment_scoring_starts_no_reward_pool_unless_the_gold_needs_one():
-    from cluster.config.reward_source import reward_pool_replicas
+    from actors.rewards.source import reward_pool_replicas
     assert reward_pool_replicas(load_config(None, ["reward.replicas=2"])) == 2
     assert reward_pool_replicas(load_config(None, ENV + ["reward.replicas=2"])) == 0
     assert reward_pool_replicas(load_config(None, ENV + ["env.reward=pool"])) == 1
@@ -35,7 +35,7 @@ def test_the_environment_scoring_starts_no_reward_pool_unless_the_gold_needs_one
 
 
 def test_start_up_checks_leave_out_a_reward_the_run_never_calls():
-    from cluster.config.reward_source import without_unused_reward
+    from actors.rewards.source import without_unused_reward
     cfg = load_config(None, ENV + ["reward.gold=cluster.demo.arithmetic:reward_from_prompt"])
     checked = without_unused_reward(cfg).reward
     assert (checked.function, checked.model, checked.url, checked.judge.model) == (None, None, None, None)

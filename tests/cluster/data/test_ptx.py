@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cluster.data.ptx import PTXData, pack
-from learner.minibatches import split_rows
+from learner.objectives.minibatches import split_rows
 
 pytestmark = pytest.mark.unit
 

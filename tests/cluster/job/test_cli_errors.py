@@ -204,7 +204,7 @@ CASES = [
                  id="env-missing"),
     pytest.param(["env.environment=os:getcwd"], "env.environment 'os:getcwd' is a builtin_function_or_method, not a "
                  "class", id="env-not-a-class"),
-    pytest.param(["env.environment=cluster.envs:MalformedToolCall"], "has no reset and no step method",
+    pytest.param(["env.environment=actors.environments:MalformedToolCall"], "has no reset and no step method",
                  id="env-without-methods"),
     # -- reward (prepare) --
     pytest.param(["reward.function=no_such_module:score"], "cannot import module 'no_such_module'",

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config.loader import ConfigError
 from cluster.job.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USER_ERROR, Stopped, exit_status
 from cluster.runtime.loop.reward_check import InvalidScores
 from cluster.runtime.state.checkpoint import CheckpointError
-from core.infra.architectures import UnsupportedModel
 from core.infra.errors import InputError, UserError, user_input
+from core.infra.schema import ConfigError
+from core.modeling.architectures import UnsupportedModel
 
 pytestmark = pytest.mark.unit
 

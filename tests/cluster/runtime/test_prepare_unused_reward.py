@@ -6,7 +6,7 @@ from cluster.config.ppo import BUILTIN_REWARD, load_config
 from cluster.runtime.prepare import prepare
 
 pytestmark = pytest.mark.integration
-ENV = ["env.environment=cluster.envs:Calculator"]
+ENV = ["env.environment=actors.environments:Calculator"]
 
 
 def test_the_environment_scoring_loads_and_probes_no_reward_function(monkeypatch):

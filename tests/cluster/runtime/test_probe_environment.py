@@ -24,19 +24,19 @@ def tok():
 
 
 def test_a_working_environment_passes(tok):
-    probe_environment(load_config(None, ["env.environment=cluster.envs:Calculator"]).env, TRAIN, tok)
+    probe_environment(load_config(None, ["env.environment=actors.environments:Calculator"]).env, TRAIN, tok)
 
 
 def test_a_template_that_cannot_append_observations_is_one_line(tok):
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(UserError) as e:
-        probe_environment(load_config(None, ["env.environment=cluster.envs:Calculator"]).env, TRAIN, tok)
+        probe_environment(load_config(None, ["env.environment=actors.environments:Calculator"]).env, TRAIN, tok)
     assert "does not end an assistant turn" in str(e.value) and "env.observation_role" in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_a_class_that_fails_to_reset_is_one_line(tok):
-    env = load_config(None, ["env.environment=cluster.envs:MalformedToolCall"]).env
+    env = load_config(None, ["env.environment=actors.environments:MalformedToolCall"]).env
     with pytest.raises(UserError, match="has no reset and no step method"):
         probe_environment(env, TRAIN, tok)
     env = load_config(None, ["env.environment=test_probe_environment:Broken"]).env

@@ -42,7 +42,7 @@ def test_a_judge_is_named_by_its_model():
 
 ENV = ["env.environment=cluster.demo.arithmetic:SecondChance", "env.step_timeout_s=10"]
 # Every episode failed: per round, the one worker's first step hung past the timeout and the
-# seven episodes queued on it were lost with it (actors/env_workers.py counts each).
+# seven episodes queued on it were lost with it (actors/environments/workers.py counts each).
 HUNG = Produced(invalid_scores=64, episode_counts={"episodes": 64, "invalid": 64, "timeouts": 8, "lost": 56})
 
 

@@ -19,7 +19,7 @@ def test_produced_merges_transfers_and_the_step_metrics_sum_the_hops():
 
 
 def test_learner_ranks_transfers_are_summed_not_averaged():
-    from learner.stats import merge_rank_metrics
+    from learner.objectives.stats import merge_rank_metrics
 
     ranks = [{"ppo/clip_frac": 0.1, "perf/learner_seconds": 1.0, **Transfer(100, 0.5, 0).as_metrics("transfer/x")},
              {"ppo/clip_frac": 0.3, "perf/learner_seconds": 2.0, **Transfer(300, 1.5, 8).as_metrics("transfer/x")}]

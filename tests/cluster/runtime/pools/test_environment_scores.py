@@ -1,5 +1,5 @@
 """EnvironmentScores: the reward "pool" of no replicas when the episodes carry their own scores
-(env.reward=environment), and the functions its Ray tasks run (actors/episode_scores.py)."""
+(env.reward=environment), and the functions its Ray tasks run (actors/rewards/environment_scores.py)."""
 import numpy as np
 import pytest
 
@@ -45,7 +45,7 @@ def test_the_pools_sizes_leave_it_out():
 
 
 def test_its_tasks_pass_the_episodes_scores_on():
-    from actors import episode_scores
+    from actors.rewards import environment_scores as episode_scores
 
     rollouts = [episode(1.5), episode(float("nan"), "environment x did not answer within env.step_timeout_s=1 s")]
     result = episode_scores.score_rollouts(rollouts)

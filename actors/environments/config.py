@@ -1,0 +1,66 @@
+"""env: multi-turn episodes against an environment (actors/environments/episodes.py, actors/environments/base.py)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from core.infra.schema import ConfigError, config_class, setting
+
+EnvReward = Literal["environment", "pool"]
+RewardPlacement = Literal["episode", "turn"]
+
+
+@config_class
+class EnvConfig:
+    """Episodes: the policy acts, an environment answers, up to max_turns turns per episode."""
+    environment: Optional[str] = setting(None, "a `module:Class` with reset(prompt, columns) and step(action) "
+                                               "(README, Environments), e.g. actors.environments:Calculator; "
+                                               "null = single-turn responses")
+    reward: EnvReward = setting("environment", "environment: an episode's score is its environment rewards "
+                                               "summed (the reward.* scorer is not called) | pool: the reward "
+                                               "pool scores the final transcript")
+    reward_placement: RewardPlacement = setting(
+        "episode", "with reward=environment: episode = the rewards summed as the episode's score, on its last "
+                   "token | turn = each turn's reward on that turn's last token (credit per turn: GAE "
+                   "bootstraps across turns, the group estimators compare each turn's return with the "
+                   "same turn of the group's other samples; the score is still the sum)")
+    max_turns: int = setting(4, "policy turns per episode at most")
+    max_tokens: int = setting(512, "response tokens per episode at most, observations included")
+    max_turn_tokens: int = setting(0, "tokens per turn at most (a turn also ends at EOS); 0 = "
+                                      "generator.sampling.max_new_tokens")
+    workers: int = setting(2, "environment worker processes per generator (a crash or a hang ends the "
+                              "episodes it held, never the generator)")
+    step_timeout_s: float = setting(30.0, "a reset or step not answered within this many seconds ends its "
+                                          "episode as invalid (its worker is killed and replaced)")
+    memory_mb: int = setting(0, "each environment worker's memory cap in MiB; 0 = none")
+    observation_role: str = setting("user", "the chat role an observation is rendered as (the tokenizer's "
+                                            "chat template)")
+    plain_format: str = setting("\n{observation}\n", "without a chat template: the text appended per "
+                                                      "observation")
+
+    @property
+    def enabled(self) -> bool:
+        return self.environment is not None
+
+    def runner_kwargs(self, max_new_tokens: int) -> dict:
+        """What a generator builds its episodes from (actors/generator.py)."""
+        return {"spec": self.environment, "max_turns": self.max_turns, "max_tokens": self.max_tokens,
+                "max_turn_tokens": self.max_turn_tokens or max_new_tokens, "workers": self.workers,
+                "step_timeout_s": self.step_timeout_s, "memory_mb": self.memory_mb,
+                "observation_role": self.observation_role, "plain_format": self.plain_format,
+                "reward_placement": self.reward_placement}
+
+
+def check_env(env: EnvConfig) -> None:
+    """One line naming the key and the fix for settings episodes cannot run with."""
+    if not env.enabled:
+        return
+    if min(env.max_turns, env.max_tokens, env.workers) < 1 or env.max_turn_tokens < 0 or env.memory_mb < 0:
+        raise ConfigError(f"config: env.max_turns={env.max_turns}, env.max_tokens={env.max_tokens} and "
+                          f"env.workers={env.workers} must be >= 1, env.max_turn_tokens and env.memory_mb >= 0")
+    if not env.step_timeout_s > 0:
+        raise ConfigError(f"config: env.step_timeout_s={env.step_timeout_s} must be > 0 (seconds)")
+    if "{observation}" not in env.plain_format or not env.observation_role:
+        raise ConfigError("config: env.plain_format must hold {observation} and env.observation_role a role name")
+    if env.reward_placement == "turn" and env.reward != "environment":
+        raise ConfigError("config: env.reward_placement=turn places the environment's rewards; it needs "
+                          "env.reward=environment (the pool scores whole transcripts)")

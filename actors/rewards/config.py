@@ -1,0 +1,116 @@
+"""The reward's typed sections besides its sources: reward.http (a reward server's requests,
+actors/rewards/http.py), reward.sandbox (a function scored in worker processes,
+actors/rewards/sandbox.py) and reward.judge (a judge model, actors/rewards/judge.py).
+Plain dataclasses: a run's config is built and checked without torch or vLLM."""
+from __future__ import annotations
+
+from typing import Optional
+from urllib.parse import urlsplit
+
+from actors.rewards.judge import template_fields
+from core.infra.schema import ConfigError, config_class, setting
+from core.modeling.engine_config import EngineConfig
+
+
+@config_class
+class RewardHTTPConfig:
+    """A reward server (reward.url): batching, concurrency, time limits and retries of its requests."""
+    batch_size: int = setting(64, "(prompt, response) pairs per request")
+    concurrency: int = setting(4, "requests in flight at once per scoring call (one call per chunk per replica)")
+    timeout_s: float = setting(30.0, "one request not answered within this many seconds is retried")
+    retries: int = setting(3, "retries of a request after a connection error, a timeout or a 5xx/429 reply, "
+                              "waiting backoff_s, then twice that, ...; a 4xx or a malformed reply is not retried")
+    backoff_s: float = setting(0.5, "the wait before the first retry; it doubles with each")
+    budget_s: float = setting(120.0, "all requests of one scoring call, retries included, end within this many "
+                                     "seconds; pairs still unscored by then are invalid")
+    label_field: Optional[str] = setting("answer", "the prompt rows' column sent as the request's 'labels' (null "
+                                                   "where a row has no value; \"\" per pair when the data has no "
+                                                   "such column or this is null, as OpenRLHF without --label_key)")
+    skip_special_tokens: bool = setting(False, "false: 'query' is the pair's prompt + response ids decoded at once "
+                                               "with special tokens kept (the end-of-turn token included), as "
+                                               "OpenRLHF sends it; true: plain text, every field without special "
+                                               "tokens and the query the prompt's text + the response's")
+
+
+def check_reward_http(url: Optional[str], http: RewardHTTPConfig) -> None:
+    """One line naming the key and the fix for a URL or settings no request could honour."""
+    if url is not None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"config: reward.url={url!r} is not an http(s) URL; give the reward server's "
+                              "endpoint, e.g. http://127.0.0.1:5000/get_reward")
+    if http.batch_size < 1 or http.concurrency < 1 or http.retries < 0:
+        raise ConfigError(f"config: reward.http.batch_size={http.batch_size} and concurrency={http.concurrency} "
+                          f"must be >= 1 and retries={http.retries} >= 0")
+    if not (http.timeout_s > 0 and http.budget_s > 0 and http.backoff_s >= 0):
+        raise ConfigError(f"config: reward.http.timeout_s={http.timeout_s} and budget_s={http.budget_s} must be "
+                          f"> 0 and backoff_s={http.backoff_s} >= 0 (seconds)")
+
+
+@config_class
+class SandboxConfig:
+    """Run reward.function and reward.gold in worker processes: a pair that hangs, crashes or eats memory is invalid"""
+    workers: int = setting(0, "worker processes per reward replica, each scoring one pair at a time; 0 = off "
+                              "(the function runs in the replica, limited by reward.timeout_s per call)")
+    timeout_s: float = setting(10.0, "a pair not scored after this many seconds is invalid; its worker is killed "
+                                     "and replaced")
+    memory_mb: int = setting(0, "cap on each worker's data segment (heap and anonymous memory, RLIMIT_DATA; the "
+                                "interpreter and the function's imports count too), in MiB: past it an allocation "
+                                "fails and that pair is invalid; 0 = no cap")
+
+
+def check_sandbox(sandbox: SandboxConfig) -> None:
+    """One line naming the key, for settings no sandbox can run with."""
+    if sandbox.workers < 0 or not sandbox.timeout_s > 0 or sandbox.memory_mb < 0:
+        raise ConfigError(f"config: reward.sandbox.workers={sandbox.workers} must be >= 0 (0 = off), "
+                          f"reward.sandbox.timeout_s={sandbox.timeout_s} > 0 and reward.sandbox.memory_mb="
+                          f"{sandbox.memory_mb} >= 0 (0 = no cap)")
+
+
+# The built-in tiny judge's prompt (cluster/demo/judge.py trains on this very text).
+DEFAULT_TEMPLATE = "Prompt: {prompt}\nResponse: {response}\nScore:"
+
+
+@config_class
+class JudgeConfig:
+    """A judge model scoring each response: its vLLM engine, its prompt and how its verdict is read."""
+    model: Optional[str] = setting(None, "the judge: a causal LM directory or Hub name, or builtin:judge (the "
+                                         "offline tiny judge); null = no judge")
+    template: str = setting(DEFAULT_TEMPLATE, "the judge's prompt, a Python format string: {prompt}, {response} "
+                                              "and any column of the data ({answer}; a column named prompt or "
+                                              "response is refused: rename it); a literal brace is {{ or }}")
+    chat_template: bool = setting(False, "wrap the filled template as the user turn of the judge tokenizer's "
+                                         "chat template (instruct judges)")
+    choices: Optional[dict[str, float]] = setting(None, "read the verdict as the first of these labels in the "
+                                                        "output, scored as given ({A: 1.0, B: 0.0}); null = the "
+                                                        "first number in the output")
+    min_score: Optional[float] = setting(None, "number verdicts below this are raised to it; null = no bound")
+    max_score: Optional[float] = setting(None, "number verdicts above this are lowered to it; null = no bound")
+    max_new_tokens: int = setting(8, "tokens the judge may write per verdict")
+    temperature: float = setting(0.0, "0 = greedy: the same pair always gets the same verdict")
+    engine: EngineConfig
+
+    def __post_init__(self) -> None:
+        template_fields(self.template)  # its syntax; its fields are checked against the data's columns
+        if self.max_new_tokens < 1 or self.temperature < 0:
+            raise ValueError("reward.judge.max_new_tokens must be >= 1 and reward.judge.temperature >= 0")
+        if self.choices is not None and (not self.choices or "" in self.choices):
+            raise ValueError("reward.judge.choices needs at least one non-empty label, e.g. {A: 1.0, B: 0.0}; "
+                             "or null to read a number")
+        if self.choices and (self.min_score is not None or self.max_score is not None):
+            raise ValueError("reward.judge.min_score/max_score bound number verdicts; with choices, give each "
+                             "label its score instead")
+        if None not in (self.min_score, self.max_score) and self.min_score > self.max_score:
+            raise ValueError(f"reward.judge.min_score={self.min_score} is above max_score={self.max_score}")
+        if self.max_new_tokens >= self.engine.max_model_len:
+            raise ValueError(f"reward.judge.max_new_tokens={self.max_new_tokens} leaves no room for the template in "
+                             f"reward.judge.engine.max_model_len={self.engine.max_model_len}")
+
+    def scorer_kwargs(self, model_path: str, dtype: str, seed: int) -> dict:
+        """JudgeScorer's keyword arguments (actors/rewards/judge.py): ``model_path`` resolved, the engine's
+        dtype ``dtype`` where reward.judge.engine.dtype is null (model.dtype for the reward pool)."""
+        from dataclasses import replace
+        return dict(model=model_path, template=self.template, choices=self.choices, min_score=self.min_score,
+                    max_score=self.max_score, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    chat_template=self.chat_template, engine=replace(self.engine, dtype=self.engine.dtype or dtype),
+                    seed=seed)

@@ -1,0 +1,188 @@
+"""reward.judge: the template, the parsers, and a Reward replica hosting the tiny judge's engine."""
+import logging
+
+import numpy as np
+import pytest
+
+from actors.rewards.judge import (
+    check_template,
+    judge_token_ids,
+    parse_choice,
+    parse_number,
+    parse_verdicts,
+    render,
+    template_fields,
+)
+
+# A chat template whose rendering is easy to write by hand.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.unit
+def test_template_fields_and_render():
+    t = "Q: {prompt}\nA: {response}\nGold: {answer[0]} {meta.x} {{literal}}"
+    assert template_fields(t) == {"prompt", "response", "answer", "meta"}
+    assert render("{prompt}|{response}|{answer}", ["p1", "p2"], ["r1", "r2"], {"answer": [1, "b"], "other": [0, 0]}) \
+        == ["p1|r1|1", "p2|r2|b"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("template, needle", [
+    ("{prompt} {answer}", "names the field 'answer', which the data does not have (available: prompt, response, "
+                          "source)"),
+    ("{prompt", "is not a valid format string (expected '}' before end of string)"),
+    ("{} {response}", "has a positional field {}"),
+    ("{0}", "has a positional field {0}"),
+])
+def test_template_errors_are_one_line(template, needle):
+    with pytest.raises(ValueError) as e:
+        check_template(template, ["source"])
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    check_template("{prompt}{response}{source}", ["source"])  # every field known
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("column", ["response", "prompt"])
+def test_a_column_named_like_the_pair_is_refused_in_one_line(column):
+    # str.format would get the name twice (a TypeError at the first scoring, stopping the run)
+    with pytest.raises(ValueError) as e:
+        check_template("{prompt} {response}", ["answer", column])
+    assert str(e.value) == (f"the data has a column named {column!r}, which reward.judge.template cannot tell from "
+                            f"the {column} being scored ({{{column}}}); rename that column in the data, or leave it "
+                            "out of data.columns")
+    with pytest.raises(ValueError, match=f"the data has a column named {column!r}"):  # a batch: the scorer's error
+        render("{prompt} {response}", ["p"], ["r"], {column: ["x"]})
+
+
+@pytest.mark.unit
+def test_the_judge_reads_the_chat_templates_rendering_of_the_filled_template(policy_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    tokenizer.chat_template = CHATML
+    text = "Prompt: The cat was\nResponse: happy.\nScore:"
+    ids = judge_token_ids(tokenizer, text, chat_template=True)
+    assert all(isinstance(i, int) for i in ids)
+    assert tokenizer.decode(ids) == f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(judge_token_ids(tokenizer, text, chat_template=False)) == text
+
+
+@pytest.mark.unit
+def test_parsers():
+    assert parse_number(" 7/10") == 7.0
+    assert parse_number("Score: -2.5e1 then 3") == -25.0
+    assert parse_number(" 12", 0, 10) == 10.0 and parse_number("-3", 0, 10) == 0.0
+    assert np.isnan(parse_number(" great"))
+    choices = {"A": 1.0, "B": 0.0, "AB": 0.5}
+    assert parse_choice(" B, not A", choices) == 0.0
+    assert parse_choice("AB", choices) == 0.5  # the longer label at the same place
+    assert np.isnan(parse_choice(" neither", choices))
+
+
+@pytest.mark.unit
+def test_unreadable_verdicts_are_invalid_with_one_line():
+    res = parse_verdicts([" 1", " none", " 0", "?"], None, None, None, "reward judge j")
+    assert res.valid.tolist() == [True, False, True, False] and not res.failed
+    assert res.scores[0] == 1 and np.isnan(res.scores[1])
+    assert len(res.errors) == 1 and "2 of 4 verdicts had no number (first at index 1: ' none')" in res.errors[0]
+
+
+@pytest.mark.unit
+def test_the_default_template_is_the_one_the_tiny_judge_learnt():
+    from actors.rewards.config import DEFAULT_TEMPLATE
+    from cluster.demo.judge import JUDGE_TEMPLATE
+    assert DEFAULT_TEMPLATE == JUDGE_TEMPLATE
+
+
+# Pairs on which the tiny judge (cluster/demo/judge.py) agrees with is_positive by a clear margin: its
+# logit for the right digit leads by 1.2 to 4.1 nats in fp32 and bf16 alike, so no CPU's bf16 kernels
+# flip a verdict (" glad." led by 0.1 nats or trailed by 0.1, depending on the machine).
+PROMPTS = ["The cat was", "My friend felt"] * 3
+RESPONSES = [" happy in the park.", " sad at night.", " glad in the park.", " awful by the sea.", " lovely at home.",
+             " cold in winter."]
+
+
+@pytest.fixture
+def in_process_engine(monkeypatch):
+    """The judge's vLLM engine inside this process, as a CPU reward actor hosts it; torn down after."""
+    from actors.generator import engine_process_env
+    for key, value in engine_process_env(num_gpus=0, tensor_parallel=1).items():
+        monkeypatch.setenv(key, value)
+    yield
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    cleanup_dist_env_and_memory()
+
+
+def _judge(**settings) -> dict:
+    from actors.rewards.config import DEFAULT_TEMPLATE
+    from cluster.demo.judge import build_judge
+    return {"model": str(build_judge()), "template": DEFAULT_TEMPLATE,
+            "engine": {"dtype": "bfloat16", "kv_cache_bytes": 16 << 20}, **settings}
+
+
+def _encode(tokenizer, texts):
+    return [np.array(tokenizer(t)["input_ids"]) for t in texts]
+
+
+@pytest.mark.integration
+def test_a_judge_replica_scores_pairs_with_the_judges_verdicts(policy_path, tokenizer, in_process_engine):
+    from actors.reward import Reward
+    from cluster.demo.sentiment import is_positive
+
+    rw = Reward(judge=_judge(), tokenizer=policy_path)
+    res = rw.score(_encode(tokenizer, PROMPTS), _encode(tokenizer, RESPONSES))
+    assert res.valid.all() and not res.errors
+    assert res.scores.tolist() == is_positive(PROMPTS, RESPONSES) == [1.0, 0.0] * 3
+    health = rw.health()
+    assert health["dtype"] == "bfloat16" and health["judge_generated_tokens"] > 0 and health["invalid_items"] == 0
+
+
+@pytest.mark.integration
+def test_verdicts_without_a_label_are_invalid_and_the_replica_serves_on(policy_path, tokenizer, in_process_engine,
+                                                                        caplog):
+    from actors.reward import Reward
+
+    rw = Reward(judge=_judge(choices={"yes": 1.0, "no": 0.0}), tokenizer=policy_path)
+    with caplog.at_level(logging.WARNING):
+        res = rw.score(_encode(tokenizer, PROMPTS), _encode(tokenizer, RESPONSES))
+    assert not res.valid.any() and np.isnan(res.scores).all() and not res.failed
+    assert len(res.errors) == 1 and "6 of 6 verdicts had none of the labels 'yes', 'no'" in res.errors[0]
+    assert rw.stats()["invalid_items"] == 6 and "verdicts had none of the labels" in caplog.text
+    long = rw.score(_encode(tokenizer, ["The cat was"]), _encode(tokenizer, [" good" * 600]))  # past max_model_len
+    assert not long.valid.any() and "do not fit reward.judge.engine.max_model_len=512" in long.errors[0]
+
+
+@pytest.fixture
+def chat_judge(tmp_path):
+    """The tiny judge with a chat template added to its tokenizer (as an instruct judge has)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from cluster.demo.judge import build_judge
+    path = tmp_path / "chat-judge"
+    shutil.copytree(build_judge(), path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.integration
+def test_with_chat_template_the_engine_gets_the_templates_rendering(chat_judge, in_process_engine, monkeypatch):
+    from actors.rewards.judge import JudgeScorer
+
+    scorer = JudgeScorer(**_judge(model=str(chat_judge), chat_template=True))
+    seen, generate = [], scorer.llm.generate
+
+    def recording(prompts, *args, **kwargs):  # the real engine, its input kept
+        seen.extend(list(p["prompt_token_ids"]) for p in prompts)
+        return generate(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(scorer.llm, "generate", recording)
+    res = scorer.score_texts(PROMPTS[:2], RESPONSES[:2], {})
+    assert len(seen) == 2 and not res.failed and len(res.scores) == 2
+    for ids, prompt, response in zip(seen, PROMPTS, RESPONSES):
+        text = scorer.template.format(prompt=prompt, response=response)
+        assert scorer.tokenizer.decode(ids) == f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
