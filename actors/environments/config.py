@@ -13,7 +13,7 @@ RewardPlacement = Literal["episode", "turn"]
 class EnvConfig:
     """Episodes: the policy acts, an environment answers, up to max_turns turns per episode."""
     environment: Optional[str] = setting(None, "a `module:Class` with reset(prompt, columns) and step(action) "
-                                               "(README, Environments), e.g. actors.environments:Calculator; "
+                                               "(docs/guide/environments.md), e.g. actors.environments:Calculator; "
                                                "null = single-turn responses")
     reward: EnvReward = setting("environment", "environment: an episode's score is its environment rewards "
                                                "summed (the reward.* scorer is not called) | pool: the reward "

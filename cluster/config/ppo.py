@@ -95,7 +95,7 @@ class RewardPoolConfig(PoolConfig):
     model: Optional[str] = setting(None, "sequence-classification reward model directory, or ...")
     function: Optional[str] = setting(BUILTIN_REWARD, "... a `module:function(prompts, responses) -> floats`, or ...")
     url: Optional[str] = setting(None, "... a reward server's http(s) URL, POSTed OpenRLHF's remote reward "
-                                       "payload ({query, prompts, labels} -> {rewards}; README)")
+                                       "payload ({query, prompts, labels} -> {rewards}; docs/guide/rewards.md)")
     batch_size: int = setting(16, "sequences per forward pass of the reward model")
     packing: bool = setting(True, "the reward model's forwards as one row of their sequences' real tokens, no "
                                   "padding, attended per sequence")

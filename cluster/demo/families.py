@@ -6,7 +6,7 @@ cached like the tiny Qwen2 models (cluster/demo/tiny_models.py). Every tensor is
 after init, so norms and biases (ones and zeros at init) differ from their defaults: a
 norm that lands in the wrong place after a weight push changes the log-probs.
 
-The family names are those of README's family table and tests/families/:
+The family names are those of the family table in docs/guide/models.md and of tests/families/:
 
     python -m cluster.demo.families              # build every family, print the paths
     python -m cluster.demo.families gemma2 llama # some of them

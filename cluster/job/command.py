@@ -30,7 +30,7 @@ def missing_dependencies() -> list[str]:
 
 def dependency_error(missing: list[str]) -> str:
     return (f"this Python ({sys.executable}) lacks {', '.join(missing)}; run the job "
-            "with the project's environment on every node (start `ray` from .venv: see README "
+            "with the project's environment on every node (start `ray` from .venv: see docs/guide/clusters.md, "
             '"On a Ray cluster"), or give the job a container image or runtime_env that has them')
 
 

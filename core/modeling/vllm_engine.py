@@ -26,7 +26,7 @@ def check_served(model: str, key: str = "model.policy") -> None:
         from transformers import AutoConfig
         arch = (AutoConfig.from_pretrained(model).architectures or ["?"])[0]
         raise UnsupportedModel(f"{key}: vLLM {vllm.__version__} does not serve architecture {arch} as a text "
-                               "generator; use a model family vLLM supports (README: Model families)") from None
+                               "generator; use a model family vLLM supports (docs/guide/models.md)") from None
     if config.is_multimodal_model:
         raise UnsupportedModel(f"{key}: vLLM serves {config.architecture} as a multimodal model; tether trains "
                                "text-only causal LMs: use the text-only checkpoint of this family")

@@ -54,7 +54,7 @@ def test_grpo_learns_to_answer(cluster, tmp_path):
     assert len(evals) == 3 and evals[-1] > evals[0] + 0.15  # held-out prompts, at steps 0, 5, 10
 
 
-# The slow tier: the full curve the README quotes. The default tier: the rise, its columns and
+# The slow tier: the full curve docs/guide/rewards.md quotes. The default tier: the rise, its columns and
 # samples in test_grpo_learns_to_answer above.
 @pytest.mark.slow
 def test_grpo_answers_most_prompts_after_the_configs_40_steps(cluster, tmp_path):

@@ -1,6 +1,7 @@
-"""The README's try-out, whole: `tether cluster up`, the default job through `ray job submit`
-to it (the command `status` prints), the job SUCCEEDED with its steps in metrics.jsonl, and
-`tether cluster down` leaving none of the cluster's processes behind."""
+"""The try-out of docs/guide/clusters.md ("Trying it on one machine"), whole: `tether cluster up`,
+the default job through `ray job submit` to it (the command `status` prints), the job SUCCEEDED
+with its steps in metrics.jsonl, and `tether cluster down` leaving none of the cluster's processes
+behind."""
 from __future__ import annotations
 
 import json

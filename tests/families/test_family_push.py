@@ -6,7 +6,7 @@ After each push, vLLM's behaviour log-probs must match both the learner's own fo
 plain Hugging Face forward of the learner's gathered LM tensors (eager attention, one
 sequence at a time), and must have moved away from the previous policy's.
 
-Prints one table row per family and stage: `family-table ...` (README's family table).
+Prints one table row per family and stage: `family-table ...` (the family table in docs/guide/models.md).
 """
 import numpy as np
 import pytest

@@ -4,9 +4,9 @@ Ray gives an actor OMP_NUM_THREADS = its ``num_cpus``. That is right when the po
 work at the same time (async mode). In sync mode they take turns: generate, then score
 (the reference and a reward model together), then learn, then push the weights. With
 Ray's rule the learner would train on one of a 2-core machine's cores while the other
-idles, which was the whole gap to TRL (docs/performance.md). So with ``resources.cpu_threads:
-phase`` (the default) a sync run gives the actors of the phase that runs the node's
-cores, split evenly among them. ``num_cpus`` still decides placement.
+idles, which was the whole gap to TRL (docs/performance-record.md, 2026-11-24). So with
+``resources.cpu_threads: phase`` (the default) a sync run gives the actors of the phase that
+runs the node's cores, split evenly among them. ``num_cpus`` still decides placement.
 
 GPU pools keep Ray's rule: their work runs on the device, and their host threads only
 feed it.
