@@ -27,6 +27,7 @@ import numpy as np
 
 from actors import kept_set
 from actors.engine_turns import EngineTurns
+from actors.environments.config import EnvConfig
 from actors.environments.episodes import Turn, episode_runner
 from actors.weight_receiver import GPU_TRANSFER, EngineWeights
 from core.columns import PromptColumns
@@ -41,9 +42,10 @@ from core.sampling import is_truncated
 log = logging.getLogger(__name__)
 
 
-def request_seed(seed: int, version: int, prompt_index: int) -> int:
-    """The sampling seed of one prompt at one policy version (a 31-bit int)."""
-    return int(np.random.SeedSequence([seed, version, prompt_index]).generate_state(1)[0] >> 1)
+def request_seed(seed: int, version: int, *key: int) -> int:
+    """The sampling seed of one request at one policy version (a 31-bit int); ``key``: a prompt's
+    index, or an episode turn's (prompt index, sample index, turn)."""
+    return int(np.random.SeedSequence([seed, version, *key]).generate_state(1)[0] >> 1)
 
 
 def engine_process_env(*, num_gpus: float, tensor_parallel: int) -> dict[str, str]:
@@ -110,13 +112,13 @@ class Generator:
     def __init__(self, *, model: str, sampling: SamplingConfig | dict | None = None,
                  engine: EngineConfig | dict | None = None, name: str = "generator",
                  tensor_parallel: int = 1, weight_sync: str = "cpu", partial_rollouts: bool = False,
-                 env: dict | None = None, columns: PromptColumns | None = None) -> None:
+                 env: EnvConfig | None = None, columns: PromptColumns | None = None) -> None:
         """tensor_parallel: GPUs the engine spans (a pool resource). weight_sync: the learner's
         transport, "cpu" (load_weights of safetensors buckets), "nccl" or "ipc" (vLLM's NCCL or
         CUDA IPC weight transfer on GPU, on top of "cpu"). partial_rollouts: a weight push lands
         between two engine steps of a generate call rather than after it (module docstring).
-        env: multi-turn episodes (actors.environments.config.EnvConfig.runner_kwargs; actors/environments/episodes.py)
-        instead of single responses, the environments given each prompt row's ``columns``."""
+        env: multi-turn episodes (the env section; actors/environments/episodes.py) instead of
+        single responses, the environments given each prompt row's ``columns``."""
         fit_threads()
         model = resolve_model_path(model, name)
         if weight_sync not in ("cpu", *GPU_TRANSFER):
@@ -142,8 +144,9 @@ class Generator:
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         kept_set.check_vocab(self.sampling.top_k, self.sampling.top_p, self._vocab_size, name)
         self.columns = columns if columns is not None else PromptColumns()
-        self.episodes = None if env is None else episode_runner(env, self._llm.get_tokenizer(),
-                                                                self.engine.max_model_len, name)
+        self.episodes = None if env is None else episode_runner(
+            env, self._llm.get_tokenizer(), max_context=self.engine.max_model_len,
+            max_new_tokens=self.sampling.max_new_tokens, name=name)
         log.info("%s: vLLM engine up in %.1fs", name, self.start_seconds)
 
     def _start_engine(self, model: str):
@@ -167,17 +170,21 @@ class Generator:
         """One SamplingParams per prompt, seeded by (seed, version, prompt index): a prompt's
         samples do not depend on which replica draws them or what else is in the batch's
         history, so a resumed or redispatched run samples what the original would have."""
+        s = self.sampling
+        kept_set.check_vocab(s.top_k, s.top_p, self._vocab_size, self.name)
+        version = self.weights.version()
+        return [self._request_params(s.max_new_tokens, n=s.n, ignore_eos=s.ignore_eos,
+                                     seed=request_seed(s.seed, version, idx)) for idx in prompt_indices]
+
+    def _request_params(self, max_tokens: int, *, n: int, ignore_eos: bool, seed: int):
+        """One request's SamplingParams: the sampling section's distribution, the kept sets' log-probs."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
-        kept_set.check_vocab(s.top_k, s.top_p, self._vocab_size, self.name)
-        logprobs = kept_set.logprob_request(s.top_k, s.top_p, self._vocab_size)
-        return [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                               max_tokens=s.max_new_tokens, n=s.n, ignore_eos=s.ignore_eos,
-                               seed=request_seed(s.seed, self.weights.version(), idx),
-                               output_kind=RequestOutputKind.FINAL_ONLY, **logprobs)
-                for idx in prompt_indices]
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens, n=n,
+                              ignore_eos=ignore_eos, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
+                              **kept_set.logprob_request(s.top_k, s.top_p, self._vocab_size))
 
     def generate(self, prompt_ids: list, prompt_indices: list[int] | None = None) -> GenerationResult:
         """Sample `sampling.n` responses per prompt. prompt_ids: list of [P] int token arrays.
@@ -275,14 +282,9 @@ class Generator:
 
     def _turn_params(self, room: list[int], keys: list[tuple[int, int, int]]) -> list:
         """One SamplingParams per turn, seeded by the version now (call it holding the engine)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         s, version = self.sampling, self.weights.version()
-        logprobs = kept_set.logprob_request(s.top_k, s.top_p, self._vocab_size)
-        return [SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=int(r), n=1,
-                               seed=int(np.random.SeedSequence([s.seed, version, *key]).generate_state(1)[0] >> 1),
-                               output_kind=RequestOutputKind.FINAL_ONLY, **logprobs) for r, key in zip(room, keys)]
+        return [self._request_params(int(r), n=1, ignore_eos=False, seed=request_seed(s.seed, version, *key))
+                for r, key in zip(room, keys)]
 
     def _step_engine(self, prompts: list[list[int]], params) -> list:
         """LLM.generate, stepping the engine here so that a weight push can take its turn

@@ -16,20 +16,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from actors.rewards.config import RewardConfig
 from actors.rewards.environment_scores import environment_scores, void_invalid_episodes
 from actors.rewards.http import HTTPScorer
-from actors.rewards.sandbox import SandboxScorer
 from actors.rewards.scoring import (
-    ColumnBinding,
     Columns,
-    FunctionScorer,
     ScoreResult,
     TextScorer,
-    as_number,
     finalise,
-    load_function,
 )
-from actors.rewards.timed_call import CallTimedOut, TimedCall
+from actors.rewards.source import RewardSource, configured_source, gold_source
 from core.columns import PromptColumns
 from core.infra.dtypes import torch_dtype
 from core.infra.errors import type_and_first_line
@@ -71,71 +67,6 @@ def load_reward_stats(model_dir: str) -> tuple[float, float]:
     return mean, std
 
 
-def probe_function(spec: str, prompts: list[str], responses: list[str], key: str = "reward.function",
-                   timeout_s: float = 60.0, columns: Columns | None = None, sandbox: dict | None = None) -> None:
-    """Call the function once on example pairs, as the actors will; a ValueError naming
-    ``key`` (reward.function, reward.gold) if it takes a column that ``columns`` (the example
-    rows' other fields) lacks, raises, does not return within ``timeout_s`` (reward.timeout_s),
-    does not return one number per pair, or returns no finite one.
-
-    At run time such a function only invalidates every batch (the actor must keep
-    serving), so a run would train on nothing; the driver asks first. With ``sandbox`` on
-    (make_text_scorer) the probe scores in the sandbox's workers, as the replicas will: a
-    function that works only in this process (not importable in a fresh one) is refused here.
-    """
-    fn = load_function(spec, key)
-    columns = columns or {}
-    binding = ColumnBinding.of(fn)
-    missing = binding.missing(columns)
-    if missing:
-        have = ", ".join(f"'{c}'" for c in sorted(columns)) or "none besides the prompt"
-        raise ValueError(f"{key} {spec!r} takes the column {', '.join(map(repr, missing))} but the prompt rows have "
-                         f"no such field (their columns: {have}); add it to the data (and to data.columns if set), "
-                         "or give the parameter a default")
-    n = len(prompts)
-    if sandbox and sandbox.get("workers", 0) > 0:
-        return _probe_in_sandbox(spec, prompts, responses, key, columns, sandbox)
-    try:
-        out = TimedCall(lambda p, r, c: fn(p, r, **c), timeout_s, name=f"probe {spec}")(
-            list(prompts), list(responses), binding.select(columns))
-    except CallTimedOut:
-        raise ValueError(f"{key} {spec!r} did not return within reward.timeout_s={timeout_s:g} s on a probe with "
-                         f"{n} example (prompt, response) pairs; make it return sooner, or raise "
-                         "reward.timeout_s") from None
-    except Exception as e:  # noqa: BLE001 - user code fails in every flavour
-        raise ValueError(f"{key} {spec!r} raised on a probe with {n} example (prompt, response) "
-                         f"pairs: {type_and_first_line(e)}; fix the function") from None
-    pairs = f"{n} example (prompt, response) pairs on a probe"
-    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
-        raise ValueError(f"{key} {spec!r} returned {type(out).__name__} for {pairs}, not a list of numbers; "
-                         "return one float per pair")
-    items = list(out)
-    if len(items) != n:
-        raise ValueError(f"{key} {spec!r} returned {len(items)} scores for {n} (prompt, response) "
-                         "pairs on a probe; return one float per pair, in order")
-    scores = [as_number(x) for x in items]
-    if n and not any(np.isfinite(scores)):  # each would be an invalid rollout: nothing to train on
-        numbers = [x for x, v in zip(items, scores) if not np.isnan(v) or isinstance(x, (float, np.floating))]
-        what = (f"non-finite scores ({', '.join(sorted(set(map(str, scores))))})" if len(numbers) == n else
-                f"{', '.join(sorted({type(x).__name__ for x in items}))}, not a list of numbers,")
-        raise ValueError(f"{key} {spec!r} returned {what} for all {pairs}; return finite floats (NaN, inf, None "
-                         "or a string marks a pair invalid, and a run whose every pair is invalid trains on nothing)")
-
-
-def _probe_in_sandbox(spec: str, prompts: list[str], responses: list[str], key: str, columns: Columns,
-                      sandbox: dict) -> None:
-    """probe_function's call through reward.sandbox: a ValueError if no example pair scores."""
-    scorer = make_text_scorer(function=spec, key=key, timeout_s=float(sandbox["timeout_s"]), sandbox=sandbox)
-    try:
-        result = scorer.score_texts(list(prompts), list(responses), columns)
-    finally:
-        scorer.close()
-    if prompts and not result.valid.any():
-        raise ValueError(f"{key} {spec!r} scored none of {len(prompts)} example (prompt, response) pairs on a probe "
-                         f"in reward.sandbox: {result.errors[0] if result.errors else 'no valid score'}; fix the "
-                         "function")
-
-
 def resolve_tokenizer_path(path: str) -> str:
     """A tokenizer directory has no config.json necessarily; only insist that it exists."""
     p = Path(str(path)).expanduser()
@@ -147,63 +78,56 @@ def resolve_tokenizer_path(path: str) -> str:
 
 
 class Reward:
-    """Scores token batches. Exactly one of ``model`` (a sequence classifier with
-    num_labels=1), ``function`` (``"module:function"`` called as
-    ``fn(prompts: list[str], responses: list[str], **columns) -> list[float]``) or ``judge``
-    (JudgeScorer's keyword arguments, actors/rewards/judge.py: a judge model's vLLM engine) is given.
+    """Scores token batches with the source ``source`` of ``config`` (a RewardConfig, the
+    ``reward`` section; actors/rewards/source.py's table): a reward model (a sequence classifier
+    with num_labels=1), a function (``"module:function"`` called as
+    ``fn(prompts: list[str], responses: list[str], **columns) -> list[float]``), a reward server,
+    a judge model's vLLM engine (reward.judge, its model resolved), or the episodes' own scores.
 
-    The function path needs ``tokenizer`` (a path) to decode tokens to text and hands the
-    pairs to a text scorer (actors/rewards/scoring.py); the model path ignores it and feeds
-    prompt+response token ids straight to the model, so the reward model must share the
-    policy's vocabulary. ``batch_size`` bounds a model forward, which runs its sequences as one
-    packed row (core/modeling/packed_rows.py) with ``packing``, else right-padded; a function is called
-    once per ``score`` call. ``gold`` (a function spec, needs ``tokenizer``) is the evaluation-only
-    score of ``gold_scores``: what the proxy reward stands in for. A function (or gold) call
-    that does not return within ``timeout_s`` leaves its items invalid and goes on in an
-    abandoned thread (actors/rewards/timed_call.py); the replica serves the next call. ``columns``: the
+    Text sources need ``tokenizer`` (a path) to decode tokens and hand the pairs to a text scorer
+    (actors/rewards/scoring.py); the model path feeds prompt+response token ids straight to the
+    model, so the reward model must share the policy's vocabulary. ``config.batch_size`` bounds a
+    model forward, which runs its sequences as one packed row (core/modeling/packed_rows.py) with
+    ``config.packing``, else right-padded; a function is called once per ``score`` call.
+    ``config.gold`` (a function spec, needs ``tokenizer``) is the evaluation-only score of
+    ``gold_scores``: what the proxy reward stands in for. A function (or gold) call that does not
+    return within ``config.timeout_s`` leaves its items invalid and goes on in an abandoned
+    thread (actors/rewards/timed_call.py); the replica serves the next call. ``columns``: the
     prompt rows' other fields by dataset id (core/columns.py; the driver puts the table in the
     object store once and every replica gets that reference): ``score_rollouts`` and
     ``gold_scores`` look each rollout's up by its ``prompt_index`` and pass them to the text
-    scorer; a reward model ignores them. ``sandbox`` ({workers, timeout_s, memory_mb};
-    workers > 0) scores the function and gold one pair at a time in worker processes instead
-    (actors/rewards/sandbox.py): a pair that hangs, crashes or runs out of memory is invalid, and its
-    worker replaced.
+    scorer; a reward model ignores them. With ``config.sandbox.workers`` > 0 the function and gold
+    score one pair at a time in worker processes (actors/rewards/sandbox.py): a pair that hangs,
+    crashes or runs out of memory is invalid, and its worker replaced. ``dtype``: the reward
+    model's and the judge engine's (where reward.judge.engine.dtype is null); ``seed``: the judge's.
     """
 
-    def __init__(self, *, model: str | None = None, function: str | None = None,
-                 tokenizer: str | None = None, batch_size: int = 16, packing: bool = True, dtype: str = "float32",
-                 device: str | None = None, normalize: bool = False, gold: str | None = None,
-                 timeout_s: float = 60.0, columns: PromptColumns | None = None, url: str | None = None,
-                 http: dict | None = None, sandbox: dict | None = None, judge: dict | None = None,
-                 from_environment: bool = False):
+    def __init__(self, *, config: RewardConfig, source: RewardSource | None = None, tokenizer: str | None = None,
+                 dtype: str = "float32", seed: int = 0, columns: PromptColumns | None = None,
+                 device: str | None = None):
         fit_threads()
-        if sum(x is not None for x in (model, function, url, judge)) != 1:
-            raise ValueError("Reward: give exactly one of model=, function=, url= or judge= "
-                             f"(got model={model!r}, function={function!r}, url={url!r}, judge={judge!r})")
-        if batch_size < 1:
-            raise ValueError(f"Reward: batch_size must be >= 1, got {batch_size}")
-        self.batch_size, self.packing = int(batch_size), bool(packing)
-        self.from_environment = bool(from_environment)  # score_rollouts passes the episodes' own scores on
-        self.text_source = {"url": url} if url else {"judge": judge["model"]} if judge else {"function": function}
+        source = source or configured_source(config)
+        if config.batch_size < 1:
+            raise ValueError(f"Reward: batch_size must be >= 1, got {config.batch_size}")
+        self.source, self.config = source, config
+        self.batch_size, self.packing = int(config.batch_size), bool(config.packing)
         self.model_path = None
         self.model = self.text_tokenizer = None
         self.normalization: tuple[float, float] | None = None  # (mean, std) applied to model scores
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = float(config.timeout_s)
         self.columns = columns if columns is not None else PromptColumns()
-        self.scorer: TextScorer | None = None if model is not None else make_text_scorer(
-            function=function, key="reward.function", timeout_s=timeout_s, url=url, http=http, sandbox=sandbox,
-            judge=judge)
-        self.gold: TextScorer | None = None if gold is None else make_text_scorer(
-            function=gold, key="reward.gold", timeout_s=timeout_s, sandbox=sandbox)
-        if self.scorer is not None or gold is not None:  # text rewards see decoded tokens
+        self.scorer: TextScorer | None = source.text_scorer(config, dtype=dtype, seed=seed)
+        self.gold: TextScorer | None = None if config.gold is None else gold_source(config).text_scorer(
+            config, key="reward.gold")
+        if self.scorer is not None or self.gold is not None:  # text rewards see decoded tokens
             if tokenizer is None:
-                raise ValueError(f"Reward: {self.scorer.name if self.scorer else gold!r} needs tokenizer= (a path) "
-                                 "to decode tokens")
+                raise ValueError(f"Reward: {(self.scorer or self.gold).name} needs tokenizer= (a path) to decode "
+                                 "tokens")
             self.text_tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
-        if model is not None:
-            self._load_model(model, torch_dtype(dtype, "Reward"))
-            if normalize:
+        if source.holds_model and self.scorer is None:  # a reward model: its forward runs here
+            self._load_model(source.spec, torch_dtype(dtype, "Reward"))
+            if config.normalize:
                 self.normalization = load_reward_stats(self.model_path)
         self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "timeouts": 0, "crashes": 0,
                         "seconds": 0.0}
@@ -250,6 +174,8 @@ class Reward:
             result = ScoreResult(np.zeros(0, np.float32), np.zeros(0, bool))
         elif self.scorer is not None:
             result = self._score_text(self.scorer, prompts, responses, columns or {})
+        elif self.model is None:
+            raise ValueError(f"Reward.score: {self.source.name} scores the episodes themselves; call score_rollouts")
         else:
             result = self._score_model(prompts, responses)
         self._counts["calls"] += 1
@@ -268,8 +194,8 @@ class Reward:
     def score_rollouts(self, rollouts: list) -> ScoreResult:
         """score() of Rollouts, for a caller that passes the generator's output by reference;
         their columns are looked up by prompt_index (none when one is not a dataset id). With
-        ``from_environment``: the episodes' environment scores (actors/environments/episodes.py)."""
-        if self.from_environment:
+        with the environment as the source: the episodes' own scores (actors/rewards/environment_scores.py)."""
+        if self.source.from_episodes:
             result = environment_scores(rollouts)
             for key, n in (("calls", 1), ("items", len(rollouts)), ("invalid_items", result.n_invalid)):
                 self._counts[key] += n
@@ -352,27 +278,9 @@ class Reward:
         if self.model is not None:
             dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
             source = {"model": self.model_path, "dtype": dtype, "packing": self.packing}
-        else:  # the scorer's own counters (a judge's include its engine's dtype)
-            source = {**self.text_source, "scorer": self.scorer.name, **self.scorer.stats()}
+        elif self.scorer is not None:  # the scorer's own counters (a judge's include its engine's dtype)
+            source = {self.source.type.name: self.source.spec, "scorer": self.scorer.name, **self.scorer.stats()}
+        else:  # the episodes carry their scores
+            source = {"scorer": "environment", self.source.type.name: self.source.spec}
         return {"role": "reward", "ok": True, "pid": os.getpid(), **source, "device": str(self.device),
                 "columns": list(self.columns.names), **self.stats()}
-
-
-
-def make_text_scorer(*, function: str | None, key: str, timeout_s: float, url: str | None = None,
-                     http: dict | None = None, sandbox: dict | None = None, judge: dict | None = None) -> TextScorer:
-    """The text scorer of a reward setting: the server at ``url`` (``http``: reward.http's settings,
-    actors/rewards/http.py); ``judge`` (JudgeScorer's keyword arguments: a judge model's engine in
-    this process, actors/rewards/judge.py); or ``function`` ("module:function") called in this process,
-    or, with ``sandbox`` ({workers, timeout_s, memory_mb}, workers > 0), one pair at a time in
-    worker processes (actors/rewards/sandbox.py)."""
-    if url is not None:
-        return HTTPScorer(url, **(http or {}))
-    if judge is not None:
-        from actors.rewards.judge import JudgeScorer
-        return JudgeScorer(**judge)
-    name = f"reward function {function}" if key == "reward.function" else f"{key} {function}"
-    if sandbox and sandbox.get("workers", 0) > 0:
-        return SandboxScorer(function, name=name, key=key, workers=int(sandbox["workers"]),
-                             timeout_s=float(sandbox["timeout_s"]), memory_mb=int(sandbox.get("memory_mb", 0)))
-    return FunctionScorer(load_function(function, key), name=name, timeout_s=timeout_s)

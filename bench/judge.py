@@ -32,15 +32,17 @@ def main(argv=None) -> dict:
     from actors.generator import engine_process_env
     os.environ.update({**engine_process_env(num_gpus=0, tensor_parallel=1), "OMP_NUM_THREADS": str(args.threads),
                        "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    from actors.rewards.config import DEFAULT_TEMPLATE
+    from actors.rewards.config import DEFAULT_TEMPLATE, JudgeConfig
     from actors.rewards.judge import JudgeScorer
     from cluster.demo.judge import build_judge, judge_rows
+    from core.modeling.engine_config import EngineConfig
 
     rows = judge_rows(args.pairs, seed=7)
     prompts, responses = [r[0] for r in rows], [r[1] for r in rows]
     t0 = time.perf_counter()
-    judge = JudgeScorer(model=str(build_judge()), template=DEFAULT_TEMPLATE, max_new_tokens=args.max_new_tokens,
-                        engine={"dtype": args.dtype, "kv_cache_bytes": 64 << 20})
+    judge = JudgeScorer(JudgeConfig(model=str(build_judge()), template=DEFAULT_TEMPLATE,
+                                    max_new_tokens=args.max_new_tokens,
+                                    engine=EngineConfig(dtype=args.dtype, kv_cache_bytes=64 << 20)))
     start = time.perf_counter() - t0
     judge.score_texts(prompts, responses, {})  # warm-up
     seconds, valid = [], 0

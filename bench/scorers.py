@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from actors.reference import Reference
     from actors.reward import Reward
+    from actors.rewards.config import RewardConfig
     from bench.workload import build_workload
 
     wl = json.loads(build_workload().read_text())
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
     for role, make, call in (
             ("reference", lambda p: Reference(model=wl["reference"], dtype=args.dtype, packing=p, device="cpu"),
              lambda s: np.concatenate(s.reference_logprobs(batch))),
-            ("reward", lambda p: Reward(model=wl["reward"], dtype=args.dtype, packing=p, device="cpu"),
+            ("reward", lambda p: Reward(config=RewardConfig(model=wl["reward"], function=None, packing=p),
+                                        dtype=args.dtype, device="cpu"),
              lambda s: s.score_rollouts(batch).scores)):
         for packing in (False, True):
             side = f"{role}-{'packed' if packing else 'padded'}"

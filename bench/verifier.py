@@ -13,7 +13,8 @@ import argparse
 import random
 import time
 
-from actors.reward import make_text_scorer
+from actors.rewards.config import RewardConfig, SandboxConfig
+from actors.rewards.source import configured_source
 
 SPEC = "actors.rewards:math"
 
@@ -35,9 +36,10 @@ def gsm8k_like(n: int, seed: int = 0) -> tuple[list[str], list[str], list[str]]:
     return prompts, responses, answers
 
 
-def pairs_per_s(sandbox: dict | None, prompts, responses, answers) -> tuple[float, float]:
+def pairs_per_s(sandbox: SandboxConfig, prompts, responses, answers) -> tuple[float, float]:
     """(pairs/s, share scored 1.0) of one scorer over all the pairs, after a warm-up pair."""
-    scorer = make_text_scorer(function=SPEC, key="reward.function", timeout_s=600, sandbox=sandbox)
+    config = RewardConfig(function=SPEC, timeout_s=600, sandbox=sandbox)
+    scorer = configured_source(config).text_scorer(config)
     try:
         scorer.score_texts(prompts[:1], responses[:1], {"answer": answers[:1]})  # imports, first parse
         start = time.perf_counter()
@@ -54,7 +56,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
     data = gsm8k_like(args.pairs)
-    rows = [("in-process", None)] + [(f"sandbox x{w}", {"workers": w, "timeout_s": 10.0, "memory_mb": 1024})
+    rows = [("in-process", SandboxConfig())] + [(f"sandbox x{w}", SandboxConfig(workers=w, timeout_s=10.0,
+                                                                                  memory_mb=1024))
                                      for w in args.workers]
     print(f"{SPEC} on {args.pairs} GSM8K-like pairs")
     for label, sandbox in rows:

@@ -41,13 +41,9 @@ class EnvConfig:
     def enabled(self) -> bool:
         return self.environment is not None
 
-    def runner_kwargs(self, max_new_tokens: int) -> dict:
-        """What a generator builds its episodes from (actors/generator.py)."""
-        return {"spec": self.environment, "max_turns": self.max_turns, "max_tokens": self.max_tokens,
-                "max_turn_tokens": self.max_turn_tokens or max_new_tokens, "workers": self.workers,
-                "step_timeout_s": self.step_timeout_s, "memory_mb": self.memory_mb,
-                "observation_role": self.observation_role, "plain_format": self.plain_format,
-                "reward_placement": self.reward_placement}
+    def turn_tokens(self, max_new_tokens: int) -> int:
+        """Tokens per policy turn at most: max_turn_tokens, or the generator's max_new_tokens."""
+        return self.max_turn_tokens or max_new_tokens
 
 
 def check_env(env: EnvConfig) -> None:

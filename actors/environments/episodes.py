@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from actors.environments.config import EnvConfig
 from actors.environments.transcript import ObservationTokens
 from actors.environments.workers import EnvironmentWorkers
 from core.rollout import Rollout
@@ -224,22 +225,24 @@ class EpisodeRunner:
                     ep.add(obs, None, trained=False)
 
 
-def episode_runner(env: dict, tokenizer, max_context: int, name: str) -> EpisodeRunner:
-    """The runner a generator plays episodes with: ``env`` as actors.environments.config.EnvConfig's
-    runner_kwargs give it, observations rendered by the policy's ``tokenizer``."""
-    workers = EnvironmentWorkers(env["spec"], key="env.environment", workers=env["workers"],
-                                 step_timeout_s=env["step_timeout_s"], memory_mb=env["memory_mb"])
+def episode_runner(env: EnvConfig, tokenizer, *, max_context: int, max_new_tokens: int,
+                   name: str) -> EpisodeRunner:
+    """The runner a generator plays episodes with, from the ``env`` section; observations
+    rendered by the policy's ``tokenizer``; a turn is at most ``max_new_tokens`` where
+    env.max_turn_tokens is 0."""
+    workers = EnvironmentWorkers(env.environment, key="env.environment", workers=env.workers,
+                                 step_timeout_s=env.step_timeout_s, memory_mb=env.memory_mb)
     try:
-        observations = ObservationTokens(tokenizer, role=env["observation_role"], plain_format=env["plain_format"],
+        observations = ObservationTokens(tokenizer, role=env.observation_role, plain_format=env.plain_format,
                                          name=f"{name}'s tokenizer")
     except ValueError:
         workers.close()
         raise
     return EpisodeRunner(workers=workers, observations=observations,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                         max_turns=env["max_turns"], max_tokens=env["max_tokens"],
-                         max_turn_tokens=env["max_turn_tokens"], max_context=max_context,
-                         by_turn=env["reward_placement"] == "turn")
+                         max_turns=env.max_turns, max_tokens=env.max_tokens,
+                         max_turn_tokens=env.turn_tokens(max_new_tokens), max_context=max_context,
+                         by_turn=env.reward_placement == "turn")
 
 
 # The info numbers an environment may report at an episode's last step, summed over episodes.

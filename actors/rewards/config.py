@@ -1,13 +1,15 @@
-"""The reward's typed sections besides its sources: reward.http (a reward server's requests,
-actors/rewards/http.py), reward.sandbox (a function scored in worker processes,
-actors/rewards/sandbox.py) and reward.judge (a judge model, actors/rewards/judge.py).
-Plain dataclasses: a run's config is built and checked without torch or vLLM."""
+"""The reward's typed sections: reward (its source and how a replica scores), reward.http (a
+reward server's requests, actors/rewards/http.py), reward.sandbox (a function scored in worker
+processes, actors/rewards/sandbox.py) and reward.judge (a judge model, actors/rewards/judge.py).
+A reward replica is built from these objects. Plain dataclasses: a run's config is built and
+checked without torch or vLLM."""
 from __future__ import annotations
 
+import re
+import string
 from typing import Optional
 from urllib.parse import urlsplit
 
-from actors.rewards.judge import template_fields
 from core.infra.schema import ConfigError, config_class, setting
 from core.modeling.engine_config import EngineConfig
 
@@ -67,6 +69,26 @@ def check_sandbox(sandbox: SandboxConfig) -> None:
                           f"{sandbox.memory_mb} >= 0 (0 = no cap)")
 
 
+def template_fields(template: str, key: str = "reward.judge.template") -> set[str]:
+    """The field names a ``str.format`` template uses (``{answer[0]}`` uses ``answer``); a
+    one-line ValueError for bad format syntax or a positional field (``{}``, ``{0}``)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"{key} is not a valid format string ({e}); write fields as {{prompt}}, "
+                         "{response} or {column}, and a literal brace as {{ or }}") from None
+    names = set()
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        root = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not root or root.isdigit():
+            raise ValueError(f"{key} has a positional field {{{name}}}; name it: {{prompt}}, {{response}} "
+                             "or a column of the data")
+        names.add(root)
+    return names
+
+
 # The built-in tiny judge's prompt (cluster/demo/judge.py trains on this very text).
 DEFAULT_TEMPLATE = "Prompt: {prompt}\nResponse: {response}\nScore:"
 
@@ -106,11 +128,31 @@ class JudgeConfig:
             raise ValueError(f"reward.judge.max_new_tokens={self.max_new_tokens} leaves no room for the template in "
                              f"reward.judge.engine.max_model_len={self.engine.max_model_len}")
 
-    def scorer_kwargs(self, model_path: str, dtype: str, seed: int) -> dict:
-        """JudgeScorer's keyword arguments (actors/rewards/judge.py): ``model_path`` resolved, the engine's
-        dtype ``dtype`` where reward.judge.engine.dtype is null (model.dtype for the reward pool)."""
-        from dataclasses import replace
-        return dict(model=model_path, template=self.template, choices=self.choices, min_score=self.min_score,
-                    max_score=self.max_score, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                    chat_template=self.chat_template, engine=replace(self.engine, dtype=self.engine.dtype or dtype),
-                    seed=seed)
+
+BUILTIN_REWARD = "cluster.demo.sentiment:sentiment"
+
+
+@config_class
+class RewardConfig:
+    """The reward: a reward model, a Python function, a server over HTTP or a judge model scoring each response."""
+    model: Optional[str] = setting(None, "sequence-classification reward model directory, or ...")
+    function: Optional[str] = setting(BUILTIN_REWARD, "... a `module:function(prompts, responses) -> floats`, or ...")
+    url: Optional[str] = setting(None, "... a reward server's http(s) URL, POSTed OpenRLHF's remote reward "
+                                       "payload ({query, prompts, labels} -> {rewards}; docs/guide/rewards.md)")
+    batch_size: int = setting(16, "sequences per forward pass of the reward model")
+    packing: bool = setting(True, "the reward model's forwards as one row of their sequences' real tokens, no "
+                                  "padding, attended per sequence")
+    normalize: bool = setting(False, "standardise reward-model scores with the reward_stats.json beside "
+                                     "reward.model")
+    gold: Optional[str] = setting(None, "eval only: a `module:function(prompts, responses) -> floats` scored on "
+                                        "the held-out prompts as eval/gold_score, never trained on (the true "
+                                        "goal behind a proxy)")
+    max_invalid_fraction: float = setting(0.5, "a step whose share of invalid scores (NaN/inf, or the reward "
+                                               "raised) is above this stops the run, naming the reward; "
+                                               "1 = never")
+    timeout_s: float = setting(60.0, "a reward.function or reward.gold call that has not returned after this "
+                                     "many seconds counts its pairs as invalid scores (the call is abandoned; "
+                                     "the start-up probe refuses such a function)")
+    http: RewardHTTPConfig
+    sandbox: SandboxConfig
+    judge: JudgeConfig

@@ -39,6 +39,7 @@ import time
 import aiohttp
 import numpy as np
 
+from actors.rewards.config import RewardHTTPConfig
 from actors.rewards.scoring import Columns, ScoreResult, coerce_scores, invalid_result
 from core.infra.errors import type_and_first_line
 
@@ -93,13 +94,13 @@ def rewards_of(body: str):
 class HTTPScorer:
     """A TextScorer (actors/rewards/scoring.py) asking the server at ``url``; settings as reward.http.*."""
 
-    def __init__(self, url: str, *, batch_size: int = 64, concurrency: int = 4, timeout_s: float = 30.0,
-                 retries: int = 3, backoff_s: float = 0.5, budget_s: float = 120.0,
-                 label_field: str | None = "answer", skip_special_tokens: bool = False):
+    def __init__(self, url: str, settings: RewardHTTPConfig | None = None):
+        s = settings or RewardHTTPConfig()
         self.url, self.name = url, f"reward server {url}"
-        self.batch_size, self.concurrency, self.label_field = int(batch_size), int(concurrency), label_field
-        self.skip_special_tokens = bool(skip_special_tokens)
-        self.timeout_s, self.retries, self.backoff_s, self.budget_s = timeout_s, int(retries), backoff_s, budget_s
+        self.batch_size, self.concurrency, self.label_field = int(s.batch_size), int(s.concurrency), s.label_field
+        self.skip_special_tokens = bool(s.skip_special_tokens)
+        self.timeout_s, self.retries = s.timeout_s, int(s.retries)
+        self.backoff_s, self.budget_s = s.backoff_s, s.budget_s
         self.totals = {"http_requests": 0, "http_retries": 0}
 
     def score_ids(self, tokenizer, prompt_ids: list, response_ids: list, columns: Columns) -> ScoreResult:
@@ -197,13 +198,15 @@ class HTTPScorer:
         pass  # each call opens and closes its own session
 
 
-def probe_server(url: str, prompts: list[str], responses: list[str], columns: Columns | None = None, *,
-                 timeout_s: float = 30.0, label_field: str | None = "answer", **_) -> None:
+def probe_server(url: str, prompts: list[str], responses: list[str], columns: Columns | None = None,
+                 settings: RewardHTTPConfig | None = None) -> None:
     """Ask the server once, without retries, to score example pairs, as the replicas will; a
     one-line ValueError naming reward.url and the fix if it is down, does not answer within
-    ``timeout_s``, replies an error or no list of rewards, or scores no pair with a number."""
+    reward.http.timeout_s, replies an error or no list of rewards, or scores no pair with a number."""
+    s = settings or RewardHTTPConfig()
+    timeout_s = s.timeout_s
     n, where = len(prompts), f"reward.url={url!r}: the reward server"
-    body = payload([p + r for p, r in zip(prompts, responses)], prompts, responses, columns or {}, label_field)
+    body = payload([p + r for p, r in zip(prompts, responses)], prompts, responses, columns or {}, s.label_field)
 
     async def ask():
         async with aiohttp.ClientSession(json_serialize=lambda x: json.dumps(x, default=str)) as session:

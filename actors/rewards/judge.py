@@ -15,38 +15,17 @@ raises for what the judge wrote.
 from __future__ import annotations
 
 import re
-import string
 import time
 from typing import Iterable, Mapping
 
 import numpy as np
 
+from actors.rewards.config import JudgeConfig, template_fields
 from actors.rewards.scoring import Columns, ScoreResult, invalid_result
-from core.modeling.engine_config import EngineConfig
 from core.modeling.vllm_engine import check_served, start_engine
 
 RESPONSE_FIELDS = ("prompt", "response")
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
-
-
-def template_fields(template: str, key: str = "reward.judge.template") -> set[str]:
-    """The field names a ``str.format`` template uses (``{answer[0]}`` uses ``answer``); a
-    one-line ValueError for bad format syntax or a positional field (``{}``, ``{0}``)."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as e:
-        raise ValueError(f"{key} is not a valid format string ({e}); write fields as {{prompt}}, "
-                         "{response} or {column}, and a literal brace as {{ or }}") from None
-    names = set()
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        root = re.split(r"[.\[]", name, maxsplit=1)[0]
-        if not root or root.isdigit():
-            raise ValueError(f"{key} has a positional field {{{name}}}; name it: {{prompt}}, {{response}} "
-                             "or a column of the data")
-        names.add(root)
-    return names
 
 
 def check_columns(columns: Iterable[str], key: str = "reward.judge.template") -> None:
@@ -123,15 +102,18 @@ def parse_verdicts(outputs: list[str], choices: Mapping[str, float] | None, min_
 class JudgeScorer:
     """A TextScorer (actors/rewards/scoring.py) hosting the judge's vLLM engine in this process."""
 
-    def __init__(self, *, model: str, template: str, choices: Mapping[str, float] | None = None,
-                 min_score: float | None = None, max_score: float | None = None, max_new_tokens: int = 8,
-                 temperature: float = 0.0, chat_template: bool = False, engine: EngineConfig | dict | None = None,
-                 seed: int = 0):
+    def __init__(self, config: JudgeConfig, *, dtype: str | None = None, seed: int = 0):
+        """``config``: reward.judge with its model resolved to a path or a Hub name; ``dtype``: the
+        engine's where reward.judge.engine.dtype is null (model.dtype for the reward pool)."""
+        from dataclasses import replace
+
+        model = config.model
         self.name = f"reward judge {model}"
-        self.template, self.choices = template, dict(choices) if choices else None
-        self.min_score, self.max_score, self.chat_template = min_score, max_score, chat_template
-        template_fields(template)
-        engine = engine if isinstance(engine, EngineConfig) else EngineConfig(**(engine or {}))
+        self.template, self.choices = config.template, dict(config.choices) if config.choices else None
+        self.min_score, self.max_score = config.min_score, config.max_score
+        self.chat_template = config.chat_template
+        template_fields(self.template)
+        engine = replace(config.engine, dtype=config.engine.dtype or dtype)
         self.max_model_len = engine.max_model_len
         check_served(model, "reward.judge.model")
         t0 = time.perf_counter()
@@ -140,7 +122,7 @@ class JudgeScorer:
         self.start_seconds = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
         from vllm import SamplingParams
-        self.params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)
+        self.params = SamplingParams(temperature=config.temperature, max_tokens=config.max_new_tokens, seed=seed)
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self.generated_tokens = 0
 

@@ -1,56 +1,132 @@
-"""Which source scores a PPO run's rollouts, decided once from the config (``cfg``: a TetherConfig).
+"""Which source scores a PPO run's rollouts, and what each source needs: one table.
 
 Exactly one of reward.function, reward.model, reward.url and reward.judge.model is set
 (cluster/config/ppo.py checks it), but with ``env.reward: environment`` none of them scores:
-the episodes' own rewards do. Every place that says or sizes the reward (the start-up line,
-the memory estimate, the pools started, the invalid-scores message) asks ``reward_source``,
-so none of them can read the wrong setting.
+the episodes' own rewards do. Every place that says, sizes, starts or probes the reward (the
+start-up line, the memory estimate, the threads, the pools started, the probe, the reward
+replica's scorer, the invalid-scores message) asks ``reward_source`` and reads the table's
+entry, so none of them can read the wrong setting. Adding a source is one entry here and its
+scorer (docs/extending.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
-RewardKind = Literal["function", "model", "url", "judge", "environment"]
 
-# How messages name each kind of source, before its spec.
-_LABELS = {"function": "reward function", "model": "reward model", "url": "reward server",
-           "judge": "reward judge", "environment": "environment"}
+@dataclass(frozen=True)
+class SourceType:
+    """One kind of reward source and what it needs."""
+    name: str                                   # the table's key: function | model | url | judge | environment
+    label: str                                  # how messages name a source of this type, before its spec
+    key: str                                    # the config key that sets it
+    setting: Callable[[object], Optional[str]]  # its spec in a RewardConfig (None: not this source)
+    weights: bool = False                       # replicas load a model of their own (memory, a dtype)
+    engine: bool = False                        # replicas host a vLLM engine (its KV cache counts too)
+    episodes: bool = False                      # the scores are the episodes' own: no replica scores them
+    # The text scorer a replica builds (actors/rewards/scoring.py's TextScorer), from the source, the
+    # reward section, the config key it answers to, the engine's dtype and seed; None: the replica
+    # scores tokens itself (a reward model's forward) or passes the episodes' scores on.
+    text_scorer: Optional[Callable] = None
+
+
+def _function_scorer(source, config, *, key: str, dtype=None, seed: int = 0):
+    """A function called in the replica, or with reward.sandbox.workers > 0 in worker processes."""
+    from actors.rewards.sandbox import SandboxScorer
+    from actors.rewards.scoring import FunctionScorer, load_function
+
+    name = f"reward function {source.spec}" if key == "reward.function" else f"{key} {source.spec}"
+    box = config.sandbox
+    if box.workers > 0:
+        return SandboxScorer(source.spec, name=name, key=key, workers=box.workers, timeout_s=box.timeout_s,
+                             memory_mb=box.memory_mb)
+    return FunctionScorer(load_function(source.spec, key), name=name, timeout_s=config.timeout_s)
+
+
+def _server_scorer(source, config, **_):
+    from actors.rewards.http import HTTPScorer
+
+    return HTTPScorer(source.spec, config.http)
+
+
+def _judge_scorer(source, config, *, dtype=None, seed: int = 0, **_):
+    """The judge's engine in this process; ``config.judge.model`` is the resolved path (source.spec)."""
+    from actors.rewards.judge import JudgeScorer
+
+    return JudgeScorer(replace(config.judge, model=source.spec), dtype=dtype, seed=seed)
+
+
+SOURCES: dict[str, SourceType] = {t.name: t for t in (
+    SourceType("function", "reward function", "reward.function", lambda w: w.function, text_scorer=_function_scorer),
+    SourceType("model", "reward model", "reward.model", lambda w: w.model, weights=True),
+    SourceType("url", "reward server", "reward.url", lambda w: w.url, text_scorer=_server_scorer),
+    SourceType("judge", "reward judge", "reward.judge.model", lambda w: w.judge.model, weights=True, engine=True,
+               text_scorer=_judge_scorer),
+    SourceType("environment", "environment", "env.environment", lambda w: None, episodes=True),
+)}
 
 
 @dataclass(frozen=True)
 class RewardSource:
-    kind: RewardKind
+    type: SourceType
     spec: str  # the function's module:function, the model's path, the URL, the judge model, the environment class
 
     @property
     def name(self) -> str:
         """For messages: "reward function mod:fn", "environment mod:Class", ..."""
-        return f"{_LABELS[self.kind]} {self.spec}"
+        return f"{self.type.label} {self.spec}"
 
     @property
     def holds_model(self) -> bool:
         """Whether the reward replicas load a model of their own (its weights in their memory)."""
-        return self.kind in ("model", "judge")
+        return self.type.weights
+
+    @property
+    def from_episodes(self) -> bool:
+        """Whether the scores are the episodes' own (no reward replica calls a scorer for them)."""
+        return self.type.episodes
+
+    def text_scorer(self, config, *, key: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0):
+        """This source's text scorer, built from ``config`` (a RewardConfig); None where the
+        replica scores tokens itself or the episodes carry the scores."""
+        if self.type.text_scorer is None:
+            return None
+        return self.type.text_scorer(self, config, key=key or self.type.key, dtype=dtype, seed=seed)
+
+    @property
+    def summary(self) -> str:
+        """The start-up line's words for it: "function mod:fn", "the environment's", ..."""
+        return "the environment's" if self.from_episodes else self.name.removeprefix("reward ")
+
+
+def configured_source(reward) -> RewardSource:
+    """The one source ``reward`` (a RewardConfig) sets; a one-line ValueError unless exactly one
+    of the table's settings is given (the config check says the same to a user)."""
+    given = [RewardSource(t, t.setting(reward)) for t in SOURCES.values() if t.setting(reward) is not None]
+    if len(given) != 1:
+        keys = ", ".join(t.key for t in SOURCES.values() if not t.episodes)
+        got = ", ".join(f"{s.type.key}={s.spec!r}" for s in given) or "none"
+        raise ValueError(f"reward: set exactly one of {keys} (got {got})")
+    return given[0]
+
+
+def gold_source(reward) -> RewardSource:
+    """reward.gold as a source: a function (``reward``: a RewardConfig with gold set)."""
+    return RewardSource(SOURCES["function"], reward.gold)
 
 
 def reward_source(cfg) -> RewardSource:
-    """The source of the scores the run trains on."""
+    """The source of the scores the run trains on (``cfg``: a TetherConfig)."""
     if cfg.env.enabled and cfg.env.reward == "environment":
-        return RewardSource("environment", cfg.env.environment)
-    w = cfg.reward
-    for kind, spec in (("function", w.function), ("model", w.model), ("url", w.url), ("judge", w.judge.model)):
-        if spec is not None:
-            return RewardSource(kind, spec)
-    raise ValueError("reward_source: no reward is set; the config check requires one of reward.function, "
-                     "reward.model, reward.url and reward.judge.model")
+        return RewardSource(SOURCES["environment"], cfg.env.environment)
+    return configured_source(cfg.reward)
 
 
 def reward_pool_replicas(cfg) -> int:
     """The reward pool's replicas: none when the environment scores and no reward.gold needs a
     replica to score the evaluation (then the dispatcher reads the episodes' scores without one,
     cluster/runtime/pools/environment_scores.py)."""
-    if reward_source(cfg).kind == "environment" and cfg.reward.gold is None:
+    if reward_source(cfg).from_episodes and cfg.reward.gold is None:
         return 0
     return cfg.reward.replicas
 
@@ -59,9 +135,7 @@ def without_unused_reward(cfg):
     """``cfg`` as start-up checks it: with the environment scoring, the reward.* sources cleared,
     so that none is loaded, probed or asked for its columns (reward.gold, still called on the
     evaluation, stays)."""
-    from dataclasses import replace
-
-    if reward_source(cfg).kind != "environment":
+    if not reward_source(cfg).from_episodes:
         return cfg
     w = cfg.reward
     return replace(cfg, reward=replace(w, function=None, model=None, url=None, judge=replace(w.judge, model=None)))

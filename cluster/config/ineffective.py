@@ -44,7 +44,7 @@ def check_ineffective(cfg) -> None:
             raise ConfigError(f"config: {key}={value!r} has no effect without env.environment (single-turn "
                               f"responses); set env.environment to play episodes, or remove {key}")
     source = reward_source(cfg)
-    if source.kind == "environment":
+    if source.from_episodes:
         sources = {f"reward.{key}": getattr(cfg.reward, key) for key in ("function", "model", "url")}
         sources["reward.judge.model"] = cfg.reward.judge.model
         for key, value in sources.items():  # null: the default source turned off, not a source
@@ -52,7 +52,7 @@ def check_ineffective(cfg) -> None:
                 raise ConfigError(f"config: {key}={value!r} is never called with env.reward=environment (the "
                                   f"episodes' own rewards score them); set env.reward=pool to score transcripts "
                                   f"with it, or remove {key}")
-    acting = {source.kind} | ({"gold"} if cfg.reward.gold is not None else set())
+    acting = {source.type.name} | ({"gold"} if cfg.reward.gold is not None else set())
     for key, kinds in REWARD_KEYS.items():
         value = getattr(cfg.reward, key)
         pairs = changed(value, f"reward.{key}") if dataclasses.is_dataclass(value) else (

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from actors.environments.config import EnvConfig, check_env
-from actors.rewards.config import JudgeConfig, RewardHTTPConfig, SandboxConfig, check_reward_http, check_sandbox
+from actors.rewards.config import RewardConfig, check_reward_http, check_sandbox
 from cluster.config import loader
 from cluster.config.ineffective import check_ineffective
 from cluster.config.loader import ConfigError, RootConfig
@@ -34,7 +34,6 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the shipped configs
 DEFAULT_CONFIG = CONFIGS / "tiny-cpu.yaml"
 BUILTIN_POLICY = "builtin:tiny"        # the offline tiny model, pre-trained on the built-in corpus
 BUILTIN_POLICY_30M = "builtin:tiny-30m"
-BUILTIN_REWARD = "cluster.demo.sentiment:sentiment"
 
 
 @config_class
@@ -90,29 +89,12 @@ class ReferencePoolConfig(PoolConfig):
 
 
 @config_class
-class RewardPoolConfig(PoolConfig):
+class RewardPoolConfig(RewardConfig, PoolConfig):
     """The reward: a reward model, a Python function, a server over HTTP or a judge model scoring each response."""
-    model: Optional[str] = setting(None, "sequence-classification reward model directory, or ...")
-    function: Optional[str] = setting(BUILTIN_REWARD, "... a `module:function(prompts, responses) -> floats`, or ...")
-    url: Optional[str] = setting(None, "... a reward server's http(s) URL, POSTed OpenRLHF's remote reward "
-                                       "payload ({query, prompts, labels} -> {rewards}; docs/guide/rewards.md)")
-    batch_size: int = setting(16, "sequences per forward pass of the reward model")
-    packing: bool = setting(True, "the reward model's forwards as one row of their sequences' real tokens, no "
-                                  "padding, attended per sequence")
-    normalize: bool = setting(False, "standardise reward-model scores with the reward_stats.json beside "
-                                     "reward.model")
-    gold: Optional[str] = setting(None, "eval only: a `module:function(prompts, responses) -> floats` scored on "
-                                        "the held-out prompts as eval/gold_score, never trained on (the true "
-                                        "goal behind a proxy)")
-    max_invalid_fraction: float = setting(0.5, "a step whose share of invalid scores (NaN/inf, or the reward "
-                                               "raised) is above this stops the run, naming the reward; "
-                                               "1 = never")
-    timeout_s: float = setting(60.0, "a reward.function or reward.gold call that has not returned after this "
-                                     "many seconds counts its pairs as invalid scores (the call is abandoned; "
-                                     "the start-up probe refuses such a function)")
-    http: RewardHTTPConfig
-    sandbox: SandboxConfig
-    judge: JudgeConfig
+
+    def scoring(self) -> RewardConfig:
+        """This section without the pool's resources: what a reward replica is built from."""
+        return RewardConfig(**{f.name: getattr(self, f.name) for f in fields(RewardConfig)})
 
 
 @config_class

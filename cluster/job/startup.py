@@ -140,13 +140,13 @@ def reward_model_bytes(cfg) -> int:
     """A reward replica's model in host memory: a reward model's weights, or a judge's and its
     engine's KV cache; a function or a server holds none."""
     source = reward_source(cfg)
-    if source.kind == "model":
+    if not source.holds_model:
+        return 0
+    if not source.type.engine:
         return model_bytes(source.spec)
-    if source.kind == "judge":
-        from cluster.demo.judge import judge_path  # the built-in judge, built by prepare already
+    from cluster.demo.judge import judge_path  # the built-in judge, built by prepare already
 
-        return model_bytes(judge_path(source.spec)) + cfg.reward.judge.engine.kv_cache_bytes
-    return 0
+    return model_bytes(judge_path(source.spec)) + cfg.reward.judge.engine.kv_cache_bytes
 
 
 def training_state_bytes(weights: int, ranks: int, zero_stage: int) -> int:

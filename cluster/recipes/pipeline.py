@@ -45,7 +45,7 @@ def sample_pairs(cfg: PipelineConfig, sft_model: str, out: Path) -> dict:
     from transformers import AutoTokenizer
 
     from actors.generator import actor_class as generator_actor, engine_process_env
-    from actors.reward import load_function
+    from actors.rewards.scoring import load_function
     from cluster.data.prompts import PromptDataset
     from cluster.demo.sentiment import label_pairs
     from cluster.runtime.pools.pool import actor_env
@@ -112,7 +112,7 @@ def with_trackers(stage_cfg, cfg: PipelineConfig, root: Path):
 
 def check_inputs(cfg: PipelineConfig) -> None:
     """What would fail only after SFT, refused before it starts."""
-    from actors.reward import load_function
+    from actors.rewards.scoring import load_function
 
     check_trackers(cfg.run, run_dir=Path(cfg.run.dir) / (cfg.run.name or "pipeline"), stage="pipeline")
 

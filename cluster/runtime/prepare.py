@@ -8,7 +8,6 @@ is a bug of tether's (exit 1, its traceback)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 from pathlib import Path
 
 from cluster.job.errors import UserError
@@ -171,8 +170,7 @@ def prepare(cfg):
     cfg = without_unused_reward(cfg)  # env.reward=environment: the reward.* source is never called
     policy = resolve_model(cfg.model.policy)
     # Reward problems surface here, in the driver, not as a dead actor a minute later.
-    from actors.reward import load_function
-    from actors.rewards.scoring import ColumnBinding
+    from actors.rewards.scoring import ColumnBinding, load_function
     with user_input(kinds=(ValueError, OSError, ImportError)):  # the user's module, run on import
         functions = {key: load_function(spec, key) for key, spec in
                      (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)) if spec}
@@ -242,7 +240,7 @@ def probe_reward(reward, train_set) -> None:
     """Score example pairs of the first training prompts (with their columns) as the replicas
     will: a reward function, gold function or server that cannot would void every batch (or
     eval), so it is refused here in one line."""
-    from actors.reward import probe_function
+    from actors.rewards.probe import probe_function
 
     prompts = train_set.texts[:len(PROBE_RESPONSES)]
     responses = list(PROBE_RESPONSES[:len(prompts)])
@@ -251,11 +249,11 @@ def probe_reward(reward, train_set) -> None:
         if spec:
             with user_input():  # the user's function, scoring
                 probe_function(spec, prompts, responses, key, reward.timeout_s, columns=columns,
-                               sandbox=asdict(reward.sandbox))
+                               sandbox=reward.sandbox)
     if reward.url:
         from actors.rewards.http import probe_server
         with user_input():  # the user's server, answering
-            probe_server(reward.url, prompts, responses, columns=columns, **asdict(reward.http))
+            probe_server(reward.url, prompts, responses, columns=columns, settings=reward.http)
 
 
 def probe_judge(judge, path: str, train_set) -> None:

@@ -161,7 +161,7 @@ def startup_summary(cfg) -> str:
     pool = lambda name, p: (f"{name} {p.replicas}x({p.num_cpus:g} CPU"
                             + (f", {p.num_gpus:g} GPU)" if p.num_gpus else ")"))
     source = reward_source(cfg)
-    reward = "the environment's" if source.kind == "environment" else source.name.removeprefix("reward ")
+    reward = source.summary
     if cfg.env.enabled:
         reward += f" | episodes of {cfg.env.environment}, up to {cfg.env.max_turns} turns"
     return (f"{cfg.run.mode} PPO, {cfg.run.steps} steps of {cfg.data.prompts_per_step} prompts x "

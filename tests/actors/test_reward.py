@@ -5,6 +5,7 @@ import bad_rewards  # tests/actors/bad_rewards.py: the module Reward imports by 
 import numpy as np
 import pytest
 import torch
+from reward_configs import reward_config
 
 from actors.reward import Reward
 from actors.rewards.scoring import ScoreResult
@@ -15,7 +16,7 @@ SENTIMENT = "cluster.demo.sentiment:sentiment"
 
 @pytest.fixture(scope="module")
 def rm(reward_path):
-    return Reward(model=reward_path, batch_size=3)
+    return Reward(config=reward_config(model=reward_path, batch_size=3))
 
 
 def _batch(seed=0, lens=((3, 4), (9, 2), (5, 7), (1, 0), (6, 3), (2, 8), (4, 4))):
@@ -45,7 +46,7 @@ def test_model_batched_equals_unbatched_and_hf(rm, reward_path, packing):
     """Packed (one row per forward) or right-padded, a score is that of the sequence alone."""
     from transformers import AutoModelForSequenceClassification
 
-    rm = rm if packing else Reward(model=reward_path, batch_size=3, packing=False)
+    rm = rm if packing else Reward(config=reward_config(model=reward_path, batch_size=3, packing=False))
     assert rm.health()["packing"] is packing
     prompts, responses = _batch()
     res = rm.score(prompts, responses)
@@ -63,7 +64,7 @@ def test_model_batched_equals_unbatched_and_hf(rm, reward_path, packing):
 
 @pytest.mark.integration
 def test_bf16_model_computes_in_bf16_and_scores_close_to_fp32(rm, reward_path):
-    bf16 = Reward(model=reward_path, batch_size=3, dtype="bfloat16")
+    bf16 = Reward(config=reward_config(model=reward_path, batch_size=3), dtype="bfloat16")
     assert bf16.health()["dtype"] == "bfloat16" and rm.health()["dtype"] == "float32"
     prompts, responses = _batch()
     low, full = bf16.score(prompts, responses).scores, rm.score(prompts, responses).scores
@@ -91,12 +92,12 @@ def test_model_scores_last_token_even_when_it_is_the_pad_id(rm, tokenizer):
 @pytest.mark.integration
 def test_model_path_errors(policy_path, tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        Reward(model=str(tmp_path / "nowhere"))
+        Reward(config=reward_config(model=str(tmp_path / "nowhere")))
     (tmp_path / "not-a-model").mkdir()
     with pytest.raises(ValueError, match="not-a-model.*no config.json"):
-        Reward(model=str(tmp_path / "not-a-model"))
+        Reward(config=reward_config(model=str(tmp_path / "not-a-model")))
     with pytest.raises(ValueError, match="num_labels=2"):  # a causal LM dir has no 1-label head
-        Reward(model=policy_path)
+        Reward(config=reward_config(model=policy_path))
 
 
 # --------------------------------------------------------------------------- function path
@@ -114,7 +115,7 @@ def test_sentiment_function():
 
 @pytest.mark.integration
 def test_function_path_decodes_and_scores(policy_path, tokenizer):
-    rw = Reward(function=SENTIMENT, tokenizer=policy_path)
+    rw = Reward(config=reward_config(function=SENTIMENT), tokenizer=policy_path)
     texts = ["the cat was good", "the cat was sad", "the cat was"]
     responses = _encode(tokenizer, texts)
     responses[0] = np.append(responses[0], tokenizer.eos_token_id)  # special tokens are skipped
@@ -127,7 +128,7 @@ def test_function_path_decodes_and_scores(policy_path, tokenizer):
 
 @pytest.mark.integration
 def test_nan_scores_mark_items_invalid(policy_path, tokenizer, caplog):
-    rw = Reward(function="bad_rewards:nan_for_odd", tokenizer=policy_path)
+    rw = Reward(config=reward_config(function="bad_rewards:nan_for_odd"), tokenizer=policy_path)
     prompts, responses = _batch(seed=2, lens=((2, 2),) * 4)
     with caplog.at_level(logging.WARNING, logger="actors.reward"):
         res = rw.score(prompts, responses)
@@ -146,7 +147,7 @@ def test_nan_scores_mark_items_invalid(policy_path, tokenizer, caplog):
     ("wrong_length", "returned 1 scores for 3 items"),
 ])
 def test_broken_function_invalidates_batch_without_crashing(policy_path, name, needle):
-    rw = Reward(function=f"bad_rewards:{name}", tokenizer=policy_path)
+    rw = Reward(config=reward_config(function=f"bad_rewards:{name}"), tokenizer=policy_path)
     prompts, responses = _batch(seed=3, lens=((2, 2),) * 3)
     for _ in range(2):  # the actor keeps serving after a failure
         res = rw.score(prompts, responses)
@@ -159,7 +160,7 @@ def test_broken_function_invalidates_batch_without_crashing(policy_path, name, n
 
 @pytest.mark.integration
 def test_items_that_are_not_numbers_are_invalid_one_by_one(policy_path):
-    rw = Reward(function="bad_rewards:some_not_numbers", tokenizer=policy_path)
+    rw = Reward(config=reward_config(function="bad_rewards:some_not_numbers"), tokenizer=policy_path)
     prompts, responses = _batch(seed=3, lens=((2, 2),) * 5)
     res = rw.score(prompts, responses)
     assert res.valid.tolist() == [True, False, True, False, False]
@@ -181,7 +182,7 @@ def test_a_call_past_the_timeout_invalidates_its_items_and_the_replica_serves_on
     from actors.rewards.scoring import MAX_ABANDONED_CALLS
 
     bad_rewards.RELEASE.clear()
-    rw = Reward(function="bad_rewards:hangs_when_asked", tokenizer=policy_path, timeout_s=2)
+    rw = Reward(config=reward_config(function="bad_rewards:hangs_when_asked", timeout_s=2), tokenizer=policy_path)
     prompts = _encode(tokenizer, ["Once"] * 2)
     fine, hangs = _encode(tokenizer, ["a cat", "a dog"]), _encode(tokenizer, ["a cat", "hang on"])
     try:
@@ -207,7 +208,8 @@ def test_a_call_past_the_timeout_invalidates_its_items_and_the_replica_serves_on
 @pytest.mark.integration
 def test_a_gold_call_past_the_timeout_invalidates_its_items(policy_path, tokenizer):
     bad_rewards.RELEASE.clear()
-    rw = Reward(function=SENTIMENT, tokenizer=policy_path, gold="bad_rewards:hangs_when_asked", timeout_s=1)
+    rw = Reward(config=reward_config(function=SENTIMENT, gold="bad_rewards:hangs_when_asked", timeout_s=1),
+                tokenizer=policy_path)
     rollouts = _rollouts(_encode(tokenizer, ["Then"] * 2), _encode(tokenizer, ["a cat", "hang on"]))
     try:
         gold = rw.gold_scores(rollouts)
@@ -221,7 +223,7 @@ def test_a_gold_call_past_the_timeout_invalidates_its_items(policy_path, tokeniz
 
 @pytest.mark.unit
 def test_the_probe_refuses_a_function_that_does_not_return_in_time():
-    from actors.reward import probe_function
+    from actors.rewards.probe import probe_function
 
     bad_rewards.RELEASE.clear()
     try:
@@ -239,16 +241,16 @@ def test_construction_errors():
     policy_path = "/never-read"  # every check below fires before the tokenizer is loaded
     for bad in ("no_such_module_xyz:f", "bad_rewards:missing", "bad_rewards", "cluster.demo.sentiment:"):
         with pytest.raises(ValueError) as e:
-            Reward(function=bad, tokenizer=policy_path)
+            Reward(config=reward_config(function=bad), tokenizer=policy_path)
         assert "\n" not in str(e.value) and bad.split(":")[0] in str(e.value)
     with pytest.raises(ValueError, match="exactly one"):
-        Reward()
+        Reward(config=reward_config())
     with pytest.raises(ValueError, match="exactly one"):
-        Reward(model=policy_path, function=SENTIMENT)
+        Reward(config=reward_config(model=policy_path, function=SENTIMENT))
     with pytest.raises(ValueError, match="tokenizer"):
-        Reward(function=SENTIMENT)
+        Reward(config=reward_config(function=SENTIMENT))
     with pytest.raises(FileNotFoundError, match="no-tok-here"):
-        Reward(function=SENTIMENT, tokenizer="/no-tok-here")
+        Reward(config=reward_config(function=SENTIMENT), tokenizer="/no-tok-here")
 
 
 @pytest.mark.integration
@@ -259,13 +261,13 @@ def test_construction_errors():
 def test_runs_unchanged_as_ray_actor(reward_path, policy_path, tokenizer, ray_cluster):
     ray = ray_cluster
     prompts, responses = _batch(seed=5)
-    model_actor = ray.remote(Reward).remote(model=reward_path)
+    model_actor = ray.remote(Reward).remote(config=reward_config(model=reward_path))
     remote = ray.get(model_actor.score.remote(prompts, responses))
-    local = Reward(model=reward_path).score(prompts, responses)
+    local = Reward(config=reward_config(model=reward_path)).score(prompts, responses)
     np.testing.assert_allclose(remote.scores, local.scores, atol=1e-6)
     # The worker imports the function itself (a user's module must be importable there too,
     # e.g. shipped with the job's runtime_env; the built-in one always is).
-    fn_actor = ray.remote(Reward).remote(function=SENTIMENT, tokenizer=policy_path)
+    fn_actor = ray.remote(Reward).remote(config=reward_config(function=SENTIMENT), tokenizer=policy_path)
     texts = ["a dog was happy", "a dog was cruel"]
     res = ray.get(fn_actor.score.remote(_encode(tokenizer, ["Then"] * 2), _encode(tokenizer, texts)))
     np.testing.assert_allclose(res.scores, sentiment(["Then"] * 2, texts), atol=1e-6)
@@ -280,7 +282,7 @@ def test_gold_scores_the_decoded_text_beside_a_reward_model(reward_path, policy_
     texts = ["The cat was happy and glad.", "It was a sad, grim day.", "Fine."]
     prompts, responses = _encode(tokenizer, ["My friend felt"] * 3), _encode(tokenizer, texts)
     rollouts = _rollouts(prompts, responses)
-    reward = Reward(model=reward_path, tokenizer=policy_path, gold=SENTIMENT)
+    reward = Reward(config=reward_config(model=reward_path, gold=SENTIMENT), tokenizer=policy_path)
     gold = reward.gold_scores(rollouts)
     decoded = tokenizer.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)
     assert gold.valid.all() and np.allclose(gold.scores, sentiment([""] * 3, decoded))
@@ -288,9 +290,9 @@ def test_gold_scores_the_decoded_text_beside_a_reward_model(reward_path, policy_
     assert reward.stats()["items"] == 0  # evaluation does not count as scoring
     assert not np.allclose(reward.score_rollouts(rollouts).scores, gold.scores)
     with pytest.raises(ValueError, match="no gold function; set reward.gold"):
-        Reward(model=reward_path).gold_scores(rollouts)
+        Reward(config=reward_config(model=reward_path)).gold_scores(rollouts)
     with pytest.raises(ValueError, match=r"^reward.gold 'nope' must look like 'module:function'"):
-        Reward(model=reward_path, tokenizer=policy_path, gold="nope")
-    broken = Reward(model=reward_path, tokenizer=policy_path, gold="bad_rewards:raising")
+        Reward(config=reward_config(model=reward_path, gold="nope"), tokenizer=policy_path)
+    broken = Reward(config=reward_config(model=reward_path, gold="bad_rewards:raising"), tokenizer=policy_path)
     result = broken.gold_scores(rollouts)  # a failing gold function invalidates the batch, no crash
     assert not result.valid.any() and "reward.gold bad_rewards:raising raised" in result.errors[0]

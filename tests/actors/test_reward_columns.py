@@ -3,6 +3,7 @@ table it was handed at construction, and passes them to the text scorer (and to 
 
 import numpy as np
 import pytest
+from reward_configs import reward_config
 
 from actors.reward import Reward
 from core.columns import PromptColumns
@@ -20,7 +21,7 @@ def _rollouts(indices):
 
 
 def test_each_rollout_gets_its_own_rows_columns_and_gold_too(policy_path):
-    rw = Reward(function="column_rewards:answer_echo", gold="column_rewards:answer_plus_bonus",
+    rw = Reward(config=reward_config(function="column_rewards:answer_echo", gold="column_rewards:answer_plus_bonus"),
                 tokenizer=policy_path, columns=TABLE)
     assert rw.health()["columns"] == ["answer", "bonus"]
     res = rw.score_rollouts(_rollouts([11, 10, 12, 11]))
@@ -31,13 +32,14 @@ def test_each_rollout_gets_its_own_rows_columns_and_gold_too(policy_path):
 
 
 def test_rollouts_numbered_by_position_get_no_columns_and_a_function_that_requires_one_fails(policy_path):
-    rw = Reward(function="column_rewards:answer_echo", tokenizer=policy_path, columns=TABLE)
+    rw = Reward(config=reward_config(function="column_rewards:answer_echo"), tokenizer=policy_path, columns=TABLE)
     res = rw.score_rollouts(_rollouts([0, 1]))
     assert not res.valid.any() and "answer" in res.errors[0]
-    plain = Reward(function="column_rewards:answer_echo", tokenizer=policy_path)  # no table at all
+    plain = Reward(config=reward_config(function="column_rewards:answer_echo"),
+                   tokenizer=policy_path)  # no table at all
     assert not plain.score_rollouts(_rollouts([10])).valid.any()
 
 
 def test_a_reward_model_ignores_the_columns(reward_path):
-    rw = Reward(model=reward_path, columns=TABLE)
+    rw = Reward(config=reward_config(model=reward_path), columns=TABLE)
     assert rw.score_rollouts(_rollouts([10, 11])).valid.all()

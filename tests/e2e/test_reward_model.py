@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 import yaml
+from reward_configs import reward_config
 
 from cluster import train
 
@@ -62,7 +63,7 @@ def test_ppo_on_a_normalised_reward_model(cluster, tmp_path, reward_path, taken)
 
     samples = [s for batch in taken for s in batch.samples]
     assert len(samples) == 8
-    raw = Reward(model=str(rm), device="cpu").score([np.array(s["prompt_ids"]) for s in samples],
+    raw = Reward(config=reward_config(model=str(rm)), device="cpu").score([np.array(s["prompt_ids"]) for s in samples],
                                                      [np.array(s["response_ids"]) for s in samples])
     assert raw.valid.all()
     expected = (raw.scores.astype(np.float64) - STATS["mean"]) / STATS["std"]

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from reward_configs import reward_config
 
 from cluster.demo.families import FAMILIES, build_family_policy, build_family_reward
 from core.modeling.varlen_attention import VARLEN
@@ -78,7 +79,8 @@ def test_the_scorers_packed_give_their_padded_scores(family):
     policy, reward = str(build_family_policy(family)), str(build_family_reward(family))
     ref = [Reference(model=policy, device="cpu", packing=p).logprobs(prompts, responses) for p in (True, False)]
     gap = max(float(np.abs(a - b).max()) for a, b in zip(*ref))
-    scores = [Reward(model=reward, device="cpu", packing=p).score(prompts, responses).scores for p in (True, False)]
+    scores = [Reward(config=reward_config(model=reward, packing=p), device="cpu").score(prompts, responses).scores
+              for p in (True, False)]
     print(f"{family}: reference packed vs padded {gap:.1e}, reward {float(np.abs(scores[0] - scores[1]).max()):.1e}")
     assert gap < 1e-5 and np.allclose(scores[0], scores[1], atol=1e-5, rtol=0)
     assert len(set(np.round(scores[0], 4))) == len(lengths)  # scores that depend on the sequence

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import model_logprobs
+from reward_configs import reward_config
 
 from cluster.demo.families import FAMILIES, build_family_policy, build_family_reward
 from core.modeling.architectures import UnsupportedModel, check_policy_config
@@ -44,7 +45,7 @@ def test_reference_and_reward_model_score_like_hf(family):
     with torch.no_grad():
         expected = np.array([float(seq(torch.as_tensor(np.concatenate([p, r]))[None]).logits[0, 0])
                              for p, r in zip(prompts, responses)])
-    result = Reward(model=reward, batch_size=4).score(prompts, responses)
+    result = Reward(config=reward_config(model=reward, batch_size=4)).score(prompts, responses)
     print(f"family-table {family}: reference vs HF {ref_gap:.1e}, reward vs HF "
           f"{np.abs(result.scores - expected).max():.1e}")
     assert ref_gap < 1e-4

@@ -29,7 +29,7 @@ def check_invalid_scores(produced, cfg, step: int) -> None:
     source, failed = reward_source(cfg), episode_failures(produced.episode_counts, cfg.env)
     above = f"above reward.max_invalid_fraction={limit:g}"
     rest = "raise reward.max_invalid_fraction to train on the rest"
-    if source.kind == "environment":
+    if source.from_episodes:
         fix = "fix the environment" + (", raise env.step_timeout_s" if "timed out" in failed else "")
         raise InvalidScores(f"{source.name}: {produced.invalid_scores} of {scored} episodes at step {step} were "
                             f"invalid ({failed or 'the environment failed them'}; the log's 'reward:' lines say "

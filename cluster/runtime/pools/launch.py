@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Callable
 
 import ray
@@ -75,7 +75,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
             engine=replace(g.engine, dtype=dtype["generator"], max_lora_rank=lora_rank),
             tensor_parallel=g.tensor_parallel,
             weight_sync=cfg.learner.weight_sync, partial_rollouts=cfg.run.mode == "async" and g.partial_rollouts,
-            env=cfg.env.runner_kwargs(g.sampling.max_new_tokens) if cfg.env.enabled else None,
+            env=cfg.env if cfg.env.enabled else None,
             columns=columns_ref if cfg.env.enabled else None)
 
     def reference(rid, index, options):
@@ -84,16 +84,16 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
             model=r.model or policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
             top_p=g.sampling.top_p, batch_size=r.batch_size, packing=r.packing, dtype=dtype["reference"])
 
-    judge = w.judge.scorer_kwargs(judge_path(w.judge.model), dtype["reward"], cfg.run.seed) if w.judge.model else None
+    scoring, source = w.scoring(), reward_source(cfg)
+    if source.type.engine:  # the judge by the path prepare built or found it at (builtin:judge)
+        source = replace(source, spec=judge_path(source.spec))
+        scoring = replace(scoring, judge=replace(scoring.judge, model=source.spec))
 
     def reward(rid, index, options):
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
                                           runtime_env=env("reward"), **options).remote(
-            model=w.model, function=w.function, tokenizer=tokenizer_path, batch_size=w.batch_size, packing=w.packing,
-            normalize=w.normalize, gold=w.gold, dtype=dtype["reward"],
-            timeout_s=w.timeout_s, url=w.url, http=asdict(w.http), sandbox=asdict(w.sandbox), judge=judge,
-            columns=columns_ref,  # every replica, replacements too: the one reference
-            from_environment=cfg.env.enabled and cfg.env.reward == "environment")
+            config=scoring, source=source, tokenizer=tokenizer_path, dtype=dtype["reward"], seed=cfg.run.seed,
+            columns=columns_ref)  # every replica, replacements too: the one reference
 
     return tuple(Pool(role, start=start, num_cpus=p.num_cpus, num_gpus=p.num_gpus, placement_timeout_s=t,
                       node_labels=p.node_labels, strategy=p.strategy)

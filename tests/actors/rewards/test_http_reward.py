@@ -7,8 +7,10 @@ import json
 
 import numpy as np
 import pytest
+from reward_configs import reward_config
 from reward_server import ClosedPort, RewardServer, rewards_by_length
 
+from actors.rewards.config import RewardHTTPConfig
 from actors.rewards.http import HTTPScorer, probe_server
 
 pytestmark = pytest.mark.unit
@@ -20,7 +22,7 @@ COLUMNS = {"answer": ["2", "4", "6"], "source": ["gsm", "gsm", "math"], "meta": 
 
 def _scorer(url, **kw):
     settings = dict(batch_size=2, concurrency=2, timeout_s=10.0, retries=2, backoff_s=0.01, budget_s=30.0)
-    return HTTPScorer(url, **{**settings, **kw})
+    return HTTPScorer(url, RewardHTTPConfig(**{**settings, **kw}))
 
 
 def test_a_healthy_server_scores_every_pair_in_order_in_batches():
@@ -140,7 +142,8 @@ def test_a_reward_replica_with_a_url_sends_the_decoded_pairs_and_their_columns(p
 
     encode = lambda texts: [np.array(tokenizer(t)["input_ids"]) for t in texts]
     with RewardServer() as server:
-        rw = Reward(url=server.url, tokenizer=policy_path, http={"batch_size": 8, "label_field": "gold"})
+        rw = Reward(config=reward_config(url=server.url, http={"batch_size": 8, "label_field": "gold"}),
+                    tokenizer=policy_path)
         res = rw.score(encode(["Once", "Then"]), encode(["the cat was good", "it rained"]), {"gold": ["x", "y"]})
     (body,) = server.bodies
     assert body["query"] == ["Oncethe cat was good", "Thenit rained"] and body["labels"] == ["x", "y"]

@@ -16,6 +16,7 @@ the same string.
 """
 import numpy as np
 import pytest
+from reward_configs import reward_config
 from reward_server import RewardServer
 
 from cluster.demo.tiny_models import build_tokenizer
@@ -63,7 +64,7 @@ def _request(tok_path, prompt_ids, response_ids, columns, **http):
     from actors.reward import Reward
 
     with RewardServer() as server:
-        rw = Reward(url=server.url, tokenizer=tok_path, http={"batch_size": 8, **http})
+        rw = Reward(config=reward_config(url=server.url, http={"batch_size": 8, **http}), tokenizer=tok_path)
         result = rw.score([np.array(p) for p in prompt_ids], [np.array(r) for r in response_ids], columns)
     assert result.valid.all(), result.errors
     (body,) = server.bodies

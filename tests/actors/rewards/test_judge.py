@@ -3,6 +3,7 @@ import logging
 
 import numpy as np
 import pytest
+from reward_configs import reward_config
 
 from actors.rewards.judge import (
     check_template,
@@ -114,11 +115,13 @@ def in_process_engine(monkeypatch):
     cleanup_dist_env_and_memory()
 
 
-def _judge(**settings) -> dict:
-    from actors.rewards.config import DEFAULT_TEMPLATE
+def _judge(**settings):
+    """reward.judge for the tiny judge, with ``settings`` over it."""
+    from actors.rewards.config import DEFAULT_TEMPLATE, JudgeConfig
     from cluster.demo.judge import build_judge
-    return {"model": str(build_judge()), "template": DEFAULT_TEMPLATE,
-            "engine": {"dtype": "bfloat16", "kv_cache_bytes": 16 << 20}, **settings}
+    from core.modeling.engine_config import EngineConfig
+    return JudgeConfig(**{"model": str(build_judge()), "template": DEFAULT_TEMPLATE,
+                          "engine": EngineConfig(dtype="bfloat16", kv_cache_bytes=16 << 20), **settings})
 
 
 def _encode(tokenizer, texts):
@@ -130,7 +133,7 @@ def test_a_judge_replica_scores_pairs_with_the_judges_verdicts(policy_path, toke
     from actors.reward import Reward
     from cluster.demo.sentiment import is_positive
 
-    rw = Reward(judge=_judge(), tokenizer=policy_path)
+    rw = Reward(config=reward_config(judge=_judge()), tokenizer=policy_path)
     res = rw.score(_encode(tokenizer, PROMPTS), _encode(tokenizer, RESPONSES))
     assert res.valid.all() and not res.errors
     assert res.scores.tolist() == is_positive(PROMPTS, RESPONSES) == [1.0, 0.0] * 3
@@ -143,7 +146,7 @@ def test_verdicts_without_a_label_are_invalid_and_the_replica_serves_on(policy_p
                                                                         caplog):
     from actors.reward import Reward
 
-    rw = Reward(judge=_judge(choices={"yes": 1.0, "no": 0.0}), tokenizer=policy_path)
+    rw = Reward(config=reward_config(judge=_judge(choices={"yes": 1.0, "no": 0.0})), tokenizer=policy_path)
     with caplog.at_level(logging.WARNING):
         res = rw.score(_encode(tokenizer, PROMPTS), _encode(tokenizer, RESPONSES))
     assert not res.valid.any() and np.isnan(res.scores).all() and not res.failed
@@ -173,7 +176,7 @@ def chat_judge(tmp_path):
 def test_with_chat_template_the_engine_gets_the_templates_rendering(chat_judge, in_process_engine, monkeypatch):
     from actors.rewards.judge import JudgeScorer
 
-    scorer = JudgeScorer(**_judge(model=str(chat_judge), chat_template=True))
+    scorer = JudgeScorer(_judge(model=str(chat_judge), chat_template=True))
     seen, generate = [], scorer.llm.generate
 
     def recording(prompts, *args, **kwargs):  # the real engine, its input kept

@@ -7,14 +7,18 @@ import types
 
 import numpy as np
 import pytest
+from reward_configs import reward_config
 
-from actors.reward import Reward, probe_function
+from actors.reward import Reward
+from actors.rewards.config import SandboxConfig
+from actors.rewards.probe import probe_function
 from actors.rewards.sandbox import SandboxScorer
 
 pytestmark = pytest.mark.integration
 
 MISBEHAVES = "sandbox_verifiers:misbehaves"
 SANDBOX = {"workers": 2, "timeout_s": 1.0, "memory_mb": 1024}
+BOX = SandboxConfig(**SANDBOX)
 
 
 def _scorer(**kw) -> SandboxScorer:
@@ -82,7 +86,7 @@ def test_columns_reach_the_function_one_value_per_pair():
 def test_close_reaps_every_worker():
     s = _scorer(workers=3)
     s.score_texts(["p"], ["hang"], {})  # one replaced worker among them
-    procs = [w.proc for w in s._workers]
+    procs = [w.proc for w in s._pool.slots]
     s.close()
     assert s.workers == 0 and all(p.poll() is not None for p in procs)
 
@@ -95,7 +99,7 @@ def test_a_function_not_importable_in_a_fresh_process_is_refused_at_start_in_one
     try:
         probe_function("only_in_this_process:f", ["p"], ["r"], timeout_s=5)  # fine in this process
         with pytest.raises(ValueError) as e:
-            probe_function("only_in_this_process:f", ["p"], ["r"], timeout_s=5, sandbox=SANDBOX)
+            probe_function("only_in_this_process:f", ["p"], ["r"], timeout_s=5, sandbox=BOX)
     finally:
         del sys.modules["only_in_this_process"]
     msg = str(e.value)
@@ -105,10 +109,10 @@ def test_a_function_not_importable_in_a_fresh_process_is_refused_at_start_in_one
 
 def test_the_probe_runs_in_the_sandbox_and_refuses_a_function_with_no_valid_pair():
     with pytest.raises(ValueError) as e:
-        probe_function(MISBEHAVES, ["p", "q"], ["hang", "segv"], timeout_s=60, sandbox=SANDBOX)
+        probe_function(MISBEHAVES, ["p", "q"], ["hang", "segv"], timeout_s=60, sandbox=BOX)
     assert str(e.value).startswith(f"reward.function '{MISBEHAVES}' scored none of 2 example (prompt, response) "
                                    "pairs on a probe in reward.sandbox: ")
-    probe_function(MISBEHAVES, ["p", "q"], ["hang", "fine"], timeout_s=60, sandbox=SANDBOX)  # one valid: passes
+    probe_function(MISBEHAVES, ["p", "q"], ["hang", "fine"], timeout_s=60, sandbox=BOX)  # one valid: passes
 
 
 def test_a_memory_cap_too_small_to_import_the_function_is_one_line():
@@ -134,7 +138,7 @@ def ray_with_verifiers():
 def test_a_reward_replica_as_a_ray_actor_scores_through_a_hang_and_a_crash(policy_path, tokenizer,
                                                                           ray_with_verifiers):
     ray = ray_with_verifiers
-    actor = ray.remote(Reward).remote(function=MISBEHAVES, tokenizer=policy_path, sandbox=SANDBOX)
+    actor = ray.remote(Reward).remote(config=reward_config(function=MISBEHAVES, sandbox=SANDBOX), tokenizer=policy_path)
     prompts = _encode(tokenizer, ["Once"] * 4)
     for _ in range(2):
         res = ray.get(actor.score.remote(prompts, _encode(tokenizer, ["a cat", "hang", "segv", "a dog"])))

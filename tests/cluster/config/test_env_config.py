@@ -13,7 +13,7 @@ def test_episodes_are_off_by_default_and_their_budget_is_the_learners_horizon():
     cfg = load_config(None, ON + ["env.max_tokens=300"])
     cfg.validate()
     assert cfg.learner_config().max_new_tokens == 300  # seq-mean-token-sum-norm's constant divisor
-    assert cfg.env.runner_kwargs(64)["max_turn_tokens"] == 64
+    assert cfg.env.turn_tokens(64) == 64
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -29,7 +29,7 @@ def test_settings_episodes_cannot_run_with_are_one_line(overrides, says):
 def test_rewards_per_turn_need_the_environments_rewards():
     cfg = load_config(None, ON + ["env.reward_placement=turn"])
     cfg.validate()
-    assert cfg.env.runner_kwargs(64)["reward_placement"] == "turn"
+    assert cfg.env.reward_placement == "turn"
     with pytest.raises(ConfigError, match="needs env.reward=environment"):
         load_config(None, ON + ["env.reward_placement=turn", "env.reward=pool"]).validate()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reward_configs import reward_config
 
 from cluster.demo.sentiment import builtin_rows
 
@@ -125,8 +126,8 @@ def test_reward_model(sft_run, tmp_path, replicas):
     prompts = enc([p["prompt"] for p in pairs], [])
     chosen = enc([p["chosen"] for p in pairs], [tok.eos_token_id])
     rejected = enc([p["rejected"] for p in pairs], [tok.eos_token_id])
-    raw = Reward(model=str(final))
+    raw = Reward(config=reward_config(model=str(final)))
     c, rj = raw.score(prompts, chosen).scores, raw.score(prompts, rejected).scores
     assert (c > rj).mean() >= MIN_ACCURACY
-    normed = Reward(model=str(final), normalize=True).score(prompts, chosen).scores
+    normed = Reward(config=reward_config(model=str(final), normalize=True)).score(prompts, chosen).scores
     assert normed == pytest.approx((c - stats["mean"]) / stats["std"], abs=1e-4)

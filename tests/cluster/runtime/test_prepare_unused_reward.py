@@ -2,7 +2,8 @@
 the reward.* function is neither imported nor probed, since the run never calls it."""
 import pytest
 
-from cluster.config.ppo import BUILTIN_REWARD, load_config
+from actors.rewards.config import BUILTIN_REWARD
+from cluster.config.ppo import load_config
 from cluster.runtime.prepare import prepare
 
 pytestmark = pytest.mark.integration
@@ -10,7 +11,8 @@ ENV = ["env.environment=actors.environments:Calculator"]
 
 
 def test_the_environment_scoring_loads_and_probes_no_reward_function(monkeypatch):
-    import actors.reward
+    import actors.rewards.probe
+    import actors.rewards.scoring
 
     calls = []
 
@@ -20,8 +22,8 @@ def test_the_environment_scoring_loads_and_probes_no_reward_function(monkeypatch
             return real(spec, *args, **kwargs)
         return counted
 
-    for name in ("load_function", "probe_function"):
-        monkeypatch.setattr(actors.reward, name, counting(name, getattr(actors.reward, name)))
+    for module, name in ((actors.rewards.scoring, "load_function"), (actors.rewards.probe, "probe_function")):
+        monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
     prepare(load_config(None, ENV))
     assert calls == []
     prepare(load_config(None, ENV + ["env.reward=pool"]))  # the pool calls it: loaded and probed

@@ -21,7 +21,7 @@ JUDGE = ["reward.function=null", "reward.judge.model=builtin:judge"]
 def test_each_setting_names_its_source(overrides, kind, name):
     from actors.rewards.source import reward_source
     source = reward_source(load_config(None, overrides))
-    assert (source.kind, source.name) == (kind, name)
+    assert (source.type.name, source.name) == (kind, name)
     assert source.holds_model == (kind in ("model", "judge"))
 
 
