@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from core.advantages import per_token_rewards, per_turn_rewards, shaped_scores
-from core.kl import kl_estimate
+from core.kl import KLPenalty, kl_estimate
 from core.rollout import Rollout, ScoredRollout
 
 log = logging.getLogger(__name__)
@@ -31,12 +31,12 @@ class RewardShaping:
     reward_clip: Optional[float] = None
 
     @classmethod
-    def for_step(cls, *, beta: float, kl_estimator: str = "k1", kl_placement: str = "reward",
-                 truncation_penalty: float = 0.0, reward_clip: Optional[float] = None) -> "RewardShaping":
-        """The shaping of one step with the KL coefficient ``beta``: the KL penalty enters the
-        rewards only with ``kl_placement="reward"``; with "loss" the learner weighs the KL loss
-        term by beta instead, and the rewards are the scores alone (the KL is still measured)."""
-        return cls(beta=beta if kl_placement == "reward" else 0.0, kl_estimator=kl_estimator,
+    def for_step(cls, kl: KLPenalty, *, truncation_penalty: float = 0.0,
+                 reward_clip: Optional[float] = None) -> "RewardShaping":
+        """The shaping of one step's KL penalty ``kl``: it enters the rewards only when it is not
+        a loss term (``kl.reward_beta``); either way the KL is measured with its estimator, which
+        the KL controller reads."""
+        return cls(beta=kl.reward_beta, kl_estimator=kl.estimator,
                    truncation_penalty=truncation_penalty, reward_clip=reward_clip)
 
 

@@ -5,10 +5,11 @@ Conventions as in core.masked.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from core.choices import KL_ESTIMATORS
+from core.choices import KL_ESTIMATORS, KLEstimator, KLPlacement, kl_placement_error
 from core.masked import check_shapes, require
 
 Tensor = torch.Tensor
@@ -101,3 +102,35 @@ class AdaptiveKLController:
         require(n_steps >= 0, f"{fn}: n_steps must be >= 0, got {n_steps}")
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+
+@dataclass(frozen=True)
+class KLPenalty:
+    """The KL-to-reference penalty of one step, as the driver hands it to the reward shaping
+    (core.annotate.RewardShaping.for_step) and to the learner's update: beta as the controller
+    had it when the driver built this value, the estimator, and where the penalty acts
+    (``ppo.kl.placement``). The driver builds one from the controller whenever it hands one
+    on, so the controller alone moves beta (``AdaptiveKLController.update`` reads the batch's
+    measured KL, not this value). Whether the KL is a loss term is asked of ``in_loss`` alone."""
+    beta: float = 0.0
+    estimator: KLEstimator = "k1"
+    placement: KLPlacement = "reward"
+
+    def __post_init__(self) -> None:
+        problem = kl_placement_error(self.placement, self.estimator)
+        if problem:
+            raise ValueError(f"KLPenalty: {problem}")
+
+    @property
+    def in_loss(self) -> bool:
+        """True: the learner adds beta x the estimator's aggregate to its loss (the GRPO family)."""
+        return self.placement == "loss"
+
+    @property
+    def reward_beta(self) -> float:
+        """beta of -beta x KL per token in the rewards; 0 when the KL is a loss term instead,
+        where the rewards are the scores alone (the KL is still measured)."""
+        return 0.0 if self.in_loss else self.beta
+
+
+NO_KL = KLPenalty()  # a learner update without a KL term (the rewards' beta is 0 too)

@@ -18,7 +18,6 @@ from core.choices import (
     ESTIMATOR_HELP,
     AdvantageEstimator,
     Critic,
-    KLEstimator,
     LossAggregation,
     LRDecay,
     OffPolicyCorrection,
@@ -30,7 +29,6 @@ from core.choices import (
     discounting_names,
     estimator_row,
     gamma_error,
-    kl_placement_error,
 )
 from core.infra.schema import check_choices, config_class, setting
 from learner.lora_config import LoraConfig
@@ -314,9 +312,6 @@ class LearnerConfig(RankConfig):
     max_new_tokens: Optional[int] = setting(
         None, "the generation budget (generator.sampling.max_new_tokens): ppo.agg=seq-mean-token-sum-norm divides "
               "each sequence's token sum by it, a constant as in Dr. GRPO")
-    kl_loss_estimator: Optional[KLEstimator] = setting(
-        None, "ppo.kl.placement=loss: the KL estimator (k2 | k3) added to the loss as beta x its aggregate, "
-              "the gradient flowing through the policy's log-probs; None: the KL is in the reward")
     reference_threads: int = setting(0, "reference.on_learner: CPU threads rank 0 scores the reference with "
                                         "(the scorers' share of the node); 0: the learner's own")
 
@@ -332,10 +327,6 @@ class LearnerConfig(RankConfig):
         if self.ppo.agg == "seq-mean-token-sum-norm" and self.max_new_tokens is None:
             _fail("learner: ppo.agg=seq-mean-token-sum-norm divides by the generation budget; set "
                   "learner max_new_tokens (a job sets it from generator.sampling.max_new_tokens)")
-        if self.kl_loss_estimator is not None:
-            problem = kl_placement_error("loss", self.kl_loss_estimator)
-            if problem:
-                _fail(f"learner: {problem}")
         self.ppo.validate(world_size, at=ppo_at)
         self._check_critic()
         if self.lora.enabled and self.lora.dropout:

@@ -133,9 +133,10 @@ class LearnerGroup:
 
     def train(self, shards: list, **options) -> dict:
         """The objective's train() on every rank (for PPO one update, with ``ptx_rows`` and
-        ``kl_coef``). ``shards``: one entry per rank (core.rollout.shard_rollouts makes PPO's),
-        each a list or a Ray ObjectRef to one; a ref is pulled by its rank (core.infra.transfer), so
-        the rollouts never pass through this process, and the ranks' ``transfer/to_learner_*``
+        ``kl``, the step's core.kl.KLPenalty). ``shards``: one entry per rank
+        (core.rollout.shard_rollouts makes PPO's), each a list or a Ray ObjectRef to one; a ref
+        is pulled by its rank (core.infra.transfer), so the rollouts never pass through this
+        process, and the ranks' ``transfer/to_learner_*``
         (bytes and seconds across nodes) are summed. ``options``: the objective's, each rank's
         share cut by its ``rank_options`` (PPO: rank r gets the r-th of W equal consecutive
         blocks of the [N, T] ``ptx_rows``, so N must be a multiple of the world size)."""

@@ -103,9 +103,9 @@ class LearnerWorker:
 
     def train(self, batch, **options) -> dict:
         """The objective's optimizer steps on this rank's share of the batch (for PPO: one update
-        of ``ppo_epochs`` passes, with ``ptx_rows`` and ``kl_coef``); every rank must call it. A
-        batch in a core.infra.transfer.Pull is pulled here: what that moved between nodes comes back
-        as ``transfer/to_learner_*`` (0 for a plain list)."""
+        of ``ppo_epochs`` passes, with ``ptx_rows`` and ``kl``, the step's core.kl.KLPenalty);
+        every rank must call it. A batch in a core.infra.transfer.Pull is pulled here: what that
+        moved between nodes comes back as ``transfer/to_learner_*`` (0 for a plain list)."""
         (batch,), moved = pull_args(batch)
         metrics = self.objective.train(batch, step=self.step, **options)
         self.step += 1

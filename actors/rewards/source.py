@@ -57,8 +57,8 @@ def _judge_scorer(source, config, *, dtype=None, seed: int = 0, **_):
 
 
 SOURCES: dict[str, SourceType] = {t.name: t for t in (
-    SourceType("function", "reward function", "reward.function", lambda w: w.function, text_scorer=_function_scorer),
     SourceType("model", "reward model", "reward.model", lambda w: w.model, weights=True),
+    SourceType("function", "reward function", "reward.function", lambda w: w.function, text_scorer=_function_scorer),
     SourceType("url", "reward server", "reward.url", lambda w: w.url, text_scorer=_server_scorer),
     SourceType("judge", "reward judge", "reward.judge.model", lambda w: w.judge.model, weights=True, engine=True,
                text_scorer=_judge_scorer),
@@ -99,14 +99,24 @@ class RewardSource:
         return "the environment's" if self.from_episodes else self.name.removeprefix("reward ")
 
 
+def given_sources(reward) -> list[RewardSource]:
+    """The sources ``reward`` (a RewardConfig) sets, in the table's order: one, in a valid config."""
+    return [RewardSource(t, t.setting(reward)) for t in SOURCES.values() if t.setting(reward) is not None]
+
+
+def one_source_rule() -> str:
+    """What a valid reward section sets, for the messages that refuse another."""
+    keys = [t.key for t in SOURCES.values() if not t.episodes]
+    return f"set exactly one of {', '.join(keys[:-1])} and {keys[-1]}"
+
+
 def configured_source(reward) -> RewardSource:
     """The one source ``reward`` (a RewardConfig) sets; a one-line ValueError unless exactly one
     of the table's settings is given (the config check says the same to a user)."""
-    given = [RewardSource(t, t.setting(reward)) for t in SOURCES.values() if t.setting(reward) is not None]
+    given = given_sources(reward)
     if len(given) != 1:
-        keys = ", ".join(t.key for t in SOURCES.values() if not t.episodes)
         got = ", ".join(f"{s.type.key}={s.spec!r}" for s in given) or "none"
-        raise ValueError(f"reward: set exactly one of {keys} (got {got})")
+        raise ValueError(f"reward: {one_source_rule()} (got {got})")
     return given[0]
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 from actors.environments.config import EnvConfig, check_env
 from actors.rewards.config import RewardConfig, check_reward_http, check_sandbox
+from actors.rewards.source import given_sources, one_source_rule
 from cluster.config import loader
 from cluster.config.ineffective import check_ineffective
 from cluster.config.loader import ConfigError, RootConfig
@@ -244,8 +245,7 @@ class TetherConfig(RootConfig):
                              seed=self.run.seed, temperature=self.generator.sampling.temperature,
                              top_k=self.generator.sampling.top_k, top_p=self.generator.sampling.top_p,
                              max_new_tokens=self.env.max_tokens if self.env.enabled else
-                             self.generator.sampling.max_new_tokens,
-                             kl_loss_estimator=self.ppo.kl.estimator if self.ppo.kl.placement == "loss" else None)
+                             self.generator.sampling.max_new_tokens)
 
     @property
     def rollouts_per_step(self) -> int:
@@ -307,9 +307,8 @@ def validate(cfg: TetherConfig) -> None:
 
 
 def _check_reward(reward: RewardPoolConfig) -> None:
-    if sum(x is not None for x in (reward.model, reward.function, reward.url, reward.judge.model)) != 1:
-        raise ConfigError("config: set exactly one of reward.model, reward.function, reward.url and "
-                          "reward.judge.model (the others to null)")
+    if len(given_sources(reward)) != 1:
+        raise ConfigError(f"config: {one_source_rule()} (the others to null)")
     check_reward_http(reward.url, reward.http)
     if reward.normalize and reward.model is None:
         raise ConfigError("config: reward.normalize standardises reward-model scores; set reward.model "

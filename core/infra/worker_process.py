@@ -6,8 +6,8 @@ does, without its re-run of the parent's ``__main__`` (in a Ray actor, Ray's wor
 a user's script, maybe code without a main guard that would start a run). It gets the
 replica's sys.path, so what the replica imports, it imports; it talks over a socket pair with
 multiprocessing's Connection. Each watches its parent and exits when it is gone, so a replica
-that dies leaves no worker behind. The reward sandbox (actors/rewards/sandbox.py) and the environment
-workers (actors/environments/workers.py) run on it.
+that dies leaves no worker behind. core/infra/worker_pool.py keeps a pool of them; the reward
+sandbox (actors/rewards/sandbox.py) and the environment workers (actors/environments/workers.py) run on it.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 
 def _watch_parent(parent: int) -> None:
@@ -53,6 +54,42 @@ def import_failure(text: str, memory_mb: int, setting: str) -> str:
     if memory_mb and any(marker in text for marker in OUT_OF_MEMORY):
         return f"{text} (likely out of memory within {setting}={memory_mb}, which counts the interpreter too: raise it)"
     return text
+
+
+def serve(conn: Connection, load: Callable[[], Callable[[Any], Any]], *, what: str, memory_mb: int, setting: str,
+          parent: int, unsendable: Callable[[Any, Exception], Any] | None = None) -> None:
+    """A worker's life, the other side of core/infra/worker_pool.py: ``worker_setup``, then
+    ``load()`` imports the user's code (``what``, named in its errors) once and gives the function
+    that answers a request. The first message says ("ready", None), or ("error", one line) and the
+    worker exits; then each request gets its answer until a None (stop) or the replica's socket
+    closes. An answer that cannot be sent is replaced by ``unsendable(request, error)``; without
+    one, the worker dies of it (and the pool reports that)."""
+    worker_setup(parent, memory_mb)
+    try:
+        answer = load()
+    except (ValueError, MemoryError) as e:
+        why = str(e) if isinstance(e, ValueError) else f"{what}: MemoryError while importing it"
+        text = import_failure(why, memory_mb, setting)
+        try:
+            conn.send(("error", text))
+        except MemoryError:  # the parent reports the exit, naming memory_mb
+            pass
+        os._exit(1)
+    conn.send(("ready", None))
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        if request is None:
+            return
+        reply = answer(request)
+        try:
+            conn.send(reply)
+        except Exception as e:
+            if unsendable is None:
+                raise
+            conn.send(unsendable(request, e))
 
 
 def entry_args() -> tuple[Connection, list]:

@@ -20,14 +20,16 @@ import torch
 
 from core import ppo
 from core.estimators import EstimatorOptions, estimator
-from core.kl import kl_estimate
+from core.kl import NO_KL, KLPenalty, kl_estimate
 from core.layout import position_ids
 from core.masked import explained_variance
 from core.rollout import ScoredRollout
 from learner.batch import Batch, collate, collate_lm
-from learner.config import LearnerConfig
+from learner.collectives import Collectives
+from learner.config import LearnerConfig, PPOConfig
 from learner.lora import adapter_disabled
 from learner.objectives.advantage_inputs import advantage_inputs
+from learner.objectives.loss_terms import MicroBatch, TermSettings, micro_batch_loss
 from learner.objectives.minibatches import minibatch_plan, split_rows, visit_order
 from learner.objectives.objective import Objective
 from learner.objectives.stats import UpdateStats, merge_rank_metrics
@@ -44,7 +46,6 @@ class PPOObjective(Objective):
         super().__init__(**parts)
         self.epoch_history: list[dict] = []  # this rank's per-epoch losses of the last train()
         self.last_ptx_rows: Optional[np.ndarray] = None  # [n, T] PTX rows of the last train()
-        self.kl_coef = 0.0  # beta of the KL loss term in the current train()
         self.critic = self.config.value_model != "none"  # a value model to train (gae), or none
         self.row_offset = 0  # this rank's first row in the global batch (the shards in rank order)
         self.layout = Packed if self.config.ppo.packing else Padded  # how a micro-batch enters the forward
@@ -58,42 +59,38 @@ class PPOObjective(Objective):
         return policy, policy.lm
 
     def train(self, shard: list[ScoredRollout], ptx_rows: Optional[np.ndarray] = None,
-              kl_coef: float = 0.0, *, step: int = 0) -> dict:
+              kl: KLPenalty = NO_KL, *, step: int = 0) -> dict:
         """``ppo_epochs`` passes over this rank's shard; every rank must call it. ``ptx_rows``
         [n, T]: this rank's PTX text, spread evenly over the update's optimizer steps.
-        ``kl_coef``: beta of the KL loss term when ``config.kl_loss_estimator`` is set.
-        ``step``: the updates done before this one, which seeds the shuffle (a resumed run
-        replays it)."""
+        ``kl``: the step's KL penalty, a loss term when ``kl.in_loss``. ``step``: the updates
+        done before this one, which seeds the shuffle (a resumed run replays it)."""
         t0 = time.perf_counter()
-        self.kl_coef = float(kl_coef) if self.config.kl_loss_estimator else 0.0
-        global_tokens, counts = self._check_shard(shard)
-        horizon = self.config.max_new_tokens  # seq-mean-token-sum-norm's divisor: a constant, not this batch's longest
+        global_tokens, counts = _shard_sizes(self.comm, shard)
+        self.row_offset = sum(counts[:self.rank])
         batch = collate(shard, self.pad_id).to(self.device)
         metrics = self._prepare(batch, shard)
-        stats = UpdateStats()
-        epochs = self._agreed([self._minibatches(counts, step, e) for e in range(self.config.ppo.ppo_epochs)], batch)
-        # What a rank short of rows trains: a row with no valid token (zero loss, whole graph).
-        blank = dataclasses.replace(batch[:1], response_mask=torch.zeros_like(batch.response_mask[:1])).trimmed()
-        ptx = self._ptx_slices(ptx_rows, sum(map(len, epochs)))
+        cfg = self.config.ppo
+        epochs = _agreed(self.comm, cfg, batch, [_epoch_plan(self.config, self.rank, counts, step, e)
+                                                 for e in range(cfg.ppo_epochs)])
+        self.last_ptx_rows = None if ptx_rows is None or cfg.ptx_coef == 0 else np.asarray(ptx_rows)
+        ptx = _ptx_slices(self.last_ptx_rows, sum(map(len, epochs)), self.pad_id, self.device)
         # Without a recompute, the first minibatch (still at the update's starting weights)
         # is where the learner's log-probs meet the sampler's: the agreement metrics come from it.
-        probe = [] if self.config.ppo.old_logprobs == "behaviour" else None
+        steps = _UpdateSteps(self, batch, kl, probe=[] if cfg.old_logprobs == "behaviour" else None)
         self.epoch_history = []
         for minibatches in epochs:
-            before = stats.copy()
+            before = steps.stats.copy()
             for rows, micros in minibatches:
-                self._minibatch_step(batch[rows], micros, blank, horizon, next(ptx), stats, probe)
-                if probe:
-                    metrics.update(self._agreement_metrics(probe))
-                    probe = None
-            self.epoch_history.append(stats.since(before).epoch_summary())
+                steps.minibatch(batch[rows], micros, next(ptx))
+                if steps.probe:
+                    metrics.update(self._agreement_metrics(steps.probe))
+                    steps.probe = None
+            self.epoch_history.append(steps.stats.since(before).epoch_summary())
         seconds = time.perf_counter() - t0
-        metrics.update(stats.metrics(self.comm.sum, world_size=self.world_size,
-                                     with_ptx=bool(self.config.ppo.ptx_coef),
-                                     with_kl_loss=self.config.kl_loss_estimator is not None,
-                                     with_values=self.critic))
-        if self.config.kl_loss_estimator is not None:
-            metrics["ppo/kl_loss_coef"] = self.kl_coef
+        metrics.update(steps.stats.metrics(self.comm.sum, world_size=self.world_size, with_ptx=bool(cfg.ptx_coef),
+                                           with_kl_loss=kl.in_loss, with_values=self.critic))
+        if kl.in_loss:
+            metrics["ppo/kl_loss_coef"] = kl.beta
         metrics.update({"perf/learner_seconds": seconds,
                         "perf/learner_tokens_per_s": global_tokens / seconds,
                         "learner/step": step + 1, "learner/optimizer_steps": self.engine.global_steps,
@@ -117,9 +114,9 @@ class PPOObjective(Objective):
             return self.evaluate(rollouts)
 
     @classmethod
-    def rank_options(cls, world_size: int, ptx_rows: Optional[np.ndarray] = None, kl_coef: float = 0.0) -> list:
-        """Rank r trains the r-th of W equal blocks of the PTX rows, and every rank with beta ``kl_coef``."""
-        return [{"ptx_rows": rows, "kl_coef": kl_coef} for rows in split_rows(ptx_rows, world_size)]
+    def rank_options(cls, world_size: int, ptx_rows: Optional[np.ndarray] = None, kl: KLPenalty = NO_KL) -> list:
+        """Rank r trains the r-th of W equal blocks of the PTX rows, and every rank with the KL penalty ``kl``."""
+        return [{"ptx_rows": rows, "kl": kl} for rows in split_rows(ptx_rows, world_size)]
 
     @classmethod
     def merge_train(cls, per_rank: list[dict]) -> dict:
@@ -129,26 +126,6 @@ class PPOObjective(Objective):
     def merge_evaluate(cls, per_rank: list) -> list:
         """The ranks' log-probs in rank order: the rollouts' order when the shards were cut in it."""
         return [lp for rank in per_rank for lp in rank]
-
-    def _check_shard(self, shard: list[ScoredRollout]) -> tuple[int, list[int]]:
-        """Agree across ranks on sizes before any collective that depends on them:
-        (global tokens, rows on each rank)."""
-        n = len(shard)
-        tokens = sum(r.trained_tokens for r in shard)
-        (no_tokens,) = self.comm.max([float(tokens == 0)])
-        (global_tokens,) = self.comm.sum([tokens])
-        counts = [int(row[0]) for row in self.comm.gather_rows([[n]])]
-        self.row_offset = sum(counts[:self.rank])
-        if global_tokens == 0:
-            raise ValueError(f"learner.train: zero valid response tokens in the batch "
-                             f"({sum(counts)} rollouts); drop empty responses before training")
-        if min(counts) == 0:
-            raise ValueError(f"learner.train: a rank got an empty shard (rows per rank: {counts}); "
-                             "shard with core.rollout.shard_rollouts")
-        if no_tokens:
-            raise ValueError("learner.train: a rank's shard has zero valid response tokens; "
-                             "shard so that every rank gets some response tokens")
-        return int(global_tokens), counts
 
     def _forward(self, mb: Batch, with_entropy: bool, values_only: bool = False, with_own_set: bool = False):
         args, where = self.layout.inputs(mb)  # padded rows, or one packed row (learner/packing.py)
@@ -204,7 +181,8 @@ class PPOObjective(Objective):
         log-probs are None. Under ZeRO-3 every forward is a collective, so every rank runs as many
         (a rank with fewer micro-batches repeats a row, its outputs unused); below it no collective
         runs here, so rank 0 may score alone (reference.on_learner)."""
-        groups = self._groups(batch, by_length=False)  # in order: a row's batch-mates as they always were
+        # in order: a row's batch-mates as they always were
+        groups = _micro_groups(batch, self.config.ppo, by_length=False)
         most = len(groups)
         if self.engine.zero_optimization_stage() == 3:
             (most,) = self.comm.max([most])
@@ -221,19 +199,6 @@ class PPOObjective(Objective):
                 if t is not None and k < len(groups):  # trimmed columns were padding: they stay zeros
                     out[rows, :t.shape[1]] = t.float()
         return (None, outs[1], None) if values_only else tuple(outs)
-
-    def _groups(self, mb: Batch, by_length: bool = True) -> list[np.ndarray]:
-        """Row indices of each micro-batch of ``mb`` (learner/packing.py row_groups)."""
-        cfg = self.config.ppo
-        return row_groups(row_lengths(mb), cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, by_length=by_length)
-
-    def _agreed(self, epochs: list, batch: Batch) -> list:
-        """The minibatch plans with the micro-batch count every rank runs: the most any rank's
-        rows need. With a token budget that depends on the rows' lengths, so it takes one
-        all-reduce (without, it is the plan's count, which the shard sizes alone give)."""
-        local = [len(self._groups(batch[rows])) if len(rows) else 0 for plan in epochs for rows, _ in plan]
-        most = iter(int(n) for n in self.comm.max(local))
-        return [[(rows, next(most)) for rows, _ in plan] for plan in epochs]
 
     def _value_metrics(self, b: Batch) -> dict:
         m = b.response_mask.double()
@@ -275,100 +240,139 @@ class PPOObjective(Objective):
                 "off_policy/behaviour_kl": s_kl / n, "off_policy/is_weight_mean": s_w / n,
                 "off_policy/is_weight_max": w_max, "off_policy/capped_frac": s_capped / n}
 
-    def _minibatches(self, counts: list[int], step: int, epoch: int) -> list[tuple[np.ndarray, int]]:
-        """(this rank's rows, micro-batches) per minibatch of an epoch: learner/objectives/minibatches.py."""
-        cfg = self.config.ppo
-        order = visit_order(sum(counts), seed=self.config.seed, step=step, epoch=epoch, shuffle=cfg.shuffle)
-        return minibatch_plan(counts, self.rank, order, cfg.minibatch_size, cfg.micro_batch_size)
 
-    def _minibatch_step(self, mb: Batch, n_micro: int, blank: Batch, horizon: int, ptx, stats: UpdateStats,
-                        probe=None) -> None:
+class _UpdateSteps:
+    """The optimizer steps of one train() call and what they accumulate (``stats``): per
+    minibatch, each micro-batch's loss (learner/objectives/loss_terms.py) backward, then the
+    PTX slice's, which closes one optimizer step. ``probe``: a list that collects each
+    micro-batch's (learner log-probs, behaviour log-probs, mask) until the caller takes it."""
+
+    def __init__(self, objective: PPOObjective, batch: Batch, kl: KLPenalty, probe: Optional[list]) -> None:
+        self.objective, self.engine = objective, objective.engine
+        self.settings = TermSettings(ppo=objective.config.ppo, kl=kl, critic=objective.critic)
+        self.horizon = objective.config.max_new_tokens  # seq-mean-token-sum-norm's divisor: a constant
+        # What a rank short of rows trains: a row with no valid token (zero loss, whole graph).
+        self.blank = dataclasses.replace(batch[:1], response_mask=torch.zeros_like(batch.response_mask[:1])).trimmed()
+        self.stats = UpdateStats()
+        self.probe = probe
+
+    def minibatch(self, mb: Batch, n_micro: int, ptx) -> None:
         """Accumulate gradients over ``n_micro`` micro-batches (+ PTX), then one optimizer step;
-        ``blank`` fills the micro-batches this rank has no rows for. ``probe``: a list that
-        collects each micro-batch's (learner log-probs, behaviour log-probs, mask)."""
-        n_tok, n_seq = self.comm.sum([mb.num_tokens(), float((mb.response_mask.sum(1) > 0).sum())])
-        micros = [mb[rows].trimmed() for rows in self._groups(mb)]
-        micros += [blank] * (n_micro - len(micros))
+        the blank row fills the micro-batches this rank has no rows for."""
+        obj = self.objective
+        n_tok, n_seq = obj.comm.sum([mb.num_tokens(), float((mb.response_mask.sum(1) > 0).sum())])
+        micros = [mb[rows].trimmed() for rows in _micro_groups(mb, self.settings.ppo)]
+        micros += [self.blank] * (n_micro - len(micros))
         for i, mic in enumerate(micros):
-            stats.add_forward(fed=self.layout.fed(mic), real=float(mic.attention_mask.sum()))
+            self.stats.add_forward(fed=obj.layout.fed(mic), real=float(mic.attention_mask.sum()))
             self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1 and ptx is None)
-            loss = self._micro_loss(mic, n_tok, n_seq, horizon, stats, probe)
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-            self._engine_step(stats)
+            loss = self._micro_loss(mic, n_tok, n_seq)
+            self.engine.backward(loss * obj.world_size, scale_wrt_gas=False)
+            self._engine_step()
         if ptx is not None:
-            self._ptx_step(ptx, stats)
+            self._ptx_step(ptx)
 
-    def _engine_step(self, stats: UpdateStats) -> None:
-        """DeepSpeed's step: an optimizer step only at the accumulation boundary."""
-        if not self.engine.is_gradient_accumulation_boundary():
-            self.engine.step()
-            return
-        lr = self.engine.get_lr()[0]  # the lr this step uses
-        norm = None
-        if self.engine.zero_optimization_stage() == 0:  # no norm recorded without ZeRO; grads are reduced now
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters()
-                                                  if p.grad is not None])
-        self.engine.step()
-        stats.add_optimizer_step(grad_norm=_as_float(norm if norm is not None
-                                                     else self.engine.get_global_grad_norm()), lr=lr)
-
-    def _micro_loss(self, mic: Batch, n_tok: float, n_seq: float, horizon: int, stats: UpdateStats, probe=None):
-        cfg = self.config.ppo
-        lp, v, ent = self._forward(mic, with_entropy=True)
+    def _micro_loss(self, mic: Batch, n_tok: float, n_seq: float):
+        """[] the micro-batch's share of the minibatch loss (normalised by the minibatch's global
+        ``n_tok`` tokens or ``n_seq`` sequences), its terms' and forward's stats added."""
+        lp, v, ent = self.objective._forward(mic, with_entropy=True)
         m = mic.response_mask
-        if probe is not None:
-            probe.append((lp.detach(), mic.behaviour_logprobs, m))
+        if self.probe is not None:
+            self.probe.append((lp.detach(), mic.behaviour_logprobs, m))
         local = float(m.sum())
         if local == 0:  # keep every parameter in the graph so ZeRO's reductions line up
             return (lp.sum() + v.sum()) * 0.0
-        agg = ppo.Aggregation(mode=cfg.agg, global_tokens=n_tok, global_seqs=n_seq, horizon=horizon)
-        pg, clip_frac, approx_kl = ppo.policy_loss(lp, mic.old_logprobs, mic.advantages, m, cfg.clip_low,
-                                                   cfg.clip_high, cfg.dual_clip, agg, weights=mic.is_weights)
-        loss, vf, vf_clip = pg, torch.zeros(()), torch.zeros(())
-        if self.critic:
-            vf, vf_clip = ppo.value_loss(v, mic.old_values, mic.returns, m, cfg.value_clip, agg)
-            loss = loss + cfg.vf_coef * vf
-        if self.config.kl_loss_estimator is not None:  # the KL to the reference, with its gradient
-            kl, kl_mean = ppo.kl_loss(lp, mic.reference_logprobs, m, self.config.kl_loss_estimator, agg)
-            loss = loss + self.kl_coef * kl
-            stats.kl_loss += kl.item()
-            stats.kl_sum += kl_mean.item() * local
-        if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * ppo.aggregate_loss(ent, m, agg)
-        stats.add_micro_batch(policy_loss=pg.item(), value_loss=vf.item(),
-                              entropy_sum=float((ent.detach() * m).sum()), approx_kl=approx_kl.item(),
-                              clip_frac=clip_frac.item(), vf_clip_frac=vf_clip.item(), tokens=local)
+        agg = ppo.Aggregation(mode=self.settings.ppo.agg, global_tokens=n_tok, global_seqs=n_seq,
+                              horizon=self.horizon)
+        loss = micro_batch_loss(MicroBatch(logprobs=lp, values=v, entropy=ent, batch=mic, agg=agg),
+                                self.settings, self.stats, tokens=local)
+        self.stats.add_micro_batch(entropy_sum=float((ent.detach() * m).sum()), tokens=local)
         return loss
 
-    def _ptx_slices(self, rows: Optional[np.ndarray], optimizer_steps: int):
-        """One (ids, mask) slice of the PTX rows per optimizer step: consecutive, near-equal
-        parts when there are enough rows, else one row each, cycling. Every rank gets the same
-        number of rows, so every rank runs the same number of PTX micro-batches."""
-        if rows is None or self.config.ppo.ptx_coef == 0:
-            self.last_ptx_rows = None
-            return itertools.repeat(None)
-        self.last_ptx_rows = np.asarray(rows)
-        parts = (np.array_split(self.last_ptx_rows, optimizer_steps) if len(rows) >= optimizer_steps
-                 else [self.last_ptx_rows[k % len(rows)][None] for k in range(optimizer_steps)])
-        return iter([tuple(t.to(self.device) for t in collate_lm(part, self.pad_id)) for part in parts])
+    def _engine_step(self) -> None:
+        """DeepSpeed's step: an optimizer step only at the accumulation boundary."""
+        engine = self.engine
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()
+            return
+        lr = engine.get_lr()[0]  # the lr this step uses
+        norm = None
+        if engine.zero_optimization_stage() == 0:  # no norm recorded without ZeRO; grads are reduced now
+            norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
+        engine.step()
+        self.stats.add_optimizer_step(grad_norm=_as_float(norm if norm is not None else engine.get_global_grad_norm()),
+                                      lr=lr)
 
-    def _ptx_step(self, ptx, stats: UpdateStats) -> None:
+    def _ptx_step(self, ptx) -> None:
         """Backward of ptx_coef x this slice's token-mean LM loss, micro-batch by micro-batch;
         the last micro-batch closes the optimizer step."""
         ids, mask = ptx
         tokens = float(mask[:, 1:].sum())
-        micro = self.config.ppo.micro_batch_size
+        micro, coef = self.settings.ppo.micro_batch_size, self.settings.ppo.ptx_coef
         starts = range(0, len(ids), micro)
         for i, lo in enumerate(starts):
             mid, mmask = ids[lo:lo + micro], mask[lo:lo + micro]
             logits, values = self.engine(mid, mmask, position_ids(mmask))
             lm = ppo.ptx_loss(logits[:, :-1], mid[:, 1:], mmask[:, 1:]) * (float(mmask[:, 1:].sum()) / tokens)
-            stats.ptx_loss += lm.item()
+            self.stats.ptx_loss += lm.item()
             self.engine.set_gradient_accumulation_boundary(i == len(starts) - 1)
             # Per-rank token mean; DeepSpeed's rank average makes it the mean over ranks. The value
             # head joins the graph at zero weight so ZeRO's gradient reductions line up.
-            self.engine.backward(self.config.ppo.ptx_coef * lm + values.sum() * 0.0, scale_wrt_gas=False)
-            self._engine_step(stats)
+            self.engine.backward(coef * lm + values.sum() * 0.0, scale_wrt_gas=False)
+            self._engine_step()
+
+
+def _shard_sizes(comm: Collectives, shard: list[ScoredRollout]) -> tuple[int, list[int]]:
+    """Agree across ranks on sizes before any collective that depends on them:
+    (global tokens, rows on each rank)."""
+    n = len(shard)
+    tokens = sum(r.trained_tokens for r in shard)
+    (no_tokens,) = comm.max([float(tokens == 0)])
+    (global_tokens,) = comm.sum([tokens])
+    counts = [int(row[0]) for row in comm.gather_rows([[n]])]
+    if global_tokens == 0:
+        raise ValueError(f"learner.train: zero valid response tokens in the batch "
+                         f"({sum(counts)} rollouts); drop empty responses before training")
+    if min(counts) == 0:
+        raise ValueError(f"learner.train: a rank got an empty shard (rows per rank: {counts}); "
+                         "shard with core.rollout.shard_rollouts")
+    if no_tokens:
+        raise ValueError("learner.train: a rank's shard has zero valid response tokens; "
+                         "shard so that every rank gets some response tokens")
+    return int(global_tokens), counts
+
+
+def _micro_groups(mb: Batch, cfg: PPOConfig, by_length: bool = True) -> list[np.ndarray]:
+    """Row indices of each micro-batch of ``mb`` (learner/packing.py row_groups)."""
+    return row_groups(row_lengths(mb), cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, by_length=by_length)
+
+
+def _epoch_plan(config: LearnerConfig, rank: int, counts: list[int], step: int,
+                epoch: int) -> list[tuple[np.ndarray, int]]:
+    """(this rank's rows, micro-batches) per minibatch of an epoch: learner/objectives/minibatches.py."""
+    cfg = config.ppo
+    order = visit_order(sum(counts), seed=config.seed, step=step, epoch=epoch, shuffle=cfg.shuffle)
+    return minibatch_plan(counts, rank, order, cfg.minibatch_size, cfg.micro_batch_size)
+
+
+def _agreed(comm: Collectives, cfg: PPOConfig, batch: Batch, epochs: list) -> list:
+    """The minibatch plans with the micro-batch count every rank runs: the most any rank's
+    rows need. With a token budget that depends on the rows' lengths, so it takes one
+    all-reduce (without, it is the plan's count, which the shard sizes alone give)."""
+    local = [len(_micro_groups(batch[rows], cfg)) if len(rows) else 0 for plan in epochs for rows, _ in plan]
+    most = iter(int(n) for n in comm.max(local))
+    return [[(rows, next(most)) for rows, _ in plan] for plan in epochs]
+
+
+def _ptx_slices(rows: Optional[np.ndarray], optimizer_steps: int, pad_id: int, device: torch.device):
+    """One (ids, mask) slice of the PTX rows per optimizer step: consecutive, near-equal
+    parts when there are enough rows, else one row each, cycling. Every rank gets the same
+    number of rows, so every rank runs the same number of PTX micro-batches. None: no PTX."""
+    if rows is None:
+        return itertools.repeat(None)
+    parts = (np.array_split(rows, optimizer_steps) if len(rows) >= optimizer_steps
+             else [rows[k % len(rows)][None] for k in range(optimizer_steps)])
+    return iter([tuple(t.to(device) for t in collate_lm(part, pad_id)) for part in parts])
 
 
 def _as_float(x) -> float:

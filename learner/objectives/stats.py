@@ -34,15 +34,25 @@ class UpdateStats:
     real: float = 0.0            # of which real tokens (prompt + response)
     lr: float = 0.0              # the learning rate of the last optimizer step
 
-    def add_micro_batch(self, *, policy_loss: float, value_loss: float, entropy_sum: float,
-                        approx_kl: float, clip_frac: float, vf_clip_frac: float, tokens: float) -> None:
-        self.policy_loss += policy_loss
-        self.value_loss += value_loss
+    def add_micro_batch(self, *, entropy_sum: float, tokens: float) -> None:
+        """The micro-batch's forward: its entropy and tokens, whichever loss terms are on."""
         self.entropy_sum += entropy_sum
-        self.approx_kl_sum += approx_kl * tokens
-        self.clip_sum += clip_frac * tokens
-        self.vf_clip_sum += vf_clip_frac * tokens
         self.tokens += tokens
+
+    # The loss terms' reports (learner/objectives/loss_terms.py): each takes what its term's
+    # function returns, in order; a token mean is weighted by the micro-batch's tokens.
+    def add_policy(self, loss: float, clip_frac: float, approx_kl: float, *, tokens: float) -> None:
+        self.policy_loss += loss
+        self.clip_sum += clip_frac * tokens
+        self.approx_kl_sum += approx_kl * tokens
+
+    def add_value(self, loss: float, vf_clip_frac: float, *, tokens: float) -> None:
+        self.value_loss += loss
+        self.vf_clip_sum += vf_clip_frac * tokens
+
+    def add_kl(self, loss: float, kl_mean: float, *, tokens: float) -> None:
+        self.kl_loss += loss
+        self.kl_sum += kl_mean * tokens
 
     def add_optimizer_step(self, *, grad_norm: float, lr: float) -> None:
         self.grad_norm_sum += grad_norm

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from core.annotate import RewardShaping, annotate, annotate_valid
+from core.kl import KLPenalty
 from core.rollout import Rollout, ScoredRollout
 
 pytestmark = pytest.mark.unit
@@ -52,8 +53,9 @@ def test_kl_in_the_loss_leaves_the_rewards_to_the_score(placement, kl_in_rewards
     """With the KL as a loss term the rewards are the scores alone; the KL is still measured."""
     r = _rollout(5, seed=3)
     ref = _refs([r])
-    shaping = RewardShaping.for_step(beta=0.3, kl_estimator="k3" if placement == "loss" else "k1",
-                                     kl_placement=placement)
+    kl = KLPenalty(beta=0.3, estimator="k3" if placement == "loss" else "k1", placement=placement)
+    assert kl.in_loss is not kl_in_rewards
+    shaping = RewardShaping.for_step(kl)
     (out,), _, _ = annotate_valid([r], ref, np.array([1.5]), np.array([True]), shaping)
     assert (out.kl != 0).all()
     expected = -0.3 * out.kl if kl_in_rewards else np.zeros(5, np.float32)

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from core import ppo
 from core.advantages import gae, per_token_rewards
 from core.choices import AGG_MODES, KL_ESTIMATORS, kl_placement_error
-from core.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from core.kl import NO_KL, AdaptiveKLController, FixedKLController, KLPenalty, kl_estimate
 from core.logprobs import entropy_from_logits, logprobs_from_logits
 from core.masked import explained_variance, masked_mean, masked_var, whiten
 
@@ -319,6 +319,15 @@ def test_kl_placement_refuses_what_misleads(placement, estimator, message):
 
 def test_kl_placement_accepts_the_sound_pairs():
     assert [kl_placement_error(*pair) for pair in (("reward", "k1"), ("loss", "k3"), ("loss", "k2"))] == [None] * 3
+
+
+def test_a_kl_penalty_is_in_the_loss_or_in_the_rewards_and_refuses_what_misleads():
+    in_loss, in_reward = KLPenalty(beta=0.3, estimator="k3", placement="loss"), KLPenalty(beta=0.3)
+    assert (in_loss.in_loss, in_loss.reward_beta) == (True, 0.0)
+    assert (in_reward.in_loss, in_reward.reward_beta) == (False, 0.3)
+    assert not NO_KL.in_loss and NO_KL.reward_beta == 0.0
+    with pytest.raises(ValueError, match="^KLPenalty: ppo.kl.estimator=k1 in the loss has zero expected gradient"):
+        KLPenalty(beta=0.1, placement="loss")
 
 
 def test_kl_unknown_estimator():

@@ -10,6 +10,7 @@ import torch
 from core import ppo
 from core.advantages import gae, per_token_rewards
 from core.estimators import AdvantageInputs, EstimatorOptions, estimator
+from core.kl import NO_KL, KLPenalty
 from core.logprobs import logprobs_from_logits
 from core.masked import whiten
 from core.rollout import ScoredRollout
@@ -69,11 +70,11 @@ def sgd_config(*, zero_stage=2, lr=0.5, epochs=2, minibatch=4, micro=2, grad_cli
                                        shuffle=False, **ppo_kw))
 
 
-def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: float = 0.0, advantages=None):
+def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl: KLPenalty = NO_KL, advantages=None):
     """The same PPO update in plain single-process torch: full minibatches, no DeepSpeed.
     With truncated sampling (rollouts with kept sets) the ratio is over the sampler's sets and
-    the off-policy weight's numerator over the policy's own set; ``kl_coef`` weighs the KL loss
-    term of ``cfg.kl_loss_estimator``. ``advantages`` [B, R] (critic-free only): a test's own
+    the off-policy weight's numerator over the policy's own set; ``kl``: the KL penalty, a loss
+    term when ``kl.in_loss``. ``advantages`` [B, R] (critic-free only): a test's own
     computation of them instead of core/estimators.py's, so the estimator is checked too.
 
     Returns (state_dict after the update, list of pre-clip grad norms per step).
@@ -114,9 +115,8 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl_coef: 
                                        p.dual_clip, agg, weights=weights[rows])
             vf = ppo.value_loss(v, old_v[rows], ret[rows], m, p.value_clip, agg)[0] if ret is not None else 0.0
             loss = pg + p.vf_coef * vf - p.entropy_coef * ppo.aggregate_loss(ent, m, agg)
-            if cfg.kl_loss_estimator:
-                kl, _ = ppo.kl_loss(lp, mb.reference_logprobs, m, cfg.kl_loss_estimator, agg)
-                loss = loss + kl_coef * kl
+            if kl.in_loss:
+                loss = loss + kl.beta * ppo.kl_loss(lp, mb.reference_logprobs, m, kl.estimator, agg)[0]
             opt.zero_grad()
             loss.backward()
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")

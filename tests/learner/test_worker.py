@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import make_rollouts, max_abs_diff, model_logprobs, reference_update, sgd_config
 
+from core.kl import KLPenalty
 from core.rollout import shard_rollouts
 from learner.config import LearnerConfig, OptimConfig, PPOConfig
 from learner.group import LearnerGroup
@@ -155,11 +156,11 @@ def test_off_policy_correction_matches_plain_torch(policy_path, pad_id, stale_ro
 def test_kl_loss_term_matches_plain_torch(policy_path, pad_id, rollouts, initial, estimator, stage):
     """ppo.kl.placement=loss: beta x the estimator's aggregate joins the loss with its gradient
     through the policy's log-probs, exactly as the plain-torch update adds it."""
-    cfg = dataclasses.replace(sgd_config(zero_stage=stage), kl_loss_estimator=estimator)
+    cfg, kl = sgd_config(zero_stage=stage), KLPenalty(beta=0.5, estimator=estimator, placement="loss")
     w = worker(policy_path, cfg)
-    metrics = w.train(rollouts, kl_coef=0.5)
+    metrics = w.train(rollouts, kl=kl)
     check_against_reference(w.full_state_dict(), metrics, initial,
-                            reference_update(policy_path, rollouts, cfg, pad_id, kl_coef=0.5), f"KL loss {estimator}")
+                            reference_update(policy_path, rollouts, cfg, pad_id, kl=kl), f"KL loss {estimator}")
     without, _ = reference_update(policy_path, rollouts, sgd_config(zero_stage=stage), pad_id)
     assert max_abs_diff(w.full_state_dict(), without) > 1e-3  # the term moves the update
     assert metrics["ppo/kl_loss_token_mean"] > 0 and "ppo/kl_loss" in metrics

@@ -47,7 +47,7 @@ from cluster.runtime.state.checkpoint import RunState
 from core.annotate import RewardShaping
 from core.infra.files import publish_dir
 from core.infra.weights import WEIGHT_UPDATE_GROUP
-from core.kl import AdaptiveKLController, FixedKLController
+from core.kl import AdaptiveKLController, FixedKLController, KLPenalty
 from learner.group import LearnerRankDied
 
 TAKE_POLL_S = 1.0  # how often a take waiting in the buffer looks for a failed producer
@@ -104,16 +104,18 @@ class Driver:
         self.rollbacks: list[dict] = []          # one record per learner recovery
         self.startup_metrics: dict = {}          # perf/startup_* of the process that built the pools (step 0)
 
-    def shaping(self) -> RewardShaping:
-        """How this step's rollouts get their per-token rewards (beta as the controller has it now)."""
-        p = self.cfg.ppo
-        return RewardShaping.for_step(beta=self.kl_ctl.value, kl_estimator=p.kl.estimator,
-                                      kl_placement=p.kl.placement, truncation_penalty=p.truncation_penalty,
-                                      reward_clip=p.reward_clip)
+    def kl_penalty(self) -> KLPenalty:
+        """The KL penalty with beta as the controller has it now: the learner's once per step; the
+        producer's (through ``shaping``) each time it produces, since in async mode the rollouts
+        produced after an update take that update's beta."""
+        kl = self.cfg.ppo.kl
+        return KLPenalty(beta=self.kl_ctl.value, estimator=kl.estimator, placement=kl.placement)
 
-    def _kl_loss_coef(self) -> float:
-        """beta for the learner's KL loss term (ppo.kl.placement=loss), else 0."""
-        return self.kl_ctl.value if self.cfg.ppo.kl.placement == "loss" else 0.0
+    def shaping(self) -> RewardShaping:
+        """How the rollouts scored now get their per-token rewards."""
+        p = self.cfg.ppo
+        return RewardShaping.for_step(self.kl_penalty(), truncation_penalty=p.truncation_penalty,
+                                      reward_clip=p.reward_clip)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -151,7 +153,7 @@ class Driver:
             if warning := kept_set_warning(produced):  # one line per step, and only when it happens
                 log.warning(warning)
             with timer("learn"), self._learner_lock:  # learner
-                learn = self.pools.learner.train(shards, ptx_rows=self.ptx_rows(), kl_coef=self._kl_loss_coef())
+                learn = self.pools.learner.train(shards, ptx_rows=self.ptx_rows(), kl=self.kl_penalty())
             with timer("sync"), self._learner_lock:  # weights -> generators
                 sync = self._publish(batch)
         return self._step_metrics(batch, produced, learn, sync, timer.seconds)

@@ -105,12 +105,6 @@ def test_each_mistake_is_one_clear_line(overrides, message):
     assert "\n" not in text
 
 
-def test_kl_in_the_loss_reaches_the_learner():
-    cfg = load_config(None, ["ppo.kl.placement=loss", "ppo.kl.estimator=k3"])
-    assert cfg.learner_config().kl_loss_estimator == "k3"
-    assert load_config(None).learner_config().kl_loss_estimator is None
-
-
 def test_the_generation_budget_reaches_the_learner():
     """seq-mean-token-sum-norm divides by a constant (Dr. GRPO): the job's max_new_tokens."""
     from learner.config import LearnerConfig, PPOConfig

@@ -55,7 +55,7 @@ def test_choices_are_checked_alike_everywhere():
         load_stage_config(PipelineConfig, None, ["pairs.labels=soft"])
     with pytest.raises(ValueError, match=r"^learner\.ppo\.old_logprobs='vllm' is unknown; use one of recompute, "):
         LearnerConfig(ppo=PPOConfig(old_logprobs="vllm")).validate(1)
-    check_choices(LearnerConfig(kl_loss_estimator=None), "learner")  # None passes where the type is Optional
+    check_choices(LearnerConfig(critic=None), "learner")  # None passes where the type is Optional
 
 
 @pytest.mark.integration

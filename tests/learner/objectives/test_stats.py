@@ -9,8 +9,9 @@ pytestmark = pytest.mark.unit
 def rank_stats(scale: float) -> UpdateStats:
     s = UpdateStats()
     for tokens in (4.0, 6.0):  # two micro-batches, then one optimizer step, twice
-        s.add_micro_batch(policy_loss=0.5 * scale, value_loss=2.0 * scale, entropy_sum=3.0 * tokens,
-                          approx_kl=0.01 * scale, clip_frac=0.5, vf_clip_frac=0.25 * scale, tokens=tokens)
+        s.add_policy(0.5 * scale, clip_frac=0.5, approx_kl=0.01 * scale, tokens=tokens)
+        s.add_value(2.0 * scale, vf_clip_frac=0.25 * scale, tokens=tokens)
+        s.add_micro_batch(entropy_sum=3.0 * tokens, tokens=tokens)
         s.add_forward(fed=10.0 * scale, real=5.0 + tokens)  # the forward ran on padding too
     s.add_optimizer_step(grad_norm=1.0, lr=1e-3)
     s.ptx_loss += 2.0 * scale
@@ -47,8 +48,9 @@ def test_metrics_over_two_ranks_by_hand():
 def test_epoch_summary_counts_only_what_the_epoch_added():
     s = rank_stats(1.0)
     before = s.copy()
-    s.add_micro_batch(policy_loss=0.3, value_loss=0.7, entropy_sum=1.0, approx_kl=0.2, clip_frac=1.0,
-                      vf_clip_frac=0.0, tokens=5.0)
+    s.add_policy(0.3, clip_frac=1.0, approx_kl=0.2, tokens=5.0)
+    s.add_value(0.7, vf_clip_frac=0.0, tokens=5.0)
+    s.add_micro_batch(entropy_sum=1.0, tokens=5.0)
     s.add_optimizer_step(grad_norm=2.0, lr=1e-3)
     assert s.since(before).epoch_summary() == pytest.approx(
         {"policy_loss": 0.3, "value_loss": 0.7, "clip_frac": 1.0, "approx_kl": 0.2})
