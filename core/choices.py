@@ -59,7 +59,7 @@ Critic = Literal["shared", "separate", "none"]
 LoraInit = Literal["default", "gaussian"]  # learner/lora.py: both start with B = 0, at the base model
 ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the adapter ranks vLLM's engine is started with
 AdvantageEstimator = Literal[tuple(row.name for row in ESTIMATOR_TABLE)]
-WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/transport/base.py, *_sync.py)
+WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/transport/)
 RunMode = Literal["sync", "async"]
 CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/pools/threads.py
 PlacementStrategy = Literal["pack", "spread"]  # a pool's replicas by node (cluster/runtime/pools/placement.py)

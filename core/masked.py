@@ -1,7 +1,7 @@
 """Masked tensor statistics and the argument checks every PPO function shares.
 
 Conventions used throughout the PPO math (core.masked, core.logprobs, core.kl,
-core.advantages, core.ppo; see docs/design.md, "Numeric conventions"):
+core.advantages, core.ppo; see docs/design/core.md, "Numeric conventions"):
   * ``mask`` is ``[B, T]`` with 1.0 on valid response tokens and 0 on padding;
     sequences are right-padded.
   * Masked functions never read padding positions: they are replaced with 0 via

@@ -203,7 +203,7 @@ def scale_to(c, **sizes):
     return control
 
 
-@pytest.mark.slow  # one run, four node losses: the figures of docs/design.md's node-loss table
+@pytest.mark.slow  # one run, four node losses: the figures of docs/design/runtime.md's node-loss table
 def test_node_loss_table(run):
     """Each pool's node is lost in turn, at the phase where it holds the most: (a) the
     generators' while generating, (b) the scorers' while scoring, (c) the buffer's with the

@@ -1,4 +1,4 @@
-"""Recovery from the failures the driver meets itself (docs/design.md, "Failure semantics").
+"""Recovery from the failures the driver meets itself (docs/design/runtime.md, "Failure semantics").
 
 A dead rollout-side replica or buffer is handled where the rollouts are made
 (cluster/runtime/loop/dispatch.py). Here:
