@@ -5,6 +5,10 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DeepSpeed compiles its CPU communication op on first use into torch's extensions folder, under
+# a lock file. One folder per Python environment: checkouts with other environments would
+# otherwise rebuild it in turn, and a process killed mid-build leaves the lock for all to wait on.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 # Every test carries exactly one tier. `gpu` (needs CUDA) and `slow` (left out of the default
 # run) are extra markers on top of a tier, not tiers: a GPU test is an integration or e2e test
@@ -80,6 +84,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Before the first integration or e2e test: DeepSpeed's CPU communication op built (or its
+    build found up to date), here in the pytest process. Built on first use instead, the build
+    could fall in a learner rank that a fault test SIGKILLs, whose lock file every later
+    DeepSpeed start would then wait on for ever."""
+    if session.config.option.collectonly or all(item.get_closest_marker("unit") for item in session.items):
+        return
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
 
 
 def pytest_report_header(config):
