@@ -6,6 +6,8 @@ of 1, one DeepSpeed engine per ZeRO stage for the whole module (``trained``). Mo
 adapter with the generator's own call and check its proof with check_adapter_report; a push whose
 proof fails goes through the learner's real push (AdapterSync) and the driver's.
 """
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -42,6 +44,22 @@ def generator(ray_cluster, policy_path):
     ray.get(gen.health.remote())
     yield gen
     ray.kill(gen)
+
+
+@pytest.fixture(scope="module")
+def versions():
+    """The policy versions of the module's pushes to its one generator, rising in the order the
+    tests run (a generator refuses an older version than the one it holds)."""
+    return itertools.count(1)
+
+
+def base_adapter(files: dict) -> dict:
+    """``files`` with every lora_B zeroed: an adapter that leaves the base model as it is."""
+    from safetensors.torch import load, save
+
+    tensors = load(files["adapter_model.safetensors"])
+    return {**files, "adapter_model.safetensors": save({k: torch.zeros_like(v) if "lora_B" in k else v
+                                                         for k, v in tensors.items()})}
 
 
 def load_adapter(generator, version, files) -> dict:
@@ -89,15 +107,17 @@ def gap(learner, rollouts) -> float:
 
 
 # Every ZeRO stage: 0 and 1 keep the whole adapter on the rank as 2 does, 3 gathers it.
-@pytest.mark.parametrize("stage, version", [(0, 1), (1, 2), (2, 3), (3, 4)])
-def test_adapter_push_lands_and_is_proven(generator, prompts, trained, stage, version):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_adapter_push_lands_and_is_proven(generator, prompts, trained, versions, stage):
     learner, base_unchanged = trained(stage)
     health = learner.health()
     assert health["lora_rank"] == 8 and 0 < health["trainable_parameters"] < health["parameters"] / 5
     assert base_unchanged in ((None,) if stage == 3 else (True,)), "the base is frozen: only the adapter moves"
+    files, modules = adapter_of(learner)
+    load_adapter(generator, next(versions), base_adapter(files))  # the generator samples the base model
     stale_gap = gap(learner, generate(generator, prompts))
 
-    files, modules = adapter_of(learner)
+    version = next(versions)
     report = load_adapter(generator, version, files)
     check_adapter_report("generator", report, version=version, checksum=adapter_checksum(files), modules=modules)
     fresh = generate(generator, prompts)
@@ -112,31 +132,33 @@ def test_adapter_push_lands_and_is_proven(generator, prompts, trained, stage, ve
     assert all(r.policy_version == version for r in fresh)
 
 
-def test_a_stale_or_unbound_adapter_is_refused(generator, trained):
+def test_a_stale_or_unbound_adapter_is_refused(generator, trained, versions):
     learner, _ = trained(2)
     files, modules = adapter_of(learner)
-    report = load_adapter(generator, 5, files)
+    v = next(versions)
+    report = load_adapter(generator, v, files)
     sent = adapter_checksum(files)
-    check_adapter_report("g", report, version=5, checksum=sent, modules=modules)
-    with pytest.raises(AdapterNotLoaded, match="reports version 5"):
-        check_adapter_report("g", report, version=6, checksum=sent, modules=modules)
+    check_adapter_report("g", report, version=v, checksum=sent, modules=modules)
+    with pytest.raises(AdapterNotLoaded, match=f"reports version {v}"):
+        check_adapter_report("g", report, version=v + 1, checksum=sent, modules=modules)
     with pytest.raises(AdapterNotLoaded, match="received other files"):
-        check_adapter_report("g", report, version=5, checksum="0" * 16, modules=modules)
+        check_adapter_report("g", report, version=v, checksum="0" * 16, modules=modules)
     # An adapter whose module names the engine does not know binds nothing: the push must fail.
     renamed = adapters.adapter_files(
         {k.replace("self_attn", "attention"): v for k, v in adapters.adapter_state(
             (n, p) for n, p in learner.engine.module.lm.named_parameters() if adapters.is_adapter_param(n)).items()
          if "self_attn" in k}, learner.engine.module.lora, None)
     try:
-        bad = load_adapter(generator, 6, renamed)
+        bad_version = next(versions)
+        bad = load_adapter(generator, bad_version, renamed)
     except Exception as e:  # noqa: BLE001 - vLLM may refuse the names itself: also not a silent base model
         assert "attention" in str(e) or "module" in str(e).lower()
     else:
         with pytest.raises(AdapterNotLoaded, match="bound 0 of"):
-            check_adapter_report("g", bad, version=6, checksum=adapter_checksum(renamed), modules=modules)
+            check_adapter_report("g", bad, version=bad_version, checksum=adapter_checksum(renamed), modules=modules)
 
 
-def test_a_push_whose_proof_fails_ends_the_job(generator, trained, monkeypatch):
+def test_a_push_whose_proof_fails_ends_the_job(generator, trained, versions, monkeypatch):
     """The learner's real push (AdapterSync, through the generator actor) of an adapter whose
     attention modules carry names this model's engine lacks: the engine binds the rest, its proof
     says so, and the driver's push (cluster/runtime/loop/recovery.py) raises AdapterNotLoaded with
@@ -151,16 +173,18 @@ def test_a_push_whose_proof_fails_ends_the_job(generator, trained, monkeypatch):
         return real({k.replace("self_attn", "attention"): v for k, v in state.items()}, *args, **kwargs)
 
     monkeypatch.setattr(adapters, "adapter_files", misnamed)
-    with pytest.raises(AdapterNotLoaded, match=r"^LoRA push of version 7: generator generator-0 bound 12 of 28 "
+    v = next(versions)
+    with pytest.raises(AdapterNotLoaded, match=rf"^LoRA push of version {v}: generator generator-0 bound 12 of 28 "
                                                r"adapter modules; not bound: model\.layers\.0\.attention\.") as failed:
-        recovery.push_weights(learner, {"generator-0": generator}, 7)
+        recovery.push_weights(learner, {"generator-0": generator}, v)
     code, line = exit_status(failed.value)
     print(f"the job's last line: tether: {line}")
     assert code == EXIT_FAILED and "\n" not in line
-    assert line.startswith("run failed: LoRA push of version 7: generator generator-0 bound 12 of 28")
+    assert line.startswith(f"run failed: LoRA push of version {v}: generator generator-0 bound 12 of 28")
 
 
-def test_the_exported_adapter_loads_in_vllm_and_matches_the_merged_model(generator, prompts, trained, tmp_path):
+def test_the_exported_adapter_loads_in_vllm_and_matches_the_merged_model(generator, prompts, trained, versions,
+                                                                          tmp_path):
     """checkpoints/final as a run writes it: the merged model (transformers) and the adapter alone
     (vLLM, as a user serves it) give the same log-probs; the merged one was merged in fp32."""
     from pathlib import Path
@@ -170,7 +194,7 @@ def test_the_exported_adapter_loads_in_vllm_and_matches_the_merged_model(generat
     learner, _ = trained(2)
     out = Path(learner.save_pretrained_policy(tmp_path / "final"))
     files = {f.name: f.read_bytes() for f in (out / adapters.ADAPTER_DIR).iterdir()}
-    report = load_adapter(generator, 9, files)
+    report = load_adapter(generator, next(versions), files)
     assert report["bound"] == 28 and not report["stale"]
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     rollouts = generate(generator, prompts)
