@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from actors.environments.base import InvalidStep, MalformedAction, check_observation, check_step, load_environment
 from core.infra.errors import type_and_first_line
-from core.infra.worker_pool import Event, Slot, WorkerPool
+from core.infra.worker_pool import Died, Event, Slot, SlotState, TimedOut, WorkerPool
 from core.infra.worker_process import entry_args, serve
 
 START_TIMEOUT_S = 120.0  # a worker's start and its import of the class
@@ -113,8 +113,9 @@ class EnvironmentWorkers:
         """Wait for a new worker's first message; one that cannot start is a ValueError saying why."""
         if self._pool.handshake(slot):
             return
-        why = {"refused": slot.detail, "died": f"an environment worker {slot.detail} while importing the class",
-               "late": f"an environment worker did not start within {START_TIMEOUT_S:g} s"}[slot.state]
+        why = {SlotState.REFUSED: slot.detail,
+               SlotState.DIED: f"an environment worker {slot.detail} while importing the class",
+               SlotState.LATE: f"an environment worker did not start within {START_TIMEOUT_S:g} s"}[slot.state]
         raise ValueError(f"{self.key} {self.spec!r}: {why}" if self.spec not in why else why)
 
     @property
@@ -165,12 +166,12 @@ class EnvironmentWorkers:
 
     def _record(self, event: Event, queues: dict, out: dict) -> None:
         episode, op = event.job
-        if event.kind == "timed out":
+        if isinstance(event, TimedOut):
             self._gone(event, queues, out, f"did not answer within env.step_timeout_s={self.step_timeout_s:g} s "
                                            "(its worker was killed)", timed_out=True)
             return
-        if event.kind == "died":
-            self._gone(event, queues, out, f"its worker process {event.reply}", crashed=True)
+        if isinstance(event, Died):
+            self._gone(event, queues, out, f"its worker process {event.how}", crashed=True)
             return
         status, result = event.reply
         out[episode] = Outcome(result=result) if status == "ok" else Outcome(error=result)

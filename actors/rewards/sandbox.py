@@ -26,7 +26,7 @@ import numpy as np
 
 from actors.rewards.scoring import ColumnBinding, Columns, ScoreResult, as_number, load_function
 from core.infra.errors import type_and_first_line
-from core.infra.worker_pool import Event, Slot, WorkerPool
+from core.infra.worker_pool import NOT_STARTED, Answered, Event, Slot, SlotState, TimedOut, WorkerPool
 from core.infra.worker_process import entry_args, serve
 
 # How long a worker may take to start and import the function (a verifier imports sympy, a model...).
@@ -117,9 +117,9 @@ class SandboxScorer:
 
     def _start_error(self, slot: Slot, late: str) -> str:
         """Why a worker could not start, in one line (``late``: what it did not do in time)."""
-        if slot.state == "refused":
+        if slot.state is SlotState.REFUSED:
             return slot.detail
-        if slot.state == "late":
+        if slot.state is SlotState.LATE:
             return f"{self.name}: a reward.sandbox worker did not {late} within {START_TIMEOUT_S:g} s"
         return (f"{self.key} {self.spec!r}: a reward.sandbox worker {slot.detail} while importing it"
                 + (f" (reward.sandbox.memory_mb={self.memory_mb}: raise it?)" if self.memory_mb else ""))
@@ -146,12 +146,12 @@ class SandboxScorer:
         pending = list(range(len(prompts)))[::-1]
         while pending or pool.busy():
             for slot in pool.slots:
-                if slot.state == "ready" and slot.job is None and pending:
+                if slot.state is SlotState.READY and slot.job is None and pending:
                     i = pending.pop()
                     pool.send(slot, (prompts[i], responses[i], {k: [v[i]] for k, v in columns.items()}), i,
                               self.timeout_s)
-            if pending and not any(s.state == "ready" or pool.starting(s) for s in pool.slots):
-                failed = next((s for s in pool.slots if s.state in ("refused", "died", "late")), None)
+            if pending and not any(s.state is SlotState.READY or pool.starting(s) for s in pool.slots):
+                failed = next((s for s in pool.slots if s.state in NOT_STARTED), None)
                 why = self._start_error(failed, late="start") if failed else "no worker could start"
                 for i in pending:
                     call.failed(i, f"{self.name} not scored: {why}")
@@ -162,19 +162,19 @@ class SandboxScorer:
     def _record(self, event: Event, call: _Call) -> None:
         """A pair's score, or its problem; a worker that timed out or died is replaced."""
         i = event.job
-        if event.kind == "answer":
+        if isinstance(event, Answered):
             score, reason = event.reply
             call.scores[i] = score
             if reason:
                 call.failed(i, reason)
             return
-        if event.kind == "timed out":
+        if isinstance(event, TimedOut):
             call.timeouts += 1
             call.failed(i, f"{self.name} did not return within reward.sandbox.timeout_s={self.timeout_s:g} s "
                            "(its worker was killed)")
         else:
             call.crashes += 1
-            call.failed(i, f"{self.name}: its worker process {event.reply}")
+            call.failed(i, f"{self.name}: its worker process {event.how}")
         self._pool.replace(event.slot)
 
     def stats(self) -> dict:

@@ -14,25 +14,35 @@ its user's: the reward sandbox (actors/rewards/sandbox.py) and the environment w
 """
 from __future__ import annotations
 
+import enum
 import os
 import time
 from multiprocessing.connection import wait
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 from core.infra.worker_process import how_it_died, kill, spawn, stop_all
 
 
+class SlotState(enum.Enum):
+    """Where a slot's worker is: starting, ready, or why it could not start."""
+    STARTING = "starting"
+    READY = "ready"
+    REFUSED = "refused"  # its first message was an error (the slot's ``detail``: its reason)
+    DIED = "died"        # it died before its first message (``detail``: how)
+    LATE = "late"        # no first message within the pool's start_timeout_s
+
+
+NOT_STARTED = (SlotState.REFUSED, SlotState.DIED, SlotState.LATE)  # a slot that will not serve
+
+
 class Slot:
     """One worker process: its ``state`` and the request it runs (``job``, the user's note of it).
-
-    ``state`` is "starting", "ready", or why it could not start: "refused" (its first message
-    was an error, ``detail`` its reason), "died" (``detail``: how) or "late" (no first message in
-    the pool's start_timeout_s). A slot that could not start is killed and stays as it is."""
+    A slot that could not start is killed and stays as it is."""
 
     def __init__(self, entry: str, args: list):
         self.proc, self.conn = spawn(entry, args)
         self.started = time.monotonic()
-        self.state = "starting"
+        self.state = SlotState.STARTING
         self.detail: str | None = None
         self.job: Any = None          # None: idle
         self.deadline = 0.0           # when the job runs out of time
@@ -45,13 +55,27 @@ class Slot:
         kill(self.proc, self.conn)
 
 
-class Event(NamedTuple):
-    """What ``wait_once`` saw of a slot's job: kind "answer" (``reply``: the worker's message),
-    "timed out" (reply None) or "died" (reply: how it died)."""
+class Answered(NamedTuple):
+    """A slot's job was answered: ``reply`` is the worker's message."""
     slot: Slot
-    kind: str
     job: Any
-    reply: Any = None
+    reply: Any
+
+
+class TimedOut(NamedTuple):
+    """A slot's job was not answered within its time (the worker is still there: replace it)."""
+    slot: Slot
+    job: Any
+
+
+class Died(NamedTuple):
+    """A slot's worker died running its job (``how``: os._exit's status or the signal)."""
+    slot: Slot
+    job: Any
+    how: str
+
+
+Event = Union[Answered, TimedOut, Died]  # what ``wait_once`` saw of a slot's job
 
 
 class WorkerPool:
@@ -76,7 +100,7 @@ class WorkerPool:
 
     def starting(self, slot: Slot) -> bool:
         """Whether a first message from ``slot`` is still awaited (its start time not yet over)."""
-        return slot.state == "starting" and time.monotonic() - slot.started < self.start_timeout_s
+        return slot.state is SlotState.STARTING and time.monotonic() - slot.started < self.start_timeout_s
 
     def handshake(self, slot: Slot) -> bool:
         """Wait up to start_timeout_s for a starting worker's first message -> whether it is ready
@@ -84,22 +108,22 @@ class WorkerPool:
         if slot.conn.poll(self.start_timeout_s):
             self._first_message(slot)
         else:
-            self._not_started(slot, "late")
-        return slot.state == "ready"
+            self._not_started(slot, SlotState.LATE)
+        return slot.state is SlotState.READY
 
     def _first_message(self, slot: Slot) -> None:
         try:
             kind, text = slot.conn.recv()
         except (EOFError, OSError):  # it died importing: os._exit, a signal, its memory cap
-            self._not_started(slot, "died", how_it_died(slot.proc))
+            self._not_started(slot, SlotState.DIED, how_it_died(slot.proc))
             return
         if kind == "ready":
-            slot.state = "ready"
+            slot.state = SlotState.READY
         else:
-            self._not_started(slot, "refused", text)
+            self._not_started(slot, SlotState.REFUSED, text)
 
     @staticmethod
-    def _not_started(slot: Slot, state: str, detail: str | None = None) -> None:
+    def _not_started(slot: Slot, state: SlotState, detail: str | None = None) -> None:
         slot.state, slot.detail = state, detail
         slot.kill()
 
@@ -132,10 +156,10 @@ class WorkerPool:
         for s in listening:
             if s.job is not None and now >= s.deadline:  # not read above: no answer in time
                 self.counts["timeouts"] += 1
-                events.append(Event(s, "timed out", s.job))
+                events.append(TimedOut(s, s.job))
                 s.job = None
-            elif s.state == "starting" and not self.starting(s):
-                self._not_started(s, "late")
+            elif s.state is SlotState.STARTING and not self.starting(s):
+                self._not_started(s, SlotState.LATE)
         return [e for e in events if e is not None]
 
     def _read(self, slot: Slot) -> Event | None:
@@ -146,11 +170,11 @@ class WorkerPool:
         job, slot.job = slot.job, None
         if not slot.broken:
             try:
-                return Event(slot, "answer", job, slot.conn.recv())
+                return Answered(slot, job, slot.conn.recv())
             except (EOFError, OSError):  # it died mid-request: os._exit, a signal, the OOM killer
                 pass
         self.counts["crashes"] += 1
-        return Event(slot, "died", job, how_it_died(slot.proc))
+        return Died(slot, job, how_it_died(slot.proc))
 
     def replace(self, slot: Slot) -> Slot:
         """Kill the worker and start another in its slot (not waited for: see ``handshake``)."""
