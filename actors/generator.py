@@ -30,6 +30,7 @@ from actors.engine_turns import EngineTurns
 from actors.environments.config import EnvConfig
 from actors.environments.episodes import Turn, episode_runner
 from actors.weight_receiver import GPU_TRANSFER, EngineWeights
+from core.choices import TRANSPORT_NAMES, TRANSPORTS
 from core.columns import PromptColumns
 from core.infra.threads import fit_threads
 from core.infra.weights import WEIGHT_UPDATE_GROUP
@@ -121,8 +122,8 @@ class Generator:
         single responses, the environments given each prompt row's ``columns``."""
         fit_threads()
         model = resolve_model_path(model, name)
-        if weight_sync not in ("cpu", *GPU_TRANSFER):
-            raise ValueError(f"{name}: weight_sync={weight_sync!r} is unknown; use 'cpu', 'nccl' or 'ipc'")
+        if weight_sync not in TRANSPORTS:
+            raise ValueError(f"{name}: weight_sync={weight_sync!r} is unknown; use {TRANSPORT_NAMES}")
         self.name, self.tensor_parallel, self.weight_sync = name, int(tensor_parallel), weight_sync
         self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**(sampling or {}))
         self.engine = engine if isinstance(engine, EngineConfig) else EngineConfig(**(engine or {}))

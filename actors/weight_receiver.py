@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from actors.engine_turns import EngineTurns
+from core.choices import TRANSPORT_TABLE
 from core.infra.weights import adapter_checksum
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ ADAPTER_SLOT = 1  # the engine's one LoRA slot (vLLM ids start at 1); every vers
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
 
 # vLLM weight-transfer backends a generator takes (learner.weight_sync), with what they need CUDA for.
-GPU_TRANSFER = {"nccl": "NCCL broadcast into vLLM's GPU workers", "ipc": "CUDA IPC into vLLM's GPU workers"}
+GPU_TRANSFER = {row.name: row.generator_cuda for row in TRANSPORT_TABLE if row.generator_cuda}
 
 
 class EngineWeights:

@@ -59,7 +59,32 @@ Critic = Literal["shared", "separate", "none"]
 LoraInit = Literal["default", "gaussian"]  # learner/lora.py: both start with B = 0, at the base model
 ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the adapter ranks vLLM's engine is started with
 AdvantageEstimator = Literal[tuple(row.name for row in ESTIMATOR_TABLE)]
-WeightSync = Literal["cpu", "nccl", "ipc"]  # learner -> generator transports (learner/transport/)
+
+
+@dataclass(frozen=True)
+class TransportRow:
+    """One learner -> generator weight transport (learner/transport/ sends, actors/weight_receiver.py
+    receives): what it needs CUDA for on each side (None: no GPU), and whether it needs the
+    learner to be one rank (CUDA IPC shares rank 0's GPU with the generators)."""
+    name: str
+    learner_cuda: Optional[str] = None
+    generator_cuda: Optional[str] = None
+    one_learner_rank: bool = False
+
+
+# The one table of weight transports (learner.weight_sync); the senders are looked up by these
+# names in learner/transport/__init__.py.
+TRANSPORT_TABLE = (
+    TransportRow("cpu"),
+    TransportRow("nccl", learner_cuda="NCCL broadcast from its GPU",
+                 generator_cuda="NCCL broadcast into vLLM's GPU workers"),
+    TransportRow("ipc", learner_cuda="CUDA IPC handles to its own GPU's memory",
+                 generator_cuda="CUDA IPC into vLLM's GPU workers", one_learner_rank=True),
+)
+TRANSPORTS = {row.name: row for row in TRANSPORT_TABLE}
+TRANSPORT_NAMES = ", ".join(repr(t) for t in TRANSPORTS if t != TRANSPORT_TABLE[-1].name) + \
+    f" or {TRANSPORT_TABLE[-1].name!r}"  # for messages: 'cpu', 'nccl' or 'ipc'
+WeightSync = Literal[tuple(row.name for row in TRANSPORT_TABLE)]
 RunMode = Literal["sync", "async"]
 CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/pools/threads.py
 PlacementStrategy = Literal["pack", "spread"]  # a pool's replicas by node (cluster/runtime/pools/placement.py)

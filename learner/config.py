@@ -16,6 +16,7 @@ from typing import Optional
 
 from core.choices import (
     ESTIMATOR_HELP,
+    TRANSPORTS,
     AdvantageEstimator,
     Critic,
     LossAggregation,
@@ -34,7 +35,6 @@ from core.infra.schema import check_choices, config_class, setting
 from learner.lora_config import LoraConfig
 
 # The GPU transports, with what they need CUDA for (checked on each learner rank: check_device).
-GPU_TRANSPORTS = {"nccl": "NCCL broadcast from its GPU", "ipc": "CUDA IPC handles to its own GPU's memory"}
 
 
 def _fail(message: str) -> None:
@@ -210,7 +210,7 @@ class TrainerConfig:
             _fail(f"{p}.critic_model is required with critic='separate'; point it at a reward-model checkpoint")
         if self.dist_timeout_s <= 0:
             _fail(f"{p}.dist_timeout_s={self.dist_timeout_s} must be > 0")
-        if self.weight_sync == "ipc" and world_size > 1:
+        if TRANSPORTS[self.weight_sync].one_learner_rank and world_size > 1:
             _fail(f"{p}.weight_sync='ipc' shares learner rank 0's GPU with the generators and needs "
                   f"{p}.replicas=1 (got {world_size}); use weight_sync='nccl' for more ranks")
         self.optim.validate(world_size)
@@ -226,9 +226,10 @@ class RankConfig(TrainerConfig):
     def check_device(self, has_cuda: bool) -> None:
         """Checks that depend on the rank's hardware. Called by each LearnerWorker, not by
         ``validate``: the driver that validates a config may well have no GPU itself."""
-        if self.weight_sync in GPU_TRANSPORTS and not has_cuda:
+        needs = TRANSPORTS[self.weight_sync].learner_cuda
+        if needs and not has_cuda:
             _fail(f"learner.weight_sync={self.weight_sync!r} needs CUDA on the learner "
-                  f"({GPU_TRANSPORTS[self.weight_sync]}); this rank has no GPU: set learner.weight_sync='cpu' "
+                  f"({needs}); this rank has no GPU: set learner.weight_sync='cpu' "
                   "or give the learner num_gpus")
 
     def batch_sizes(self) -> tuple[int, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Optional
 
+from core.choices import TRANSPORT_NAMES, TRANSPORTS
 from learner import lora as adapters
 from learner.config import LearnerConfig
 from learner.transport.base import DEFAULT_BUCKET_BYTES, AdapterSync, CPUWeightSync
@@ -129,10 +130,15 @@ def make_weight_sync(kind: str, generators, *, bucket_bytes: int = DEFAULT_BUCKE
     A CPUWeightSync is stateless (make one per push); the GPU transports hold vLLM's transfer
     state with the generators' workers, formed on their first push: keep them across pushes.
     """
-    if kind == "cpu":
-        return CPUWeightSync(list(generators.values()) if isinstance(generators, Mapping) else list(generators),
-                             bucket_bytes=bucket_bytes)
-    gpu = {"nccl": NCCLWeightSync, "ipc": IPCWeightSync}
-    if kind in gpu:
-        return gpu[kind](generators, bucket_bytes=bucket_bytes)
-    raise ValueError(f"weight sync: unknown transport {kind!r}; use 'cpu', 'nccl' or 'ipc'")
+    if kind not in SENDERS:
+        raise ValueError(f"weight sync: unknown transport {kind!r}; use {TRANSPORT_NAMES}")
+    if kind == "cpu":  # stateless: it takes the handles in replica order
+        generators = list(generators.values()) if isinstance(generators, Mapping) else list(generators)
+    return SENDERS[kind](generators, bucket_bytes=bucket_bytes)
+
+
+# The sender of each row of core.choices.TRANSPORT_TABLE, by its name.
+SENDERS = {"cpu": CPUWeightSync, "nccl": NCCLWeightSync, "ipc": IPCWeightSync}
+if set(SENDERS) != set(TRANSPORTS):
+    raise ImportError(f"learner/export.py: SENDERS has {sorted(SENDERS)}, core.choices.TRANSPORT_TABLE "
+                      f"{sorted(TRANSPORTS)}: give every transport one sender")
