@@ -165,10 +165,7 @@ class Driver:
         min_version = self.producer.min_version(self.version)
         while True:
             self.producer.requeue_lost_buffer()  # here, in the thread that applies `consumed`
-            full = cfg.rollouts_per_step
-            held = self.producer.available(full)
-            # Dynamic sampling: one batch of what was made; after a refill, the rest left out (DAPO).
-            n, trim = (min(held, full), held > full) if cfg.ppo.filter_groups else (held, False)
+            n, trim = self.producer.take_size(cfg.rollouts_per_step)
             if n == 0:
                 raise RuntimeError(f"version {self.version}: no usable rollouts (all prompts skipped or all "
                                    "scores invalid); check data.max_prompt_tokens and the reward")

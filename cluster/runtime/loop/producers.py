@@ -47,8 +47,9 @@ class StepProducer(ABC):
         """The oldest policy version a take at ``version`` accepts."""
 
     @abstractmethod
-    def available(self, full: int) -> int:
-        """Rollouts the take may ask the buffer for, ``full`` being one step's worth."""
+    def take_size(self, full: int) -> tuple[int, bool]:
+        """(rollouts the take asks the buffer for, whether the buffer drops what it holds beyond
+        them), ``full`` being one step's worth."""
 
     def check(self) -> None:  # noqa: B027 - a no-op unless production runs apart from the take
         """Raise what stopped production for good, if something did: a take waiting in the buffer
@@ -111,9 +112,13 @@ class SyncProducer(StepProducer):
     def min_version(self, version: int) -> int:
         return version
 
-    def available(self, full: int) -> int:
-        """All that was made for this step (after a refill, more than ``full``: the take trims it)."""
-        return self._rollouts.ledger.held_rollouts()
+    def take_size(self, full: int) -> tuple[int, bool]:
+        """All that was made for this step; with dynamic sampling, one batch of it: after a
+        refill the rest (more than ``full``) is left out."""
+        held = self._rollouts.ledger.held_rollouts()
+        if self._cfg.ppo.filter_groups:
+            return min(held, full), held > full
+        return held, False
 
     def requeue_lost_buffer(self) -> None:
         """A lost buffer's prompts are queued and generated now: the take waits for them."""
@@ -173,9 +178,9 @@ class AsyncProducer(StepProducer):
     def min_version(self, version: int) -> int:
         return max(0, version - self._cfg.buffer.max_staleness)
 
-    def available(self, full: int) -> int:
+    def take_size(self, full: int) -> tuple[int, bool]:
         """A full step: the take waits in the buffer until the thread has stored it."""
-        return full
+        return full, False
 
     def check(self) -> None:
         self._thread.check()

@@ -56,7 +56,7 @@ def test_sync_takes_only_the_current_version_and_all_it_made():
     producer, rollouts, prompts = _producer(SyncProducer)
     producer.fill(step=1)
     assert prompts.batches_issued == 1 and producer.min_version(5) == 5
-    assert producer.available(full=64) == rollouts.ledger.held_rollouts() == 64
+    assert producer.take_size(full=64) == (rollouts.ledger.held_rollouts(), False) == (64, False)
     rollouts.lost = True  # a buffer died: its prompts are made again now, and the step reports them
     producer.requeue_lost_buffer()
     produced = producer.for_step()
@@ -69,5 +69,19 @@ def test_async_takes_within_the_staleness_bound_and_a_full_step():
     producer.fill(step=1)  # nothing: its thread produces
     assert prompts.batches_issued == 0
     assert [producer.min_version(v) for v in (0, 1, 5)] == [0, 0, 3]
-    assert producer.available(full=64) == 64
+    assert producer.take_size(full=64) == (64, False)
     producer.stop(at_end=True)  # never started: nothing to stop
+
+
+def test_sync_with_dynamic_sampling_takes_one_batch_and_leaves_out_the_rest():
+    """DAPO's refill: whatever the refills made, the take asks for one step's worth and the buffer
+    drops the surplus; short of a step (groups filtered out), it takes what there is."""
+    producer, rollouts, _ = _producer(SyncProducer, "ppo.advantage=grpo", "ppo.filter_groups=true")
+    producer.fill(step=1)
+    held = rollouts.ledger.held_rollouts()
+    assert producer.take_size(full=held // 2) == (held // 2, True)
+    assert producer.take_size(full=held) == (held, False)
+    assert producer.take_size(full=2 * held) == (held, False)
+    plain, rollouts, _ = _producer(SyncProducer)  # without it: all that was made, nothing dropped
+    plain.fill(step=1)
+    assert plain.take_size(full=rollouts.ledger.held_rollouts() // 2) == (rollouts.ledger.held_rollouts(), False)
