@@ -109,7 +109,7 @@ class Reward:
         source = source or configured_source(config)
         if config.batch_size < 1:
             raise ValueError(f"Reward: batch_size must be >= 1, got {config.batch_size}")
-        self.source, self.config = source, config
+        self.source = source
         self.batch_size, self.packing = int(config.batch_size), bool(config.packing)
         self.model_path = None
         self.model = self.text_tokenizer = None

@@ -82,8 +82,8 @@ TRANSPORT_TABLE = (
                  generator_cuda="CUDA IPC into vLLM's GPU workers", one_learner_rank=True),
 )
 TRANSPORTS = {row.name: row for row in TRANSPORT_TABLE}
-TRANSPORT_NAMES = ", ".join(repr(t) for t in TRANSPORTS if t != TRANSPORT_TABLE[-1].name) + \
-    f" or {TRANSPORT_TABLE[-1].name!r}"  # for messages: 'cpu', 'nccl' or 'ipc'
+_QUOTED = [repr(row.name) for row in TRANSPORT_TABLE]
+TRANSPORT_NAMES = f"{', '.join(_QUOTED[:-1])} or {_QUOTED[-1]}"  # for messages: 'cpu', 'nccl' or 'ipc'
 WeightSync = Literal[tuple(row.name for row in TRANSPORT_TABLE)]
 RunMode = Literal["sync", "async"]
 CPUThreads = Literal["phase", "reserved"]  # cluster/runtime/pools/threads.py

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from actors.rewards.config import SandboxConfig
-from actors.rewards.sandbox import SandboxScorer
+from actors.rewards.config import RewardConfig, SandboxConfig
 from actors.rewards.scoring import ColumnBinding, Columns, as_number, load_function
+from actors.rewards.source import SOURCES, RewardSource
 from actors.rewards.timed_call import CallTimedOut, TimedCall
 from core.infra.errors import type_and_first_line
 
@@ -67,9 +67,8 @@ def probe_function(spec: str, prompts: list[str], responses: list[str], key: str
 def _probe_in_sandbox(spec: str, prompts: list[str], responses: list[str], key: str, columns: Columns,
                       sandbox: SandboxConfig) -> None:
     """probe_function's call through reward.sandbox: a ValueError if no example pair scores."""
-    name = f"reward function {spec}" if key == "reward.function" else f"{key} {spec}"
-    scorer = SandboxScorer(spec, name=name, key=key, workers=sandbox.workers, timeout_s=sandbox.timeout_s,
-                           memory_mb=sandbox.memory_mb)
+    scorer = RewardSource(SOURCES["function"], spec).text_scorer(RewardConfig(function=spec, sandbox=sandbox),
+                                                                key=key)
     try:
         result = scorer.score_texts(list(prompts), list(responses), columns)
     finally:

@@ -101,7 +101,7 @@ class RewardSource:
 
 def given_sources(reward) -> list[RewardSource]:
     """The sources ``reward`` (a RewardConfig) sets, in the table's order: one, in a valid config."""
-    return [RewardSource(t, t.setting(reward)) for t in SOURCES.values() if t.setting(reward) is not None]
+    return [RewardSource(t, spec) for t in SOURCES.values() if (spec := t.setting(reward)) is not None]
 
 
 def one_source_rule() -> str:

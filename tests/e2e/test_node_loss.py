@@ -203,7 +203,9 @@ def scale_to(c, **sizes):
     return control
 
 
-@pytest.mark.slow  # one run, four node losses: the figures of docs/design/runtime.md's node-loss table
+# The slow tier: the figures of docs/design/runtime.md's node-loss table (one run, four losses);
+# the default tier: test_losing_each_packed_node_in_turn_trains_every_prompt_once.
+@pytest.mark.slow
 def test_node_loss_table(run):
     """Each pool's node is lost in turn, at the phase where it holds the most: (a) the
     generators' while generating, (b) the scorers' while scoring, (c) the buffer's with the

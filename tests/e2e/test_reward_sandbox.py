@@ -10,7 +10,9 @@ from cluster import train
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.slow  # tests/actors/rewards/test_sandbox.py scores through hangs in a real Ray actor in the default suite
+# The slow tier; the default tier: tests/actors/rewards/test_sandbox.py::
+# test_a_reward_replica_as_a_ray_actor_scores_through_a_hang_and_a_crash (a real Ray actor).
+@pytest.mark.slow
 def test_a_sandboxed_reward_that_hangs_on_some_pairs_costs_those_pairs_only(cluster_with_test_rewards, tmp_path):
     rc = train.main([f"run.dir={tmp_path}", "run.name=sandbox", "reward.function=slow_reward:hangs_on_a_few_pairs",
                      "reward.sandbox.workers=2", "reward.sandbox.timeout_s=2", "reward.sandbox.memory_mb=1024",

@@ -87,7 +87,6 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
     scoring, source = w.scoring(), reward_source(cfg)
     if source.type.engine:  # the judge by the path prepare built or found it at (builtin:judge)
         source = replace(source, spec=judge_path(source.spec))
-        scoring = replace(scoring, judge=replace(scoring.judge, model=source.spec))
 
     def reward(rid, index, options):
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
