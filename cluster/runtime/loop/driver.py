@@ -148,7 +148,7 @@ class Driver:
             self.producer.fill(self.step_count + 1)  # prompts -> rollouts -> scores -> buffer
             with timer("buffer_wait"):  # buffer -> the learner's shards
                 shards, batch = self._take()
-            produced = self.producer.for_step()
+            produced = self.producer.for_step(batch.consumed)
             check_invalid_scores(produced, self.cfg, self.step_count + 1)  # async: what fed this step
             if warning := kept_set_warning(produced):  # one line per step, and only when it happens
                 log.warning(warning)

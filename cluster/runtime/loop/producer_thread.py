@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from cluster.runtime.loop.dispatch import ChunkDispatcher
 
 # Python's and the installed libraries' files: not where a stuck producer's own code waits.
+SETTLE_S = 10.0  # how long a take waits for the produce() whose rollouts it consumed to return
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
@@ -32,6 +33,9 @@ class ProducerThread:
         self._rollouts, self._admit, self._issue, self._shaping = rollouts, admit, issue, shaping
         self._stop = threading.Event()
         self._pending, self._lock, self._error = Produced(), threading.Lock(), None
+        self._producing: frozenset = frozenset()  # ids of the chunks the running produce() issued
+        self._returns = 0  # produce() calls returned so far
+        self._produced = threading.Condition(self._lock)  # notified when a produce() returns
         self._thread = threading.Thread(target=self._loop, name="tether-producer", daemon=True)
         self._thread.start()
 
@@ -42,20 +46,37 @@ class ProducerThread:
                 admitted = self._admit(self._stop, self._rollouts.has_backlog)
                 if self._stop.is_set():
                     break
-                produced = self._rollouts.produce(self._issue() if admitted else [], self._shaping(), stop=self._stop)
+                chunks = self._issue() if admitted else []
                 with self._lock:
-                    self._pending = self._pending.merge(produced)
+                    self._producing = frozenset(c.id for c in chunks)
+                produced = self._rollouts.produce(chunks, self._shaping(), stop=self._stop)
+                with self._lock:
+                    self._pending, self._producing = self._pending.merge(produced), frozenset()
+                    self._returns += 1
+                    self._produced.notify_all()
         except Exception as e:  # noqa: BLE001 - surfaced by take() in the main thread
-            self._error = e
+            with self._lock:
+                self._error = e
+                self._produced.notify_all()
 
     def check(self) -> None:
         """Raise what ended the thread, if something did."""
         if self._error is not None:
             raise self._error
 
-    def take(self) -> Produced:
-        self.check()
+    def take(self, consumed_chunks=(), settle_s: float = SETTLE_S) -> Produced:
+        """The accounting since the previous take. The buffer hands over a chunk's rollouts as soon
+        as they are stored, a moment before the produce() that stored them returns its accounting;
+        so a take that consumed every unfinished chunk of the running produce() waits for it to
+        return (up to ``settle_s``: one still at work on a backlog reports with the next take)."""
+        wanted = frozenset(consumed_chunks)
         with self._lock:
+            unfinished = self._producing & {c.id for c in self._rollouts.ledger.in_flight()}
+            if unfinished and unfinished <= wanted:
+                returns = self._returns
+                self._produced.wait_for(lambda: self._returns != returns or self._error is not None
+                                        or self._stop.is_set(), timeout=settle_s)
+            self.check()
             out, self._pending = self._pending, Produced()
         return out
 

@@ -63,8 +63,9 @@ class StepProducer(ABC):
         before its prompts could be queued again (which would train them twice)."""
 
     @abstractmethod
-    def for_step(self) -> Produced:
-        """The accounting of what fed the step just taken (called once per take)."""
+    def for_step(self, consumed=()) -> Produced:
+        """The accounting of what fed the step just taken (called once per take); ``consumed``:
+        the take's (chunk id, prompt index) pairs."""
 
     @abstractmethod
     def published(self) -> None:
@@ -125,7 +126,7 @@ class SyncProducer(StepProducer):
         if self._rollouts.recover_lost_buffer():
             self._regenerated = self._regenerated.merge(self._rollouts.produce([], self._shaping()))
 
-    def for_step(self) -> Produced:
+    def for_step(self, consumed=()) -> Produced:
         produced = self._made.merge(self._regenerated)
         self._made, self._regenerated = Produced(), Produced()
         return produced
@@ -189,10 +190,10 @@ class AsyncProducer(StepProducer):
         """A lost buffer's prompts are queued for the thread, which generates them admitted or not."""
         self._rollouts.recover_lost_buffer()
 
-    def for_step(self) -> Produced:
-        """Everything the thread produced since the previous step's take."""
+    def for_step(self, consumed=()) -> Produced:
+        """Everything the thread produced since the previous step's take, the take's own chunks included."""
         self.admission.took()  # the learner has its batch: the gate counts the next take a version on
-        return self._thread.take()
+        return self._thread.take(consumed_chunks={chunk_id for chunk_id, _ in consumed})
 
     def published(self) -> None:
         self.admission.published()

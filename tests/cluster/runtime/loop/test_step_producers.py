@@ -1,5 +1,6 @@
 """The step producers behind one interface: each run.mode has one, and what a take accepts and
 what a step reports differ between them only as sync (on-policy) and async (bounded staleness) say."""
+import threading
 from pathlib import Path
 from typing import get_args
 
@@ -39,11 +40,11 @@ class Dispatcher:
         return lost
 
 
-def _producer(kind, *overrides):
+def _producer(kind, *overrides, dispatcher=Dispatcher):
     cfg = load_config(CONFIG, list(overrides))
     n = cfg.data.prompts_per_step
     dataset = PromptDataset(texts=["p"] * 4 * n, prompt_ids=[np.array([1])] * 4 * n, ids=np.arange(4 * n))
-    rollouts = Dispatcher(cfg.generator.sampling.n)
+    rollouts = dispatcher(cfg.generator.sampling.n)
     prompts = PromptStream(dataset=dataset, prompts_per_step=n, rollouts=rollouts)
     return kind(cfg, rollouts=rollouts, prompts=prompts, shaping=lambda: None), rollouts, prompts
 
@@ -85,3 +86,38 @@ def test_sync_with_dynamic_sampling_takes_one_batch_and_leaves_out_the_rest():
     plain, rollouts, _ = _producer(SyncProducer)  # without it: all that was made, nothing dropped
     plain.fill(step=1)
     assert plain.take_size(full=rollouts.ledger.held_rollouts() // 2) == (rollouts.ledger.held_rollouts(), False)
+
+
+class StoredBeforeReturn(Dispatcher):
+    """A produce() whose rollouts reach the buffer before it returns its accounting (as the real
+    one's do: the buffer's put lands, then the dispatcher sees it): it returns once released."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.stored, self.release = threading.Event(), threading.Event()
+
+    def has_backlog(self) -> bool:
+        return False
+
+    def produce(self, chunks, shaping, stop=None) -> Produced:
+        if not chunks:
+            stop.wait()
+            return Produced()
+        self.issued = [c.id for c in chunks]
+        self.stored.set()
+        self.release.wait(30)
+        return super().produce(chunks, shaping, stop)
+
+
+def test_async_step_reports_the_batch_it_took_even_when_the_take_beats_the_producers_return():
+    producer, rollouts, _ = _producer(AsyncProducer, "run.mode=async", "buffer.max_staleness=0",
+                                      dispatcher=StoredBeforeReturn)
+    producer.start()
+    try:
+        assert rollouts.stored.wait(30)
+        threading.Timer(0.2, rollouts.release.set).start()  # returns while the take waits
+        produced = producer.for_step(consumed=[(c, 0) for c in rollouts.issued])
+        assert produced.prompts == 16, "the step's own batch was reported with the next step"
+    finally:
+        rollouts.release.set()
+        producer.stop(at_end=True)
