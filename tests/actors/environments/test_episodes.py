@@ -19,9 +19,23 @@ PROMPTS = ["The cat was", "A dog seemed happy", "My friend felt"]
 
 @pytest.fixture(scope="module")
 def policy():
-    """The pre-trained tiny policy: it ends its sentences with EOS, so turns end where they should."""
+    """The tiny policy pre-trained to end its sentences with EOS, both as plain text and after the
+    generation prompt of each chat template below, so turns end where they should. (The plain
+    corpus alone leaves what follows a template's markers to chance, which differs by CPU.)"""
+    from transformers import AutoTokenizer
+
     from cluster.demo.pretrain import build_pretrained_policy
-    return str(build_pretrained_policy())
+    from cluster.demo.sentiment import corpus
+
+    tok = AutoTokenizer.from_pretrained(str(build_pretrained_policy()))
+    tails = []
+    for template in TEMPLATES.values():
+        tok.chat_template = template
+        prompt = tok.apply_chat_template([{"role": "user", "content": "ok 1"}], tokenize=False,
+                                         add_generation_prompt=True)
+        tails.append(prompt[-12:])  # the markers just before a turn; short, so a row fits the corpus length
+    texts = corpus(2000) + [tail + line for tail in tails for line in corpus(400, seed=1)]
+    return str(build_pretrained_policy(texts=texts))
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +135,7 @@ def test_a_chat_transcript_is_the_templates_text_with_the_sampled_ids(generator,
     finally:
         workers.close()
     played = [ep for ep in episodes if ep.finish_reason == "stop"]
+    print(f"{family}: {len(played)} of {len(episodes)} episodes played to the end")
     assert len(played) >= 2 and not any(ep.error for ep in episodes)
     for ep in episodes:
         turns = [sampled[(ep.prompt_index, 0, t)] for t in range(ep.turns)]
