@@ -21,7 +21,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -87,24 +87,11 @@ class GenerationSummary:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationResult:
+    """One generate call: its rollouts, and the summary that travels to the driver instead of them."""
     rollouts: list[Rollout]
-    skipped_prompts: list[int] = field(default_factory=list)  # prompt indices too long for the model
-    generated_tokens: int = 0
-    seconds: float = 0.0
-    version: int = 0
-    incomplete_kept_sets: int = 0
-    episode_counts: dict = field(default_factory=dict)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def summary(self) -> GenerationSummary:
-        return GenerationSummary(len(self.rollouts), tuple(self.skipped_prompts), self.generated_tokens,
-                                 self.seconds, self.version, self.incomplete_kept_sets,
-                                 tuple(sorted(self.episode_counts.items())))
+    summary: GenerationSummary
 
 
 class Generator:
@@ -214,7 +201,7 @@ class Generator:
             log.warning("%s: skipped %d prompts longer than max_model_len=%d (or empty)",
                         self.name, len(skipped), self.engine.max_model_len)
         if not keep:
-            return GenerationResult(rollouts=[], skipped_prompts=skipped, version=self.weights.version())
+            return GenerationResult([], GenerationSummary(0, tuple(skipped), version=self.weights.version()))
 
         t0 = time.perf_counter()
         if self.episodes is not None:
@@ -234,8 +221,8 @@ class Generator:
         tokens = sum(len(r.response_ids) for r in rollouts)
         self._generated_total += tokens
         self._incomplete_kept_sets += incomplete
-        return GenerationResult(rollouts=rollouts, skipped_prompts=skipped, generated_tokens=tokens,
-                                seconds=seconds, version=self.weights.version(), incomplete_kept_sets=incomplete)
+        return GenerationResult(rollouts, GenerationSummary(len(rollouts), tuple(skipped), tokens, seconds,
+                                                            self.weights.version(), incomplete))
 
     def _play(self, keep: list[tuple[list[int], int]], skipped: list[int], t0: float) -> GenerationResult:
         """generate() as multi-turn episodes (actors/environments/episodes.py): the policy's tokens count."""
@@ -244,9 +231,9 @@ class Generator:
                                               self.sample_turns, self.weights.version())
         tokens = sum(r.trained_tokens for r in rollouts)
         self._generated_total += tokens
-        return GenerationResult(rollouts=rollouts, skipped_prompts=skipped, generated_tokens=tokens,
-                                seconds=time.perf_counter() - t0, version=self.weights.version(),
-                                incomplete_kept_sets=self._incomplete_kept_sets - incomplete, episode_counts=counts)
+        return GenerationResult(rollouts, GenerationSummary(
+            len(rollouts), tuple(skipped), tokens, time.perf_counter() - t0, self.weights.version(),
+            self._incomplete_kept_sets - incomplete, tuple(sorted(counts.items()))))
 
     def sample_turns(self, transcripts: list[list[int]], room: list[int], keys: list[tuple[int, int, int]]) -> list:
         """One round of multi-turn episodes (actors/environments/episodes.py): each transcript's exact ids
@@ -318,7 +305,7 @@ class Generator:
         store (scorers and the buffer take them by reference) and only the summary travels
         to the driver."""
         result = self.generate(prompt_ids, prompt_indices)
-        return result.rollouts, result.summary()
+        return result.rollouts, result.summary
 
     def _to_rollout(self, prompt: list[int], prompt_index: int, completion) -> tuple[Rollout, int]:
         """The rollout of one completion, and its positions whose kept set may be incomplete."""

@@ -35,7 +35,7 @@ def bench_generator(path: str, prompts: list, new_tokens: int):
     ray.get(gen.health.remote())
     print(f"generator: engine start {time.perf_counter() - t0:.1f}s")
     ray.get(gen.generate.remote(prompts[:4]))  # warm-up
-    result = ray.get(gen.generate.remote(prompts))
+    result = ray.get(gen.generate.remote(prompts)).summary
     print(f"generator: {result.generated_tokens} tokens in {result.seconds:.2f}s = "
           f"{result.tokens_per_second:.0f} tokens/s ({len(prompts)} prompts x 4 samples)")
     ref = Reference(model=path)

@@ -45,9 +45,9 @@ def side(generator, prompts, repeats: int) -> dict:
         t0 = time.perf_counter()
         result = generator.generate(prompts)
         seconds = time.perf_counter() - t0
-        counts = result.episode_counts
+        counts = dict(result.summary.episode_counts)
         runs.append({"seconds": seconds, "rollouts_per_s": len(result.rollouts) / seconds,
-                     "policy_tokens_per_s": result.generated_tokens / seconds,
+                     "policy_tokens_per_s": result.summary.generated_tokens / seconds,
                      "turns_mean": counts["turns"] / counts["episodes"] if counts else 1.0,
                      "env_share": counts.get("step_seconds", 0.0) / seconds})
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}

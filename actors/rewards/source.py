@@ -25,9 +25,11 @@ class SourceType:
     engine: bool = False                        # replicas host a vLLM engine (its KV cache counts too)
     episodes: bool = False                      # the scores are the episodes' own: no replica scores them
     # The text scorer a replica builds (actors/rewards/scoring.py's TextScorer), from the source, the
-    # reward section, the config key it answers to, the engine's dtype and seed; None: the replica
-    # scores tokens itself (a reward model's forward) or passes the episodes' scores on.
+    # reward section, the config key it answers to, the engine's dtype and seed; None: not a text source.
     text_scorer: Optional[Callable] = None
+    # The token scorer a replica builds (a reward model's forward on the sampled ids), from the
+    # source, the reward section, the dtype and the device; None: not a token source.
+    token_scorer: Optional[Callable] = None
 
 
 def _function_scorer(source, config, *, key: str, dtype=None, seed: int = 0):
@@ -56,8 +58,17 @@ def _judge_scorer(source, config, *, dtype=None, seed: int = 0, **_):
     return JudgeScorer(replace(config.judge, model=source.spec), dtype=dtype, seed=seed)
 
 
+def _model_scorer(source, config, *, dtype: str, device):
+    """The reward model in this process."""
+    from actors.rewards.reward_model import RewardModelScorer
+    from core.infra.dtypes import torch_dtype
+
+    return RewardModelScorer(source.spec, dtype=torch_dtype(dtype, "Reward"), device=device,
+                             batch_size=config.batch_size, packing=config.packing, normalize=config.normalize)
+
+
 SOURCES: dict[str, SourceType] = {t.name: t for t in (
-    SourceType("model", "reward model", "reward.model", lambda w: w.model, weights=True),
+    SourceType("model", "reward model", "reward.model", lambda w: w.model, weights=True, token_scorer=_model_scorer),
     SourceType("function", "reward function", "reward.function", lambda w: w.function, text_scorer=_function_scorer),
     SourceType("url", "reward server", "reward.url", lambda w: w.url, text_scorer=_server_scorer),
     SourceType("judge", "reward judge", "reward.judge.model", lambda w: w.judge.model, weights=True, engine=True,
@@ -87,11 +98,18 @@ class RewardSource:
         return self.type.episodes
 
     def text_scorer(self, config, *, key: Optional[str] = None, dtype: Optional[str] = None, seed: int = 0):
-        """This source's text scorer, built from ``config`` (a RewardConfig); None where the
-        replica scores tokens itself or the episodes carry the scores."""
+        """This source's text scorer, built from ``config`` (a RewardConfig); None where it scores
+        token ids (a reward model) or the episodes carry the scores."""
         if self.type.text_scorer is None:
             return None
         return self.type.text_scorer(self, config, key=key or self.type.key, dtype=dtype, seed=seed)
+
+    def token_scorer(self, config, *, dtype, device):
+        """This source's token scorer (a reward model, in ``dtype``: "float32", "bfloat16", ...), built from
+        ``config`` (a RewardConfig); None for the other sources."""
+        if self.type.token_scorer is None:
+            return None
+        return self.type.token_scorer(self, config, dtype=dtype, device=device)
 
     @property
     def summary(self) -> str:

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from actors.reward import REWARD_STATS_FILE
+from actors.rewards.reward_model import REWARD_STATS_FILE
 from cluster.config.stages import RMConfig
 from cluster.data.rows import epoch_shards, rank_shards
 from cluster.recipes.stage import log_epoch, prepare_rows, run_stage, save_final

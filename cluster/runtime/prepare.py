@@ -186,7 +186,7 @@ def prepare(cfg):
     if cfg.reward.model:
         check_reward_model(cfg.reward.model, tokenizer, tokenizer_path)
         if cfg.reward.normalize:  # the actors would fail on it one by one: refuse here, in one line
-            from actors.reward import load_reward_stats
+            from actors.rewards.reward_model import load_reward_stats
             with user_input():
                 load_reward_stats(cfg.reward.model)
     if cfg.reference.model:

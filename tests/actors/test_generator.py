@@ -157,7 +157,7 @@ def test_bf16_top_k_reads_every_token_tied_at_the_kth_logit(tokenizer, monkeypat
     print(f"bf16 top_k 20: {sizes.size} positions, {int((sizes > 20).sum())} keep more than 20 "
           f"(up to {sizes.max()}); incomplete {gen.health()['incomplete_kept_sets']}")
     assert gen.health()["incomplete_kept_sets"] == 0
-    assert result.incomplete_kept_sets == result.summary().incomplete_kept_sets == 0
+    assert result.summary.incomplete_kept_sets == 0
     assert (sizes > 20).any()  # ties happened: the check below has something to check
 
     monkeypatch.setattr(kept_set, "logprobs_to_read", lambda top_k, vocab_size: -1)
@@ -212,7 +212,7 @@ def test_load_weights_changes_generation_and_records_version(generator, policy_p
 def test_too_long_prompts_are_skipped_and_counted(generator, tokenizer):
     long_prompt = np.arange(200) % 500 + 2
     result = generator.generate(encode(tokenizer, PROMPTS[:1]) + [long_prompt], prompt_indices=[7, 8])
-    assert result.skipped_prompts == [8]
+    assert result.summary.skipped_prompts == (8,)
     assert {r.prompt_index for r in result.rollouts} == {7}
     assert generator.health()["skipped_prompts"] >= 1
     with pytest.raises(ValueError, match="empty prompt list"):

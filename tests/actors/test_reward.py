@@ -84,8 +84,8 @@ def test_model_scores_last_token_even_when_it_is_the_pad_id(rm, tokenizer):
     assert not np.allclose(batched, without_last, atol=1e-4)
     seq = torch.tensor(np.concatenate([prompts[0], responses[0]]))[None]
     with torch.no_grad():
-        h = rm.model.base_model(input_ids=seq).last_hidden_state[0, -1]
-        manual = rm.model.score(h).item()
+        h = rm.reward_model.model.base_model(input_ids=seq).last_hidden_state[0, -1]
+        manual = rm.reward_model.model.score(h).item()
     assert abs(batched[0] - manual) < 1e-5
 
 
