@@ -51,7 +51,11 @@ def test_two_ranks_train_the_adapter_as_one_does_and_push_it(ray_cluster, policy
     try:
         group.train(shard_rollouts(rollouts, 2))
         got = group.state_dict()
-        assert max_abs_diff(got, expected) < 1e-5
+        # Two ranks sum the gradient in another order (and with other thread counts) than one: fp32
+        # rounding, ~1e-5 here, against an update of ~1 (the bound: 1e-4 of it).
+        diff, update = max_abs_diff(got, expected), max_abs_diff(expected, before)
+        print(f"ZeRO-{stage} LoRA: two ranks vs one {diff:.1e}; the update {update:.1e}")
+        assert diff < 1e-4 * update
         moved = {k for k in expected if not torch.equal(expected[k], before[k])}
         assert moved and all(".lora_" in k or k.startswith("value_head.") for k in moved)
         recorders = [RecordingGenerator.remote() for _ in range(2)]
