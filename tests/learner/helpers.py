@@ -70,12 +70,14 @@ def sgd_config(*, zero_stage=2, lr=0.5, epochs=2, minibatch=4, micro=2, grad_cli
                                        shuffle=False, **ppo_kw))
 
 
-def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl: KLPenalty = NO_KL, advantages=None):
+def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl: KLPenalty = NO_KL, advantages=None,
+                     start: dict | None = None):
     """The same PPO update in plain single-process torch: full minibatches, no DeepSpeed.
     With truncated sampling (rollouts with kept sets) the ratio is over the sampler's sets and
     the off-policy weight's numerator over the policy's own set; ``kl``: the KL penalty, a loss
     term when ``kl.in_loss``. ``advantages`` [B, R] (critic-free only): a test's own
     computation of them instead of core/estimators.py's, so the estimator is checked too.
+    ``start``: the weights to update from (parameter name -> tensor; default: model_path's).
 
     Returns (state_dict after the update, list of pre-clip grad norms per step).
     """
@@ -83,6 +85,10 @@ def reference_update(model_path, rollouts, cfg: LearnerConfig, pad_id, kl: KLPen
 
     p = cfg.ppo
     model = PolicyWithValueHead.from_pretrained(model_path, critic=cfg.value_model)
+    if start is not None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(start[name])
     batch = collate(rollouts, pad_id)
     mask = batch.response_mask
     truncation = dict(top_k=cfg.top_k, top_p=cfg.top_p)
