@@ -267,6 +267,30 @@ def _nothing_outlives_the_module(request):
 
 
 # Tiny offline models (cached on disk by content): one build serves every test session.
+@pytest.fixture
+def in_process_engine(monkeypatch):
+    """vLLM's engine inside this process, as a CPU generator or judge actor hosts it
+    (``engine_process_env``; a bf16 engine's own worker process died of SIGILL at its first step
+    in 2 of 4 runs here). The engine joins torch.distributed in this process. A learner an
+    earlier test ran here set it up through DeepSpeed, which keeps its groups for the process's
+    life: the engine then uses that group and leaves it, dropping only its own groups after;
+    otherwise the engine's whole setup is torn down after, for whatever runs next."""
+    import torch.distributed as dist
+
+    from actors.generator import engine_process_env
+    learners_group = dist.is_initialized()
+    for key, value in engine_process_env(num_gpus=0, tensor_parallel=1).items():
+        monkeypatch.setenv(key, value)
+    yield
+    from vllm import envs
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, destroy_model_parallel
+    if learners_group:
+        envs.disable_envs_cache()
+        destroy_model_parallel()
+    else:
+        cleanup_dist_env_and_memory()  # vLLM's groups, the process group, and vLLM's cache of the environment
+
+
 @pytest.fixture(scope="session")
 def policy_path():
     from cluster.demo.tiny_models import build_policy

@@ -122,19 +122,6 @@ def test_kept_sets_are_vllms_and_the_penalty_is_the_truncated_kl(generator, poli
     assert np.mean(exact) > 0 and abs(k1.mean() - np.mean(exact)) < 4 * stderr + 1e-4
 
 
-@pytest.fixture
-def in_process_engine(monkeypatch):
-    """vLLM's engine inside this process, as a CPU generator actor hosts it
-    (``engine_process_env``); a bf16 engine's worker process died of SIGILL at its first
-    step in 2 of 4 runs here. Torn down after, for the next engine in this process."""
-    from actors.generator import engine_process_env
-    for key, value in engine_process_env(num_gpus=0, tensor_parallel=1).items():
-        monkeypatch.setenv(key, value)
-    yield
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    cleanup_dist_env_and_memory()  # the process group, and vLLM's cache of the environment
-
-
 def test_bf16_top_k_reads_every_token_tied_at_the_kth_logit(tokenizer, monkeypatch, in_process_engine):
     """bf16 logits tie often: at top_k 20 on the pre-trained tiny policy the sampler keeps up
     to 25 tokens at ~18% of positions (all those >= the 20th logit). Every kept set must be

@@ -104,17 +104,6 @@ RESPONSES = [" happy in the park.", " sad at night.", " glad in the park.", " aw
              " cold in winter."]
 
 
-@pytest.fixture
-def in_process_engine(monkeypatch):
-    """The judge's vLLM engine inside this process, as a CPU reward actor hosts it; torn down after."""
-    from actors.generator import engine_process_env
-    for key, value in engine_process_env(num_gpus=0, tensor_parallel=1).items():
-        monkeypatch.setenv(key, value)
-    yield
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    cleanup_dist_env_and_memory()
-
-
 def _judge(**settings):
     """reward.judge for the tiny judge, with ``settings`` over it."""
     from actors.rewards.config import DEFAULT_TEMPLATE, JudgeConfig
