@@ -243,7 +243,7 @@ def test_ray_metrics_exported(ray_with_metrics, tmp_path):
 
     wanted = {"ray_tether_reward_mean", "ray_tether_kl_beta", "ray_tether_generator_tokens_per_s",
               "ray_tether_score_seconds", "ray_tether_buffer_depth"}
-    found: dict[str, str] = {}
+    found: dict[str, list[str]] = {}  # metric -> its series (an earlier test's may be there too)
     deadline = time.monotonic() + 45
     while time.monotonic() < deadline:
         try:
@@ -252,20 +252,23 @@ def test_ray_metrics_exported(ray_with_metrics, tmp_path):
             text = ""
         # This session's series only: another Ray on the machine may export on a port Ray reused.
         session = f'SessionName="{ray.get_runtime_context().get_session_name()}"'
-        found = {line.split("{")[0]: line for line in text.splitlines()
-                 if line.startswith("ray_tether_") and session in line}
+        found = {}
+        for line in text.splitlines():
+            if line.startswith("ray_tether_") and session in line:
+                found.setdefault(line.split("{")[0], []).append(line)
         if wanted <= set(found):
             break
         time.sleep(1)
     assert wanted <= set(found), f"missing {wanted - set(found)}"
 
-    assert float(found["ray_tether_reward_mean"].rsplit(" ", 1)[1]) == 0.75
-    gen = found["ray_tether_generator_tokens_per_s"]
-    assert _labels(gen)["pool"] == "generator" and _labels(gen)["replica"] == "0"
-    assert math.isclose(float(gen.rsplit(" ", 1)[1]), 123.5)
-    score = _labels(found["ray_tether_score_seconds"])
-    assert score["pool"] == "reward" and score["replica"] == "all"
-    assert "pool" not in _labels(found["ray_tether_buffer_depth"])  # undeclared tags are dropped
+    value = lambda line: float(line.rsplit(" ", 1)[1])
+    assert any(value(line) == 0.75 for line in found["ray_tether_reward_mean"])
+    assert any(_labels(line)["pool"] == "generator" and _labels(line)["replica"] == "0"
+               and math.isclose(value(line), 123.5) for line in found["ray_tether_generator_tokens_per_s"])
+    assert any(_labels(line)["pool"] == "reward" and _labels(line)["replica"] == "all"
+               and math.isclose(value(line), 0.25) for line in found["ray_tether_score_seconds"])
+    depth = [_labels(line) for line in found["ray_tether_buffer_depth"]]
+    assert depth and all("pool" not in labels for labels in depth)  # undeclared tags are dropped
     assert "ray_tether_ppo_explained_variance" not in found  # NaN is never recorded
 
 
