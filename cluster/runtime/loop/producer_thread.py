@@ -15,8 +15,8 @@ from cluster.runtime.observe.produced import Produced
 if TYPE_CHECKING:
     from cluster.runtime.loop.dispatch import ChunkDispatcher
 
-# Python's and the installed libraries' files: not where a stuck producer's own code waits.
 SETTLE_S = 10.0  # how long a take waits for the produce() whose rollouts it consumed to return
+# Python's and the installed libraries' files: not where a stuck producer's own code waits.
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
