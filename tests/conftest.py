@@ -271,24 +271,26 @@ def _nothing_outlives_the_module(request):
 def in_process_engine(monkeypatch):
     """vLLM's engine inside this process, as a CPU generator or judge actor hosts it
     (``engine_process_env``; a bf16 engine's own worker process died of SIGILL at its first step
-    in 2 of 4 runs here). The engine joins torch.distributed in this process. A learner an
-    earlier test ran here set it up through DeepSpeed, which keeps its groups for the process's
-    life: the engine then uses that group and leaves it, dropping only its own groups after;
-    otherwise the engine's whole setup is torn down after, for whatever runs next."""
+    in 2 of 4 runs here). The engine joins torch.distributed in this process, and vLLM tears that
+    down whenever the engine is collected (its finalizer), which may be in the middle of a later
+    test. So a learner's group an earlier test left here is destroyed first, through DeepSpeed,
+    which then forgets the groups it cached on it; and the test's engines are collected, and every
+    bit of vLLM's distributed state dropped, before the next test: a later in-process learner
+    sets up its own group from nothing."""
+    import gc
+
+    import deepspeed.comm
     import torch.distributed as dist
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from actors.generator import engine_process_env
-    learners_group = dist.is_initialized()
+    if dist.is_initialized():
+        deepspeed.comm.destroy_process_group()
     for key, value in engine_process_env(num_gpus=0, tensor_parallel=1).items():
         monkeypatch.setenv(key, value)
     yield
-    from vllm import envs
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, destroy_model_parallel
-    if learners_group:
-        envs.disable_envs_cache()
-        destroy_model_parallel()
-    else:
-        cleanup_dist_env_and_memory()  # vLLM's groups, the process group, and vLLM's cache of the environment
+    gc.collect()  # the test's engines: their finalizers tear vLLM's state down here, not later
+    cleanup_dist_env_and_memory()  # vLLM's groups, the process group, and vLLM's cache of the environment
 
 
 @pytest.fixture(scope="session")
