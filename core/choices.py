@@ -73,7 +73,7 @@ class TransportRow:
 
 
 # The one table of weight transports (learner.weight_sync); the senders are looked up by these
-# names in learner/transport/__init__.py.
+# names in SENDERS (learner/export.py).
 TRANSPORT_TABLE = (
     TransportRow("cpu"),
     TransportRow("nccl", learner_cuda="NCCL broadcast from its GPU",
@@ -116,6 +116,11 @@ def critic_free_names() -> str:
 def discounting_names() -> str:
     """The estimators that ``ppo.gamma`` discounts, as a help text lists them."""
     return " and ".join(row.name for row in ESTIMATOR_TABLE if row.discounts)
+
+
+def outcome_names() -> str:
+    """The estimators that ``ppo.gamma`` leaves alone (every token gets its sequence's score)."""
+    return ", ".join(row.name for row in ESTIMATOR_TABLE if not row.discounts)
 
 
 def gamma_error(gamma: float, estimator: str, at: str = "ppo") -> Optional[str]:

@@ -30,6 +30,7 @@ from core.choices import (
     discounting_names,
     estimator_row,
     gamma_error,
+    outcome_names,
 )
 from core.infra.schema import check_choices, config_class, setting
 from learner.lora_config import LoraConfig
@@ -135,7 +136,7 @@ class PPOConfig:
     group_std: bool = setting(True, "grpo: divide each advantage by its group's score std; false: Dr. GRPO "
                                     "(the group mean is taken off, nothing divided)")
     gamma: float = setting(1.0, f"discount of the returns of {discounting_names()}; the outcome estimators "
-                                "(grpo, rloo, reinforce_pp_baseline) take none and refuse gamma < 1")
+                                f"({outcome_names()}) take none and refuse gamma < 1")
     lam: float = setting(0.95, "GAE lambda")
     agg: LossAggregation = setting("token-mean", "loss aggregation, see core.ppo.aggregate_loss")
     whiten_advantages: bool = setting(True, "gae: normalise advantages over the global batch (REINFORCE++ always "

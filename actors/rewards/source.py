@@ -21,6 +21,7 @@ class SourceType:
     label: str                                  # how messages name a source of this type, before its spec
     key: str                                    # the config key that sets it
     setting: Callable[[object], Optional[str]]  # its spec in a RewardConfig (None: not this source)
+    cleared: Callable[[object], object] = lambda w: w  # the RewardConfig with this source's key unset
     weights: bool = False                       # replicas load a model of their own (memory, a dtype)
     engine: bool = False                        # replicas host a vLLM engine (its KV cache counts too)
     episodes: bool = False                      # the scores are the episodes' own: no replica scores them
@@ -68,10 +69,14 @@ def _model_scorer(source, config, *, dtype: str, device):
 
 
 SOURCES: dict[str, SourceType] = {t.name: t for t in (
-    SourceType("model", "reward model", "reward.model", lambda w: w.model, weights=True, token_scorer=_model_scorer),
-    SourceType("function", "reward function", "reward.function", lambda w: w.function, text_scorer=_function_scorer),
-    SourceType("url", "reward server", "reward.url", lambda w: w.url, text_scorer=_server_scorer),
-    SourceType("judge", "reward judge", "reward.judge.model", lambda w: w.judge.model, weights=True, engine=True,
+    SourceType("model", "reward model", "reward.model", lambda w: w.model, lambda w: replace(w, model=None),
+               weights=True, token_scorer=_model_scorer),
+    SourceType("function", "reward function", "reward.function", lambda w: w.function,
+               lambda w: replace(w, function=None), text_scorer=_function_scorer),
+    SourceType("url", "reward server", "reward.url", lambda w: w.url, lambda w: replace(w, url=None),
+               text_scorer=_server_scorer),
+    SourceType("judge", "reward judge", "reward.judge.model", lambda w: w.judge.model,
+               lambda w: replace(w, judge=replace(w.judge, model=None)), weights=True, engine=True,
                text_scorer=_judge_scorer),
     SourceType("environment", "environment", "env.environment", lambda w: None, episodes=True),
 )}
@@ -166,4 +171,6 @@ def without_unused_reward(cfg):
     if not reward_source(cfg).from_episodes:
         return cfg
     w = cfg.reward
-    return replace(cfg, reward=replace(w, function=None, model=None, url=None, judge=replace(w.judge, model=None)))
+    for t in SOURCES.values():
+        w = t.cleared(w)
+    return replace(cfg, reward=w)

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.rewards.source import one_source_rule
 from cluster.config.ppo import ConfigError, describe, load_config
 
 pytestmark = pytest.mark.unit
@@ -72,7 +73,7 @@ def test_exponent_without_a_dot_is_a_number():
     (["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.engine.dtype=fp8"],
      "config: reward.judge.engine.dtype='fp8' is not one of"),
     (["ppo.clip_low=1.5"], "config: ppo.clip_low=1.5 must be in (0, 1)"),
-    (["reward.model=/x"], "exactly one of reward.model, reward.function, reward.url and reward.judge.model"),
+    (["reward.model=/x"], one_source_rule()),
     (["run.mode=fast"], "run.mode='fast' is unknown; use one of sync, async"),
     (["run.mode=1"], "run.mode must be str, got 1 (int)"),
     (["resources.cpu_threads=all"], "resources.cpu_threads='all' is unknown; use one of phase, reserved"),

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from entrypoints import assert_one_line_error
 
+from actors.rewards.source import one_source_rule
+
 pytestmark = pytest.mark.integration  # each case runs an entrypoint in a child process
 REPO = Path(__file__).resolve().parents[3]
 
@@ -242,8 +244,7 @@ CASES = [
     pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.template=Rate {{prompt"],
                  "reward.judge.template is not a valid format string (expected '}}' before end of string)",
                  id="judge-template-bad-syntax"),
-    pytest.param(["reward.judge.model=builtin:judge"], "set exactly one of reward.model, reward.function, "
-                 "reward.url and reward.judge.model", id="judge-and-function"),
+    pytest.param(["reward.judge.model=builtin:judge"], one_source_rule(), id="judge-and-function"),
     pytest.param(["reward.function=null", "reward.judge.model=/nonexistent/judge"],
                  "reward.judge.model='/nonexistent/judge' cannot be read (FileNotFoundError", id="judge-missing"),
     pytest.param(["reward.function=null", "reward.judge.model={inputs}/rm_two_labels"],

@@ -15,6 +15,8 @@ import pytest
 from entrypoints import assert_one_line_error
 from reward_server import ClosedPort, RewardServer
 
+from actors.rewards.source import one_source_rule
+
 pytestmark = pytest.mark.integration  # each case runs an entrypoint in a child process
 REPO = Path(__file__).resolve().parents[3]
 ENV = {"RAY_ADDRESS": ""}
@@ -56,7 +58,7 @@ def test_a_server_speaking_another_schema_is_refused(tmp_path, entrypoints, stat
 
 @pytest.mark.parametrize("args, message", [
     (["reward.url=http://127.0.0.1:9/get_reward"],
-     "set exactly one of reward.model, reward.function, reward.url and reward.judge.model"),
+     one_source_rule()),
     (["reward.function=null", "reward.url=localhost:5000"], "reward.url='localhost:5000' is not an http(s) URL"),
     (["reward.function=null", "reward.url=http://h/x", "reward.http.concurrency=0"],
      "reward.http.batch_size=64 and concurrency=0 must be >= 1"),
