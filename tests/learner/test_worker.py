@@ -444,12 +444,15 @@ def test_group_errors_name_the_rank(groups, policy_path):
     with pytest.raises(TypeError, match="generators must map replica id -> actor handle, got list"):
         group.push_weights([], version=1)
     ray.kill(group.workers[1])
-    for _ in range(100):  # the kill lands asynchronously; a call already queued may still succeed
-        try:
-            group.health()
-        except RuntimeError as e:
-            assert "learner rank 1 died during health" in str(e)
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("a killed rank was never reported")
+    try:
+        for _ in range(100):  # the kill lands asynchronously; a call already queued may still succeed
+            try:
+                group.health()
+            except RuntimeError as e:
+                assert "learner rank 1 died during health" in str(e)
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("a killed rank was never reported")
+    finally:
+        group.restart()  # the shared group whole again (its initial weights) for the tests after this one

@@ -269,7 +269,8 @@ def test_ray_metrics_exported(ray_with_metrics, tmp_path):
                and math.isclose(value(line), 0.25) for line in found["ray_tether_score_seconds"])
     depth = [_labels(line) for line in found["ray_tether_buffer_depth"]]
     assert depth and all("pool" not in labels for labels in depth)  # undeclared tags are dropped
-    assert "ray_tether_ppo_explained_variance" not in found  # NaN is never recorded
+    # NaN is never recorded: no series reads NaN (another test may have logged a real value)
+    assert not any(math.isnan(value(line)) for line in found.get("ray_tether_ppo_explained_variance", []))
 
 
 @pytest.mark.integration
