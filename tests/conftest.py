@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -266,33 +267,67 @@ def _nothing_outlives_the_module(request):
     _assert_nothing_left(before, request.node.nodeid)
 
 
-# Tiny offline models (cached on disk by content): one build serves every test session.
+# ---------------------------------------------------------------- vLLM engines in this process
+class _EnginesHere:
+    """vLLM's engines inside this process, as a CPU generator or judge actor hosts them
+    (``engine_process_env``): an engine starts in ~10 s here, ~28 s with an engine process of its
+    own (and a bf16 engine's own worker process died of SIGILL at its first step in 2 of 4 runs).
+
+    The engines join torch.distributed in this process and share vLLM's distributed state, which
+    any one of them tears down when it is collected (its finalizer), whichever engine or test is
+    still using it. So a learner's group an earlier test left here is destroyed first, through
+    DeepSpeed, which then forgets the groups it cached on it; every engine built meanwhile is held
+    (``hold``) until the end, when all are collected at once and every bit of vLLM's distributed
+    state is dropped: a later in-process learner sets up its own group from nothing."""
+
+    def __init__(self):
+        self._held = []
+
+    def hold(self, engine):
+        self._held.append(engine)
+        return engine
+
+    @contextlib.contextmanager
+    def hosting(self):
+        import gc
+
+        import deepspeed.comm
+        import torch.distributed as dist
+        from vllm import envs
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        from actors.generator import engine_process_env
+        if dist.is_initialized():
+            deepspeed.comm.destroy_process_group()
+        envs.disable_envs_cache()  # an earlier engine's cache would keep the old settings
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in engine_process_env(num_gpus=0, tensor_parallel=1).items():
+                patch.setenv(key, value)
+            try:
+                yield self
+            finally:
+                self._held.clear()
+                gc.collect()  # the engines' finalizers tear vLLM's state down here, not in a later test
+                cleanup_dist_env_and_memory()  # vLLM's groups, the process group, its cache of the environment
+
+
 @pytest.fixture
-def in_process_engine(monkeypatch):
-    """vLLM's engine inside this process, as a CPU generator or judge actor hosts it
-    (``engine_process_env``; a bf16 engine's own worker process died of SIGILL at its first step
-    in 2 of 4 runs here). The engine joins torch.distributed in this process, and vLLM tears that
-    down whenever the engine is collected (its finalizer), which may be in the middle of a later
-    test. So a learner's group an earlier test left here is destroyed first, through DeepSpeed,
-    which then forgets the groups it cached on it; and the test's engines are collected, and every
-    bit of vLLM's distributed state dropped, before the next test: a later in-process learner
-    sets up its own group from nothing."""
-    import gc
-
-    import deepspeed.comm
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    from actors.generator import engine_process_env
-    if dist.is_initialized():
-        deepspeed.comm.destroy_process_group()
-    for key, value in engine_process_env(num_gpus=0, tensor_parallel=1).items():
-        monkeypatch.setenv(key, value)
-    yield
-    gc.collect()  # the test's engines: their finalizers tear vLLM's state down here, not later
-    cleanup_dist_env_and_memory()  # vLLM's groups, the process group, and vLLM's cache of the environment
+def in_process_engine():
+    """The test's engines in this process (_EnginesHere), dropped after it."""
+    with _EnginesHere().hosting() as engines:
+        yield engines
 
 
+@pytest.fixture(scope="module")
+def in_process_engines():
+    """The module's engines in this process (_EnginesHere): a test's own engine is held
+    (``in_process_engines.hold(Generator(...))``) until the module ends. Not with
+    ``in_process_engine`` in one module: that one's teardown would drop these engines' state."""
+    with _EnginesHere().hosting() as engines:
+        yield engines
+
+
+# Tiny offline models (cached on disk by content): one build serves every test session.
 @pytest.fixture(scope="session")
 def policy_path():
     from cluster.demo.tiny_models import build_policy

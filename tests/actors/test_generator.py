@@ -15,7 +15,7 @@ PROMPTS = ["The cat was", "A dog seemed happy", "My friend felt", "The river"]
 
 
 @pytest.fixture(scope="module")
-def generator(policy_path):
+def generator(policy_path, in_process_engines):
     return Generator(model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 12, "n": 2},
                      engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
 
@@ -122,7 +122,7 @@ def test_kept_sets_are_vllms_and_the_penalty_is_the_truncated_kl(generator, poli
     assert np.mean(exact) > 0 and abs(k1.mean() - np.mean(exact)) < 4 * stderr + 1e-4
 
 
-def test_bf16_top_k_reads_every_token_tied_at_the_kth_logit(tokenizer, monkeypatch, in_process_engine):
+def test_bf16_top_k_reads_every_token_tied_at_the_kth_logit(tokenizer, monkeypatch, in_process_engines):
     """bf16 logits tie often: at top_k 20 on the pre-trained tiny policy the sampler keeps up
     to 25 tokens at ~18% of positions (all those >= the 20th logit). Every kept set must be
     read whole (the set vLLM itself reports when asked for the whole vocabulary under the
@@ -135,8 +135,9 @@ def test_bf16_top_k_reads_every_token_tied_at_the_kth_logit(tokenizer, monkeypat
     from cluster.demo.pretrain import build_pretrained_policy
 
     path = str(build_pretrained_policy())
-    gen = Generator(model=path, sampling={"temperature": 1.0, "top_k": 20, "max_new_tokens": 16, "n": 4},
-                    engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20, "dtype": "bfloat16"})
+    gen = in_process_engines.hold(Generator(
+        model=path, sampling={"temperature": 1.0, "top_k": 20, "max_new_tokens": 16, "n": 4},
+        engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20, "dtype": "bfloat16"}))
     assert gen.health()["dtype"] == "bfloat16"
     prompts = encode(tokenizer, PROMPTS * 4)
     result = gen.generate(prompts)
@@ -315,12 +316,13 @@ def test_ignore_eos_gives_every_response_max_new_tokens(tokenizer):
     assert any(tokenizer.eos_token_id in r.response_ids.tolist() for r in rollouts)  # sampled, not masked
 
 
-def test_a_batch_whose_prefill_passes_one_engine_step_samples(policy_path, tokenizer):
+def test_a_batch_whose_prefill_passes_one_engine_step_samples(policy_path, tokenizer, in_process_engines):
     """More prompt tokens than vLLM schedules in one step (4096 here): with chunked prefill a
     seeded request split over two steps rewinds its sampler by an offset, which vLLM's CPU
     generators lack (RuntimeError); the CPU engine keeps each prefill whole instead."""
-    gen = Generator(model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 4, "n": 1},
-                    engine={"max_model_len": 256, "kv_cache_bytes": 32 << 20, "max_num_seqs": 64})
+    gen = in_process_engines.hold(Generator(
+        model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 4, "n": 1},
+        engine={"max_model_len": 256, "kv_cache_bytes": 32 << 20, "max_num_seqs": 64}))
     words = ["cat", "dog", "river", "friend", "happy", "sad", "was", "the"]
     prompts = [tokenizer(" ".join(words[(i + k * 3) % 8] for k in range(120)))["input_ids"][:200 - i]
                for i in range(40)]  # ~7,200 prompt tokens, no two alike (no prefix cache to share)

@@ -39,25 +39,24 @@ def adapted(policy_path, seed: int):
     return lm, adapters.adapter_files(state, LORA, policy_path)
 
 
-def test_adapter_push_lands_mid_generate_and_each_token_keeps_its_version(policy_path, tokenizer):
+def test_adapter_push_lands_mid_generate_and_each_token_keeps_its_version(policy_path, tokenizer, in_process_engine):
+    """With the engine in this process, as a CPU generator actor hosts it (tests/actors/test_partial_rollouts.py
+    covers vLLM's own engine process)."""
     (old, old_files), (new, new_files) = adapted(policy_path, 1), adapted(policy_path, 2)
-    gen = Generator(model=policy_path, partial_rollouts=True,
-                    sampling={"max_new_tokens": NEW_TOKENS, "n": 2, "ignore_eos": True},
-                    engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20, "max_lora_rank": 8})
-    try:
-        assert gen.load_adapter(1, old_files)["stale"] == []
-        out = {}
-        turns = gen._turns  # the next update waits for PUSH_AFTER_STEPS engine steps: mid-call for sure
-        turns.claim = functools.partial(EngineTurns.claim, turns, after_steps=turns.steps + PUSH_AFTER_STEPS)
-        call = threading.Thread(target=lambda: out.update(result=gen.generate(encode(tokenizer, PROMPTS))))
-        call.start()
-        report = gen.load_adapter(2, new_files)
-        call.join()
-        assert report["version"] == 2 and not report["stale"] and gen.health()["pushes_mid_generate"] == 1
-        for r in out["result"].rollouts:
-            k = int((r.token_versions == 1).sum())
-            assert 0 < k < NEW_TOKENS and r.token_versions.tolist() == [1] * k + [2] * (NEW_TOKENS - k)
-            assert np.abs(hf_logprobs(old, r)[:k] - r.behaviour_logprobs[:k]).max() < 1e-3
-            assert np.abs(hf_logprobs(new, r)[k:] - r.behaviour_logprobs[k:]).max() < 1e-3
-    finally:
-        gen._llm.llm_engine.engine_core.shutdown()
+    gen = in_process_engine.hold(Generator(
+        model=policy_path, partial_rollouts=True, sampling={"max_new_tokens": NEW_TOKENS, "n": 2, "ignore_eos": True},
+        engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20, "max_lora_rank": 8}))
+    assert gen.load_adapter(1, old_files)["stale"] == []
+    out = {}
+    turns = gen._turns  # the next update waits for PUSH_AFTER_STEPS engine steps: mid-call for sure
+    turns.claim = functools.partial(EngineTurns.claim, turns, after_steps=turns.steps + PUSH_AFTER_STEPS)
+    call = threading.Thread(target=lambda: out.update(result=gen.generate(encode(tokenizer, PROMPTS))))
+    call.start()
+    report = gen.load_adapter(2, new_files)
+    call.join()
+    assert report["version"] == 2 and not report["stale"] and gen.health()["pushes_mid_generate"] == 1
+    for r in out["result"].rollouts:
+        k = int((r.token_versions == 1).sum())
+        assert 0 < k < NEW_TOKENS and r.token_versions.tolist() == [1] * k + [2] * (NEW_TOKENS - k)
+        assert np.abs(hf_logprobs(old, r)[:k] - r.behaviour_logprobs[:k]).max() < 1e-3
+        assert np.abs(hf_logprobs(new, r)[k:] - r.behaviour_logprobs[k:]).max() < 1e-3

@@ -39,7 +39,7 @@ def policy():
 
 
 @pytest.fixture(scope="module")
-def generator(policy):
+def generator(policy, in_process_engines):
     return Generator(model=policy, sampling={"temperature": 1.0, "max_new_tokens": 8, "n": 1},
                      engine={"max_model_len": 256, "kv_cache_bytes": 16 << 20})
 
@@ -153,7 +153,7 @@ def test_a_chat_transcript_is_the_templates_text_with_the_sampled_ids(generator,
             assert want.startswith(text) and want[len(text):].strip() == "", (family, text, want)
 
 
-def test_an_episode_spans_a_weight_push_and_each_turn_keeps_its_version(policy, tokenizer):
+def test_an_episode_spans_a_weight_push_and_each_turn_keeps_its_version(policy, tokenizer, in_process_engines):
     """Partial rollouts (async mode): a push lands between two rounds of an episode; each turn
     records the version that sampled it, and each token's behaviour log-prob is that version's."""
     from hf_reference import hf_logprobs, perturbed_lm
@@ -163,8 +163,9 @@ def test_an_episode_spans_a_weight_push_and_each_turn_keeps_its_version(policy, 
 
     old = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     new = perturbed_lm(policy, 0.05, seed=1)
-    gen = Generator(model=policy, partial_rollouts=True, sampling={"temperature": 1.0, "max_new_tokens": 20},
-                    engine={"max_model_len": 256, "kv_cache_bytes": 16 << 20})
+    gen = in_process_engines.hold(Generator(model=policy, partial_rollouts=True,
+                                            sampling={"temperature": 1.0, "max_new_tokens": 20},
+                                            engine={"max_model_len": 256, "kv_cache_bytes": 16 << 20}))
     rounds = []
 
     def sample(transcripts, room, keys):
@@ -199,7 +200,8 @@ class Columns:
         return {"start": 0}
 
 
-def test_a_truncated_sampler_keeps_each_turns_sets_and_the_learner_scores_them(policy, tokenizer):
+def test_a_truncated_sampler_keeps_each_turns_sets_and_the_learner_scores_them(policy, tokenizer,
+                                                                                in_process_engines):
     """top_k / top_p in episodes: each policy token keeps the set vLLM sampled it from, an
     observation's rows none, and the learner (renormalising over those sets) scores the
     policy's tokens as vLLM did; the full softmax does not."""
@@ -208,8 +210,9 @@ def test_a_truncated_sampler_keeps_each_turns_sets_and_the_learner_scores_them(p
     from learner.batch import collate
     from learner.policy import PolicyWithValueHead
 
-    gen = Generator(model=policy, sampling={"temperature": 1.0, "top_k": 8, "top_p": 0.9, "max_new_tokens": 20},
-                    engine={"max_model_len": 256, "kv_cache_bytes": 16 << 20})
+    gen = in_process_engines.hold(Generator(
+        model=policy, sampling={"temperature": 1.0, "top_k": 8, "top_p": 0.9, "max_new_tokens": 20},
+        engine={"max_model_len": 256, "kv_cache_bytes": 16 << 20}))
     workers = EnvironmentWorkers("counter_envs:Counter", workers=1, step_timeout_s=30.0)
     try:
         runner = EpisodeRunner(workers=workers, observations=ObservationTokens(tokenizer), decode=tokenizer.decode,
