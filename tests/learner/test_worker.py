@@ -6,7 +6,6 @@ weights as a plain single-process torch implementation of the same update. SGD k
 scale-sensitive (Adam would hide a wrong gradient scale).
 """
 import dataclasses
-import time
 
 import numpy as np
 import pytest
@@ -443,16 +442,15 @@ def test_group_errors_name_the_rank(groups, policy_path):
         LearnerGroup(model=policy_path, config={"ppo": {"minibatch_size": 4, "micro_batch_size": 4}}, world_size=2)
     with pytest.raises(TypeError, match="generators must map replica id -> actor handle, got list"):
         group.push_weights([], version=1)
-    ray.kill(group.workers[1])
+    dead = group.workers[1]
+    ray.kill(dead)
     try:
-        for _ in range(100):  # the kill lands asynchronously; a call already queued may still succeed
+        while True:  # the kill lands asynchronously (a call already queued may still succeed): until Ray says so
             try:
-                group.health()
-            except RuntimeError as e:
-                assert "learner rank 1 died during health" in str(e)
+                ray.get(dead.health.remote())
+            except ray.exceptions.RayActorError:
                 break
-            time.sleep(0.1)
-        else:
-            pytest.fail("a killed rank was never reported")
+        with pytest.raises(RuntimeError, match="learner rank 1 died during health"):
+            group.health()
     finally:
         group.restart()  # the shared group whole again (its initial weights) for the tests after this one
