@@ -40,6 +40,8 @@ def stage_main(argv=None, *, name: str, config_cls, default_config: str, run: Ca
     def load_and_run(args) -> str:
         from cluster.config.ppo import CONFIGS
         from cluster.config.stages import load_stage_config
+        from cluster.job.startup import claim_imports
+        claim_imports(time.time())  # a PPO stage after this one (the pipeline's) imported nothing
         return run(load_stage_config(config_cls, args.config or CONFIGS / default_config, args.overrides))
 
     return job_main(argv, prog=prog or f"python -m cluster.{name}", description=config_cls.__doc__,

@@ -79,6 +79,7 @@ def test_pipeline_short_stages_feed_each_other(short_run):
     assert ppo_cfg["reward"]["normalize"] is True
     rows = read_jsonl(ppo / "metrics.jsonl")
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+    assert rows[0]["perf/startup_imports_seconds"] == 0  # the SFT stage, run first, did the imports
     if has_gold_key():
         assert ppo_cfg["reward"]["gold"] == "cluster.demo.sentiment:gold"
         assert sum(isinstance(r.get("eval/gold_score"), float) for r in rows) >= 2
