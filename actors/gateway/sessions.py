@@ -1,0 +1,115 @@
+"""A session's calls, and the token-exact transcripts they make.
+
+An agent calls the gateway several times per episode, each time with the whole conversation
+so far, which the gateway renders to ids with the policy's chat template. A call whose
+prompt ids begin with the previous call's prompt and sampled ids *joins* that transcript:
+the ids between (the template's glue, a tool result, the next user message) are context,
+masked from the loss, and the new call's sampled ids follow, trained. The policy's tokens are
+always the ids vLLM sampled, never ids re-encoded from their text.
+
+An agent that re-renders the history as text may get other ids for the same text (a
+non-canonical tokenisation the policy sampled, a template that renders an assistant turn
+differently from how it ended). ``splice`` then puts the sampled ids back in place of the
+re-rendered ones where the texts agree (token-in, token-out), and counts the mismatch. Where
+the texts do not agree (the history was rewritten, e.g. summarised), the call starts a new
+transcript of its own; the episode's score goes to each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+
+@dataclass
+class Call:
+    """One served call: the prompt ids sampled from, and the sampled ids the answer kept (cut
+    after a stop string), their behaviour log-probs and the policy version of each."""
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+
+
+@dataclass
+class Transcript:
+    """A prompt, then the policy's tokens (``mask`` True) and the context between calls."""
+    prompt_ids: list[int]
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    calls: int = 0
+    finish_reason: str = "length"
+
+    @property
+    def ids(self) -> list[int]:
+        """Everything so far: what a call must begin with to join."""
+        return self.prompt_ids + self.response
+
+    def add(self, call: Call, context: list[int]) -> None:
+        last = self.versions[-1] if self.versions else int(call.versions[0]) if len(call.versions) else 0
+        self.response += context + list(call.token_ids)
+        self.logprobs += [0.0] * len(context) + [float(v) for v in call.logprobs]
+        self.mask += [False] * len(context) + [True] * len(call.token_ids)
+        self.versions += [last] * len(context) + [int(v) for v in call.versions]
+        self.calls += 1
+        self.finish_reason = call.finish_reason
+
+
+def splice(history: list[int], prompt_ids: list[int], decode: Callable[[list[int]], str]) -> Optional[list[int]]:
+    """``prompt_ids`` with its head replaced by ``history`` (a transcript's exact ids) where the
+    head decodes to the same text; None where no head does (the history was rewritten)."""
+    if prompt_ids[:len(history)] == history:
+        return list(prompt_ids)
+    text = decode(history)
+    if not decode(prompt_ids).startswith(text):
+        return None
+    # the shortest head of the prompt whose text covers the history's (ids near its length)
+    for k in range(1, len(prompt_ids) + 1):
+        head = decode(prompt_ids[:k])
+        if head == text:
+            return list(history) + list(prompt_ids[k:])
+        if len(head) > len(text):
+            return None  # a token straddles the boundary: no clean place to splice
+    return None
+
+
+class Session:
+    """One episode's calls through the gateway: ``(prompt_index, sample_index)`` seed them."""
+
+    def __init__(self, sid: str, *, prompt_index: int, sample_index: int) -> None:
+        self.sid, self.prompt_index, self.sample_index = sid, prompt_index, sample_index
+        self.transcripts: list[Transcript] = []
+        self.counts = {"calls": 0, "joined": 0, "retokenize_mismatch": 0, "rewritten": 0}
+        self.score: Optional[float] = None
+        self.replica: Optional[str] = None  # the generator its calls go to while it lives
+
+    def prompt_for(self, prompt_ids: list[int], decode: Callable[[list[int]], str]) -> list[int]:
+        """The ids to sample the next call from: ``prompt_ids`` (as rendered from the caller's
+        messages), with the last transcript's exact ids in place of their re-rendering."""
+        if not self.transcripts:
+            return list(prompt_ids)
+        history = self.transcripts[-1].ids
+        spliced = splice(history, prompt_ids, decode)
+        if spliced is None:
+            return list(prompt_ids)
+        if spliced != list(prompt_ids):
+            self.counts["retokenize_mismatch"] += 1
+        return spliced
+
+    def record(self, call: Call) -> None:
+        """Add a served call: it joins the last transcript if its prompt begins with it, else starts one."""
+        self.counts["calls"] += 1
+        last = self.transcripts[-1] if self.transcripts else None
+        if last is not None and call.prompt_ids[:len(last.ids)] == last.ids:
+            last.add(call, call.prompt_ids[len(last.ids):])
+            self.counts["joined"] += 1
+            return
+        if last is not None:
+            self.counts["rewritten"] += 1
+        t = Transcript(prompt_ids=list(call.prompt_ids))
+        t.add(call, [])
+        self.transcripts.append(t)

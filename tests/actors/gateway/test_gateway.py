@@ -1,0 +1,206 @@
+"""The gateway as an agent meets it: the real `openai` client against a Gateway actor over two real
+CPU generator actors (vLLM in each) on the shared Ray. Every answer is the ids vLLM sampled,
+recorded with their log-probs; a conversation's calls make one transcript; what a run cannot
+train on is refused in one line; a session whose replica is SIGKILLed goes on on the other,
+with the same tokens the dead one would have sampled."""
+import os
+import shutil
+import signal
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SAMPLING = {"temperature": 1.0, "max_new_tokens": 12, "seed": 5}
+
+
+@pytest.fixture(scope="module")
+def chat_policy(policy_path, tmp_path_factory):
+    """The tiny policy with a chat template on its tokenizer."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("chat-policy") / "policy"
+    shutil.copytree(policy_path, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gateway(ray_cluster, chat_policy):
+    """A started Gateway over generator-0 and generator-1; -> (its handle, the replicas' handles)."""
+    ray = ray_cluster
+    from actors.gateway.server import Gateway
+    from actors.generator import actor_class, engine_process_env
+    from cluster.runtime.pools.threads import thread_env
+
+    env = {**thread_env(1, vllm=True), **engine_process_env(num_gpus=0, tensor_parallel=1)}
+    gens = {f"gw-generator-{i}": actor_class().options(name=f"gw-generator-{i}", num_cpus=1,
+                                                       runtime_env={"env_vars": env}).remote(
+        model=chat_policy, sampling=SAMPLING, engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
+        for i in range(2)}
+    gw = ray.remote(num_cpus=0)(Gateway).options(name="gw-gateway").remote(
+        generators=gens, tokenizer=chat_policy, model_name="policy", sampling=SAMPLING, max_model_len=128)
+    try:
+        ray.get([g.health.remote() for g in gens.values()])
+        ray.get(gw.start.remote())
+        yield gw, gens
+    finally:
+        for actor in [gw, *gens.values()]:
+            ray.kill(actor)
+
+
+def client(url):
+    import openai
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+def open_session(gw, sid, prompt_index=0, sample_index=0):
+    import ray
+    return ray.get(gw.open_session.remote(sid, prompt_index=prompt_index, sample_index=sample_index))
+
+
+def test_a_conversation_is_the_ids_vllm_sampled_in_one_transcript(gateway, chat_policy):
+    import ray
+    from transformers import AutoTokenizer
+
+    gw, _ = gateway
+    tok = AutoTokenizer.from_pretrained(chat_policy)
+
+    def rendered(messages):
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    chat = client(open_session(gw, "talk", prompt_index=4))
+    messages = [{"role": "user", "content": "The cat was"}]
+    first = chat.chat.completions.create(model="policy", messages=messages, logprobs=True)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And the dog?"}]
+    second = chat.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    session = ray.get(gw.close_session.remote("talk"))
+
+    (t,) = session.transcripts  # the second call continued the first: one transcript
+    assert t.calls == 2 and session.counts["calls"] == 2 and session.counts["joined"] == 1
+    assert t.prompt_ids == rendered(messages[:1])
+    k1 = t.mask.index(False)  # the first call's sampled ids, then the context up to the second's
+    k2 = k1 + t.mask[k1:].index(True)
+    assert tok.decode(t.response[:k1], skip_special_tokens=True) == first.choices[0].message.content
+    shown = first.choices[0].logprobs.content
+    assert [c.logprob for c in shown] == t.logprobs[:len(shown)] and all(lp < 0 for lp in t.logprobs[:k1])
+    assert t.logprobs[k1:k2] == [0.0] * (k2 - k1)  # context: not the policy's, not trained
+    # the transcript up to the second call reads as the template renders the whole conversation
+    assert tok.decode(t.prompt_ids + t.response[:k2]) == tok.decode(rendered(messages))
+    assert len(t.response) - k2 <= 6 and second.usage.completion_tokens <= 6
+    assert second.usage.prompt_tokens == len(t.prompt_ids) + k2
+
+
+def test_completions_and_a_stop_string(gateway, chat_policy):
+    import ray
+
+    gw, _ = gateway
+    text = client(open_session(gw, "complete")).completions.create(
+        model="policy", prompt="My friend felt", max_tokens=12, logprobs=1, stop=[" "])
+    session = ray.get(gw.close_session.remote("complete"))
+    (t,) = session.transcripts
+    choice = text.choices[0]
+    assert " " not in choice.text and choice.finish_reason in ("stop", "length")
+    assert choice.logprobs.token_logprobs == pytest.approx(t.logprobs[:len(choice.logprobs.token_logprobs)], abs=0)
+
+
+def test_what_a_run_cannot_train_on_is_refused_in_one_line(gateway):
+    import openai
+    import ray
+
+    gw, _ = gateway
+    chat = client(open_session(gw, "refused"))
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [({"n": 2}, openai.BadRequestError, "one choice per call"),
+             ({"temperature": 0.5}, openai.BadRequestError, "generator.sampling.temperature=1.0"),
+             ({"max_tokens": 13}, openai.BadRequestError, "generator.sampling.max_new_tokens=12"),
+             ({"stream": True}, openai.BadRequestError, "stream=false"),
+             ({"model": "gpt-4o"}, openai.NotFoundError, "serves `policy`")]
+    for extra, error, words in cases:
+        with pytest.raises(error) as e:
+            chat.chat.completions.create(**{"model": "policy", "messages": hi, **extra})
+        assert words in e.value.body["message"] and "\n" not in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client(ray.get(gw.health.remote())["address"] + "/sessions/nobody/v1").chat.completions.create(
+            model="policy", messages=hi)
+    assert "no session 'nobody' is open" in e.value.body["message"]
+    assert ray.get(gw.close_session.remote("refused")).counts["calls"] == 0  # nothing was sampled
+
+
+def test_a_session_whose_replica_dies_goes_on_with_the_same_tokens(gateway):
+    """Seeds come from the session (prompt index, sample index, call number) and the policy
+    version, not the replica: the call the dead replica was given, served again by the other,
+    samples what any replica samples for it."""
+    import ray
+
+    gw, gens = gateway
+    hi = [{"role": "user", "content": "The cat was"}]
+    # two sessions of one key, each bound to a replica of its own (a new one goes to the least bound)
+    a, b = client(open_session(gw, "a", prompt_index=9)), client(open_session(gw, "b", prompt_index=9))
+    first_a = a.chat.completions.create(model="policy", messages=hi).choices[0].message.content
+    first_b = b.chat.completions.create(model="policy", messages=hi).choices[0].message.content
+    on_a, on_b = ray.get([gw.replica_of.remote("a"), gw.replica_of.remote("b")])
+    assert on_a != on_b and first_a == first_b
+    os.kill(ray.get(gens[on_a].health.remote())["pid"], signal.SIGKILL)
+    follow = hi + [{"role": "assistant", "content": first_a}, {"role": "user", "content": "Why?"}]
+    again_a = a.chat.completions.create(model="policy", messages=follow).choices[0].message.content
+    again_b = b.chat.completions.create(model="policy", messages=follow).choices[0].message.content
+    assert again_a == again_b
+    assert ray.get(gw.replica_of.remote("a")) == on_b and ray.get(gw.health.remote())["failovers"] == 1
+    for sid in ("a", "b"):
+        (t,) = ray.get(gw.close_session.remote(sid)).transcripts
+        assert t.calls == 2
+
+
+def test_agents_play_their_episodes_through_their_sessions(gateway):
+    import ray
+
+    from actors.gateway.agents import AgentWorkers
+
+    gw, _ = gateway
+    for spec, scores in (("gateway_agents:two_calls", {0: 0.0, 1: 0.5, 2: 1.0}),
+                         ("gateway_agents:completes_once", {0: None, 1: None, 2: None})):
+        agents = AgentWorkers(spec, workers=2, episode_timeout_s=300)
+        try:
+            urls = {i: open_session(gw, f"ep{i}", prompt_index=i) for i in range(3)}
+            out = agents.run({i: (urls[i], "The cat was", {"score": i / 2}) for i in range(3)})
+        finally:
+            agents.close()
+        assert {i: o.score for i, o in out.items()} == scores and all(o.ok for o in out.values())
+        calls = 2 if "two_calls" in spec else 1
+        for i in range(3):
+            (t,) = ray.get(gw.close_session.remote(f"ep{i}")).transcripts
+            assert t.calls == calls and any(t.mask)
+
+
+def test_an_agent_that_fails_ends_its_episode_and_the_next_one_plays():
+    from actors.gateway.agents import AgentWorkers
+
+    agents = AgentWorkers("gateway_agents:fails", workers=1, episode_timeout_s=5)
+    try:
+        rows = ["raise", "hang", "die", "text", "fine"]
+        out = agents.run({i: ("http://unused/v1", "p", {"how": how}) for i, how in enumerate(rows)})
+        assert agents.counts == {"errors": 2, "timeouts": 1, "crashes": 1, "restarts": 2}
+    finally:
+        agents.close()
+    assert "agent gateway_agents:fails raised RuntimeError: tool server unreachable" == out[0].error
+    assert out[1].timed_out and "within env.episode_timeout_s=5 s" in out[1].error
+    assert out[2].crashed and "exit" in out[2].error
+    assert "returned 'good'; return a finite number" in out[3].error
+    assert out[4].ok and out[4].score == 1.0  # played by the replacement of the worker that died
+    assert all("\n" not in o.error for o in out.values() if o.error)
+
+
+def test_an_agent_that_does_not_import_is_one_line():
+    from actors.gateway.agents import AgentWorkers
+
+    with pytest.raises(ValueError) as e:
+        AgentWorkers("gateway_agents_missing:agent", workers=1, episode_timeout_s=5)
+    assert str(e.value).startswith("env.agent 'gateway_agents_missing:agent': cannot import module") \
+        and "\n" not in str(e.value)

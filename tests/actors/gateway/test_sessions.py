@@ -1,0 +1,61 @@
+"""A session's calls and the transcripts they make (actors/gateway/sessions.py): a call that
+continues the transcript joins it with the ids between masked; a re-rendered history gets
+the sampled ids back where the texts agree, counted; a rewritten one starts a transcript."""
+import numpy as np
+import pytest
+
+from actors.gateway.server import cut_at_stop
+from actors.gateway.sessions import Call, Session, splice
+
+pytestmark = pytest.mark.unit
+
+VOCAB = {1: "a", 2: "b", 3: "c", 4: "d", 5: "e", 9: "ab", 7: "x", 8: "b!"}
+
+
+def decode(ids):
+    return "".join(VOCAB[i] for i in ids)
+
+
+def call(prompt, ids, version=0):
+    return Call(prompt_ids=prompt, token_ids=ids, logprobs=np.full(len(ids), -0.5), versions=np.full(len(ids), version),
+                finish_reason="stop")
+
+
+def test_a_call_that_continues_the_transcript_joins_it():
+    s = Session("s", prompt_index=3, sample_index=1)
+    s.record(call([1], [2, 3], version=0))
+    assert s.prompt_for([1, 2, 3, 4, 5], decode) == [1, 2, 3, 4, 5]
+    s.record(call([1, 2, 3, 4], [5], version=1))
+    (t,) = s.transcripts
+    assert t.prompt_ids == [1] and t.response == [2, 3, 4, 5] and t.mask == [True, True, False, True]
+    assert t.logprobs == [-0.5, -0.5, 0.0, -0.5] and t.versions == [0, 0, 0, 1] and t.calls == 2
+    assert s.counts == {"calls": 2, "joined": 1, "retokenize_mismatch": 0, "rewritten": 0}
+
+
+def test_a_re_rendered_history_gets_the_sampled_ids_back_where_the_texts_agree():
+    s = Session("s", prompt_index=0, sample_index=0)
+    s.record(call([3], [1, 2]))           # sampled "a" "b"; the caller re-renders "ab" as one token
+    prompt = s.prompt_for([3, 9, 4], decode)
+    assert prompt == [3, 1, 2, 4] and s.counts["retokenize_mismatch"] == 1
+    s.record(call(prompt, [5]))
+    assert len(s.transcripts) == 1 and s.transcripts[0].response == [1, 2, 4, 5]
+
+
+def test_a_rewritten_history_starts_a_transcript_of_its_own():
+    s = Session("s", prompt_index=0, sample_index=0)
+    s.record(call([3], [1, 2]))
+    assert s.prompt_for([7, 4], decode) == [7, 4]
+    s.record(call([7, 4], [5]))
+    assert [t.prompt_ids for t in s.transcripts] == [[3], [7, 4]] and s.counts["rewritten"] == 1
+
+
+def test_splice_refuses_a_token_that_straddles_the_history():
+    assert splice([1, 2], [1, 8], decode) is None     # "b!" runs past the history's "ab"
+    assert splice([1, 2], [9, 4], decode) == [1, 2, 4]
+    assert splice([1, 2], [4], decode) is None
+
+
+def test_a_stop_string_cuts_the_text_before_it_and_the_ids_after_the_token_that_completed_it():
+    assert cut_at_stop([1, 2, 3, 4], ("c",), decode) == (3, "ab")
+    assert cut_at_stop([1, 9, 4], ("bd", "ab"), decode) == (2, "a")  # the first to occur
+    assert cut_at_stop([1, 2], ("z",), decode) == (2, "ab")

@@ -1,0 +1,33 @@
+"""Agents for tests/actors/gateway/test_gateway.py, imported by its agent workers."""
+import os
+import time
+
+
+def two_calls(prompt, columns, *, client):
+    """Asks, then asks again with its answer in the history; scores by its row."""
+    messages = [{"role": "user", "content": prompt}]
+    first = client.chat.completions.create(model="policy", messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Again?"}]
+    client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return float(columns["score"])
+
+
+async def completes_once(prompt, columns, **kwargs):
+    """An async agent on the completions API; leaves the score to the reward pool."""
+    await kwargs["client"].completions.create(model="policy", prompt=prompt, max_tokens=4)
+    assert kwargs["base_url"].endswith("/v1")
+
+
+def fails(prompt, columns):
+    """Each row says how its episode goes wrong."""
+    how = columns["how"]
+    if how == "raise":
+        raise RuntimeError("tool server unreachable")
+    if how == "hang":
+        time.sleep(3600)
+    if how == "die":
+        os._exit(3)
+    if how == "text":
+        return "good"
+    return 1.0
