@@ -194,8 +194,9 @@ class Gateway:
         eos = self.tokenizer.eos_token_id
         finish = "stop" if keep < len(ids) or (ids and ids[-1] == eos) else "length"
         versions = np.asarray(turn.versions[:keep] if turn.versions is not None else [0] * keep, dtype=np.int64)
+        kept = None if turn.kept_ids is None else np.asarray(turn.kept_ids)[:keep]
         session.record(Call(prompt_ids=prompt, token_ids=ids[:keep], logprobs=np.asarray(turn.logprobs[:keep]),
-                            versions=versions, finish_reason=finish))
+                            versions=versions, finish_reason=finish, kept_ids=kept))
         shown = [t for t in ids[:keep] if t != eos]
         return Answer(call_id=f"{session.sid}-{session.counts['calls']}", text=text,
                       tokens=[self._decode([t]) for t in shown],

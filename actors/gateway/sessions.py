@@ -31,6 +31,7 @@ class Call:
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: str
+    kept_ids: Optional[np.ndarray] = None  # [n, K] the sampler's kept sets (truncated sampling), else None
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Transcript:
     versions: list[int] = field(default_factory=list)
     calls: int = 0
     finish_reason: str = "length"
+    kept: list = field(default_factory=list)  # (first position, a call's kept sets) as Rollout.kept_ids wants
 
     @property
     def ids(self) -> list[int]:
@@ -51,12 +53,23 @@ class Transcript:
 
     def add(self, call: Call, context: list[int]) -> None:
         last = self.versions[-1] if self.versions else int(call.versions[0]) if len(call.versions) else 0
+        if call.kept_ids is not None:
+            self.kept.append((len(self.response) + len(context), np.asarray(call.kept_ids, dtype=np.int32)))
         self.response += context + list(call.token_ids)
         self.logprobs += [0.0] * len(context) + [float(v) for v in call.logprobs]
         self.mask += [False] * len(context) + [True] * len(call.token_ids)
         self.versions += [last] * len(context) + [int(v) for v in call.versions]
         self.calls += 1
         self.finish_reason = call.finish_reason
+
+    def kept_ids(self) -> Optional[np.ndarray]:
+        """[R, K] the calls' kept sets padded with -1 (context rows all -1); None untruncated."""
+        if not self.kept:
+            return None
+        out = np.full((len(self.response), max(k.shape[1] for _, k in self.kept)), -1, dtype=np.int32)
+        for start, k in self.kept:
+            out[start:start + k.shape[0], :k.shape[1]] = k
+        return out
 
 
 def splice(history: list[int], prompt_ids: list[int], decode: Callable[[list[int]], str]) -> Optional[list[int]]:

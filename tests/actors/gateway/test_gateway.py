@@ -204,3 +204,31 @@ def test_an_agent_that_does_not_import_is_one_line():
         AgentWorkers("gateway_agents_missing:agent", workers=1, episode_timeout_s=5)
     assert str(e.value).startswith("env.agent 'gateway_agents_missing:agent': cannot import module") \
         and "\n" not in str(e.value)
+
+
+def test_agent_episodes_are_rollouts_of_the_sampled_ids_with_the_context_masked(gateway):
+    import numpy as np
+
+    from actors.gateway.agents import AgentWorkers
+    from actors.gateway.producer import AgentEpisodes
+
+    gw, _ = gateway
+    agents = AgentWorkers("gateway_agents:two_calls", workers=2, episode_timeout_s=300)
+    try:
+        rollouts, counts = AgentEpisodes(gateway=gw, agents=agents).play(
+            [(3, "The cat was", {"score": 0.5}), (8, "My friend felt", {"score": 1.0})], n=2)
+    finally:
+        agents.close()
+    assert sorted((r.prompt_index, r.sample_index) for r in rollouts) == [(3, 0), (3, 1), (8, 0), (8, 1)]
+    assert counts["sessions"] == 4 and counts["calls_per_session"] == 2 and counts["errors"] == 0
+    for r in rollouts:
+        assert r.env_score == {3: 0.5, 8: 1.0}[r.prompt_index] and r.env_error is None
+        assert r.action_mask[0] and not r.action_mask.all() and r.action_mask[-1]  # policy, context, policy
+        assert np.all(r.behaviour_logprobs[~r.action_mask] == 0) and np.all(r.behaviour_logprobs[r.action_mask] < 0)
+        assert r.token_versions.tolist() == [0] * len(r.response_ids)
+    bad = AgentWorkers("gateway_agents:fails", workers=1, episode_timeout_s=30)
+    try:
+        rollouts, counts = AgentEpisodes(gateway=gw, agents=bad, name="bad").play([(0, "p", {"how": "raise"})], n=1)
+    finally:
+        bad.close()
+    assert rollouts == [] and counts["errors"] == 1 and counts["without_calls"] == 1

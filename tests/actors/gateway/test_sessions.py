@@ -59,3 +59,16 @@ def test_a_stop_string_cuts_the_text_before_it_and_the_ids_after_the_token_that_
     assert cut_at_stop([1, 2, 3, 4], ("c",), decode) == (3, "ab")
     assert cut_at_stop([1, 9, 4], ("bd", "ab"), decode) == (2, "a")  # the first to occur
     assert cut_at_stop([1, 2], ("z",), decode) == (2, "ab")
+
+
+def test_kept_sets_of_the_calls_line_up_with_their_tokens_and_context_rows_are_empty():
+    s = Session("s", prompt_index=0, sample_index=0)
+    first = call([1], [2, 3])
+    first.kept_ids = np.array([[2, 4], [3, 5]], dtype=np.int32)
+    second = call([1, 2, 3, 4], [5])
+    second.kept_ids = np.array([[5, 1, 2]], dtype=np.int32)
+    s.record(first)
+    s.record(second)
+    assert s.transcripts[0].kept_ids().tolist() == [[2, 4, -1], [3, 5, -1], [-1, -1, -1], [5, 1, 2]]
+    assert Session("t", prompt_index=0, sample_index=0).transcripts == [] and \
+        (s.record(call([7], [1])) or s.transcripts[-1].kept_ids() is None)
