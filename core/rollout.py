@@ -140,6 +140,18 @@ class ScoredRollout(Rollout):
             setattr(self, name, arr)
 
 
+def spliced_kept_ids(spans: list, length: int):
+    """[length, K] int32 kept sets of a multi-turn transcript from its spans (first position, a
+    turn's [n, K] kept sets), padded with -1 (rows no span covers, an environment's, all -1);
+    None when no span has any (untruncated sampling): Rollout.kept_ids."""
+    if not spans:
+        return None
+    out = np.full((length, max(k.shape[1] for _, k in spans)), -1, dtype=np.int32)
+    for start, k in spans:
+        out[start:start + k.shape[0], :k.shape[1]] = k
+    return out
+
+
 def prompt_groups(rollouts: list) -> list[list[int]]:
     """Row indices of each prompt group, groups in order of first appearance, rows in batch order.
 

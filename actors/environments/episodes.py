@@ -30,7 +30,7 @@ import numpy as np
 from actors.environments.config import EnvConfig
 from actors.environments.transcript import ObservationTokens
 from actors.environments.workers import EnvironmentWorkers
-from core.rollout import Rollout
+from core.rollout import Rollout, spliced_kept_ids
 
 
 @dataclass
@@ -94,16 +94,8 @@ class Episode:
                        finish_reason=self.finish_reason, prompt_index=self.prompt_index,
                        policy_version=int(versions[0]) if versions.size else version, token_versions=versions,
                        sample_index=self.sample_index, action_mask=np.asarray(self.mask, dtype=bool),
-                       env_score=self.score, env_error=self.error, turn_rewards=placed, kept_ids=self._kept_ids())
-
-    def _kept_ids(self) -> Optional[np.ndarray]:
-        """[R, K] the turns' kept sets, padded with -1 (an observation's rows all -1); None untruncated."""
-        if not self.kept:
-            return None
-        out = np.full((len(self.response), max(k.shape[1] for _, k in self.kept)), -1, dtype=np.int32)
-        for start, k in self.kept:
-            out[start:start + k.shape[0], :k.shape[1]] = k
-        return out
+                       env_score=self.score, env_error=self.error, turn_rewards=placed,
+                       kept_ids=spliced_kept_ids(self.kept, len(self.response)))
 
     @property
     def score(self) -> float:

@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from core.rollout import spliced_kept_ids
+
 
 @dataclass
 class Call:
@@ -64,12 +66,7 @@ class Transcript:
 
     def kept_ids(self) -> Optional[np.ndarray]:
         """[R, K] the calls' kept sets padded with -1 (context rows all -1); None untruncated."""
-        if not self.kept:
-            return None
-        out = np.full((len(self.response), max(k.shape[1] for _, k in self.kept)), -1, dtype=np.int32)
-        for start, k in self.kept:
-            out[start:start + k.shape[0], :k.shape[1]] = k
-        return out
+        return spliced_kept_ids(self.kept, len(self.response))
 
 
 def splice(history: list[int], prompt_ids: list[int], decode: Callable[[list[int]], str]) -> Optional[list[int]]:
