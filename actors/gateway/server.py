@@ -41,6 +41,7 @@ from actors.gateway.api import (
     models_response,
 )
 from actors.gateway.sessions import Call, Session
+from core.infra.errors import type_and_first_line
 from core.modeling.engine_config import SamplingConfig
 
 
@@ -73,7 +74,7 @@ class Gateway:
         self.call_timeout_s = float(call_timeout_s)
         self.sessions: dict[str, Session] = {}
         self.address: Optional[str] = None
-        self.counts = {"requests": 0, "refused": 0, "in_flight": 0, "failovers": 0}
+        self.counts = {"requests": 0, "refused": 0, "failed": 0, "in_flight": 0, "failovers": 0}
         self._runner = None
         self._created = int(time.time())
 
@@ -158,6 +159,11 @@ class Gateway:
         except ApiError as e:
             self.counts["refused"] += 1
             return web.json_response(e.body(), status=e.status)
+        except Exception as e:  # noqa: BLE001 - a replica's failure: the caller gets one line, the server goes on
+            self.counts["failed"] += 1
+            cause = e.cause if getattr(e, "cause", None) is not None else e  # a replica's own error, not Ray's banner
+            error = ApiError(f"the call failed: {type_and_first_line(cause)}", status=500, type="server_error")
+            return web.json_response(error.body(), status=500)
 
     # ---- one call
     def _decode(self, ids: list[int]) -> str:

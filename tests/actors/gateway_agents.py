@@ -1,4 +1,4 @@
-"""Agents for tests/actors/gateway/test_gateway.py, imported by its agent workers."""
+"""Agents for tests/actors/gateway/test_gateway.py, imported by its agent workers, and a replica that fails."""
 import os
 import time
 
@@ -31,3 +31,10 @@ def fails(prompt, columns):
     if how == "text":
         return "good"
     return 1.0
+
+
+class Broken:
+    """A replica whose every call fails (what the gateway sees of a generator that raised)."""
+
+    def sample_turns(self, transcripts, room, keys):
+        raise ValueError("engine broke")

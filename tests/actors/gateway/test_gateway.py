@@ -232,3 +232,26 @@ def test_agent_episodes_are_rollouts_of_the_sampled_ids_with_the_context_masked(
     finally:
         bad.close()
     assert rollouts == [] and counts["errors"] == 1 and counts["without_calls"] == 1
+
+
+def test_a_replica_that_raises_is_one_line_to_the_caller_and_the_server_goes_on(ray_cluster, chat_policy):
+    import openai
+    ray = ray_cluster
+    from gateway_agents import Broken
+
+    from actors.gateway.server import Gateway
+
+    broken = ray.remote(num_cpus=0)(Broken).remote()
+    gw = ray.remote(num_cpus=0)(Gateway).remote(generators={"broken": broken}, tokenizer=chat_policy,
+                                                model_name="policy", sampling=SAMPLING, max_model_len=128)
+    try:
+        ray.get(gw.start.remote())
+        chat = client(open_session(gw, "s"))
+        for _ in range(2):
+            with pytest.raises(openai.InternalServerError) as e:
+                chat.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+            assert "ValueError: engine broke" in e.value.body["message"] and "\n" not in e.value.body["message"]
+        assert ray.get(gw.health.remote())["failed"] == 2
+    finally:
+        ray.kill(gw)
+        ray.kill(broken)
