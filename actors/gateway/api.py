@@ -239,5 +239,16 @@ def completion_response(answer: Answer, *, model: str, logprobs: bool) -> dict:
             "usage": _usage(answer)}
 
 
+def reward_of(body: Any) -> float:
+    """A posted reward's body, ``{"reward": <finite number>}``."""
+    value = body.get("reward") if isinstance(body, dict) else None
+    extra = sorted(set(body) - {"reward"}) if isinstance(body, dict) else []
+    if extra:
+        raise ApiError(f"Unrecognized request argument supplied: {extra[0]}", param=extra[0])
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(f'post {{"reward": <a finite number>}}, got {body!r}'[:200], param="reward")
+    return float(value)
+
+
 def models_response(model: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "tether"}]}

@@ -4,10 +4,10 @@
 index and the sample's), plays them with the user's agent (agents.py), closes them and turns
 each session's transcripts into Rollouts: the prompt and the ids of the policy's calls with the
 context between them masked (``action_mask``), each token's behaviour log-prob and version,
-and the agent's score (``env_score``; None leaves it to the reward pool) or why the episode is
-invalid (``env_error``). A session whose history was rewritten makes one rollout per
-transcript, all with the episode's score; a session the agent never called makes none and is
-counted.
+and the episode's score (``env_score``: what the agent returned, or posted to
+``/sessions/<id>/reward``; None leaves it to the reward pool) or why the episode is invalid
+(``env_error``). A session whose history was rewritten makes one rollout per transcript, all
+with the episode's score; a session the agent never called makes none and is counted.
 """
 from __future__ import annotations
 
@@ -18,6 +18,17 @@ import numpy as np
 from actors.gateway.agents import AgentOutcome, AgentWorkers
 from actors.gateway.sessions import Session, Transcript
 from core.rollout import Rollout
+
+
+def episode_outcome(session: Session, outcome: AgentOutcome) -> AgentOutcome:
+    """The agent's outcome with a posted reward as its score (the agent returned None); an agent
+    that both returned a score and posted one is invalid: the episode has one score."""
+    if not outcome.ok or session.score is None:
+        return outcome
+    if outcome.score is not None:
+        return AgentOutcome(error=f"the agent returned {outcome.score} and posted {session.score} for session "
+                                  f"{session.sid!r}; an episode has one score: return it or post it")
+    return AgentOutcome(score=session.score)
 
 
 def transcript_rollout(t: Transcript, session: Session, outcome: AgentOutcome) -> Rollout:
@@ -51,6 +62,7 @@ class AgentEpisodes:
             outcomes = self.agents.run({i: (url, *texts[index]) for i, (url, (index, _)) in enumerate(zip(urls, keys))})
         finally:
             sessions = ray.get([self.gateway.close_session.remote(sid) for sid in sids])
+        outcomes = {i: episode_outcome(s, outcomes[i]) for i, s in enumerate(sessions)}
         rollouts = [transcript_rollout(t, s, outcomes[i]) for i, s in enumerate(sessions) for t in s.transcripts]
         calls = sum(s.counts["calls"] for s in sessions)
         return rollouts, {"sessions": len(sessions), "calls": calls, "calls_per_session": calls / max(1, len(sessions)),

@@ -39,6 +39,7 @@ from actors.gateway.api import (
     completion_request,
     completion_response,
     models_response,
+    reward_of,
 )
 from actors.gateway.sessions import Call, Session
 from core.infra.errors import type_and_first_line
@@ -88,7 +89,8 @@ class Gateway:
         app = web.Application()
         app.add_routes([web.post("/sessions/{sid}/v1/chat/completions", self._chat),
                         web.post("/sessions/{sid}/v1/completions", self._completions),
-                        web.get("/sessions/{sid}/v1/models", self._models)])
+                        web.get("/sessions/{sid}/v1/models", self._models),
+                        web.post("/sessions/{sid}/reward", self._reward)])
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         host = self.host or _node_address()
@@ -139,16 +141,35 @@ class Gateway:
         from aiohttp import web
         return web.json_response(models_response(self.model_name, self._created))
 
+    async def _reward(self, request):
+        """``POST /sessions/<id>/reward`` ``{"reward": x}``: the episode's score, once, while it runs."""
+        from aiohttp import web
+
+        try:
+            session = self._open(request.match_info["sid"])
+            try:
+                body = await request.json()
+            except ValueError:
+                raise ApiError("the request body is not valid JSON") from None
+            session.post_reward(reward_of(body))
+            return web.json_response({"session": session.sid, "reward": session.score})
+        except ApiError as e:
+            self.counts["refused"] += 1
+            return web.json_response(e.body(), status=e.status)
+
+    def _open(self, sid: str) -> Session:
+        session = self.sessions.get(sid)
+        if session is None:
+            raise ApiError(f"no session {sid!r} is open on this gateway (a session's URL is valid from its opening "
+                           "to the end of its episode)", status=404, code="session_not_found")
+        return session
+
     async def _handle(self, request, parse, respond):
         from aiohttp import web
 
         self.counts["requests"] += 1
         try:
-            session = self.sessions.get(request.match_info["sid"])
-            if session is None:
-                raise ApiError(f"no session {request.match_info['sid']!r} is open on this gateway (a session's URL "
-                               "is valid from its opening to the end of its episode)", status=404,
-                               code="session_not_found")
+            session = self._open(request.match_info["sid"])
             try:
                 body = await request.json()
             except ValueError:

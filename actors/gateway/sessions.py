@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from actors.gateway.api import ApiError
 from core.rollout import spliced_kept_ids
 
 
@@ -96,6 +97,13 @@ class Session:
         self.counts = {"calls": 0, "joined": 0, "retokenize_mismatch": 0, "rewritten": 0}
         self.score: Optional[float] = None
         self.replica: Optional[str] = None  # the generator its calls go to while it lives
+
+    def post_reward(self, reward: float) -> None:
+        """The episode's score as the agent posted it (once)."""
+        if self.score is not None:
+            raise ApiError(f"a reward was already posted for session {self.sid!r} ({self.score}); an episode has one "
+                           "score", status=409, code="reward_already_posted")
+        self.score = float(reward)
 
     def prompt_for(self, prompt_ids: list[int], decode: Callable[[list[int]], str]) -> list[int]:
         """The ids to sample the next call from: ``prompt_ids`` (as rendered from the caller's

@@ -38,3 +38,15 @@ class Broken:
 
     def sample_turns(self, transcripts, room, keys):
         raise ValueError("engine broke")
+
+
+def posts_reward(prompt, columns, *, client, base_url):
+    """Answers once, posts its score to the session (twice: the second is refused), returns None."""
+    import httpx
+
+    client.completions.create(model="policy", prompt=prompt, max_tokens=4)
+    url = base_url.removesuffix("/v1") + "/reward"
+    assert httpx.post(url, json={"reward": columns["score"]}).json()["reward"] == columns["score"]
+    again = httpx.post(url, json={"reward": 0.0})
+    assert again.status_code == 409 and again.json()["error"]["code"] == "reward_already_posted"
+    return None if columns.get("also_return") is None else columns["also_return"]

@@ -9,6 +9,7 @@ from actors.gateway.api import (
     chat_response,
     completion_request,
     completion_response,
+    reward_of,
 )
 from core.modeling.engine_config import SamplingConfig
 
@@ -87,3 +88,12 @@ def test_the_answers_parse_as_the_openai_clients_own_types():
     assert text.choices[0].text == "hello" and text.choices[0].logprobs.text_offset == [0, 3]
     assert ApiError("x", param="n").body() == {"error": {"message": "x", "type": "invalid_request_error",
                                                          "param": "n", "code": None}}
+
+
+def test_a_posted_reward_is_one_finite_number():
+    assert reward_of({"reward": 1}) == 1.0
+    for body, param in (({"reward": True}, "reward"), ({"reward": float("nan")}, "reward"), ({"score": 1}, "score"),
+                        ([1], "reward"), ({"reward": "1"}, "reward")):
+        with pytest.raises(ApiError) as e:
+            reward_of(body)
+        assert e.value.status == 400 and e.value.param == param

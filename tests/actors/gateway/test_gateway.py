@@ -255,3 +255,25 @@ def test_a_replica_that_raises_is_one_line_to_the_caller_and_the_server_goes_on(
     finally:
         ray.kill(gw)
         ray.kill(broken)
+
+
+def test_an_agent_may_post_its_score_once_while_its_session_runs(gateway):
+    import httpx
+    import ray
+
+    from actors.gateway.agents import AgentWorkers
+    from actors.gateway.producer import AgentEpisodes
+
+    gw, _ = gateway
+    agents = AgentWorkers("gateway_agents:posts_reward", workers=1, episode_timeout_s=300)
+    try:
+        rollouts, counts = AgentEpisodes(gateway=gw, agents=agents, name="post").play(
+            [(1, "The cat was", {"score": 0.75}), (2, "My friend felt", {"score": 0.25, "also_return": 1.0})], n=1)
+    finally:
+        agents.close()
+    by_prompt = {r.prompt_index: r for r in rollouts}
+    assert by_prompt[1].env_score == 0.75 and by_prompt[1].env_error is None
+    assert "returned 1.0 and posted 0.25" in by_prompt[2].env_error and counts["errors"] == 1
+    address = ray.get(gw.health.remote())["address"]
+    finished = httpx.post(f"{address}/sessions/post-0-1-0/reward", json={"reward": 1.0})
+    assert finished.status_code == 404 and finished.json()["error"]["code"] == "session_not_found"

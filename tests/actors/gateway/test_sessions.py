@@ -72,3 +72,12 @@ def test_kept_sets_of_the_calls_line_up_with_their_tokens_and_context_rows_are_e
     assert s.transcripts[0].kept_ids().tolist() == [[2, 4, -1], [3, 5, -1], [-1, -1, -1], [5, 1, 2]]
     assert Session("t", prompt_index=0, sample_index=0).transcripts == [] and \
         (s.record(call([7], [1])) or s.transcripts[-1].kept_ids() is None)
+
+
+def test_a_reward_is_posted_once():
+    from actors.gateway.api import ApiError
+    s = Session("s", prompt_index=0, sample_index=0)
+    s.post_reward(0.5)
+    with pytest.raises(ApiError) as e:
+        s.post_reward(1.0)
+    assert e.value.status == 409 and s.score == 0.5 and "already posted for session 's' (0.5)" in str(e.value)
