@@ -143,43 +143,43 @@ class Gateway:
 
     async def _reward(self, request):
         """``POST /sessions/<id>/reward`` ``{"reward": x}``: the episode's score, once, while it runs."""
+        return await self._answer(request, self._post_reward)
+
+    async def _post_reward(self, session: Session, body) -> dict:
+        session.post_reward(reward_of(body))
+        return {"session": session.sid, "reward": session.score}
+
+    async def _answer(self, request, respond):
+        """``respond(session, body)`` for a request to an open session; an ApiError as OpenAI's error body."""
         from aiohttp import web
 
         try:
-            session = self._open(request.match_info["sid"])
+            session = self.sessions.get(request.match_info["sid"])
+            if session is None:
+                raise ApiError(f"no session {request.match_info['sid']!r} is open on this gateway (a session's URL "
+                               "is valid from its opening to the end of its episode)", status=404,
+                               code="session_not_found")
             try:
                 body = await request.json()
             except ValueError:
                 raise ApiError("the request body is not valid JSON") from None
-            session.post_reward(reward_of(body))
-            return web.json_response({"session": session.sid, "reward": session.score})
+            return web.json_response(await respond(session, body))
         except ApiError as e:
             self.counts["refused"] += 1
             return web.json_response(e.body(), status=e.status)
 
-    def _open(self, sid: str) -> Session:
-        session = self.sessions.get(sid)
-        if session is None:
-            raise ApiError(f"no session {sid!r} is open on this gateway (a session's URL is valid from its opening "
-                           "to the end of its episode)", status=404, code="session_not_found")
-        return session
-
     async def _handle(self, request, parse, respond):
+        """A chat or completions call: parsed, served, answered; a replica's failure as a 500 in one line."""
         from aiohttp import web
 
         self.counts["requests"] += 1
-        try:
-            session = self._open(request.match_info["sid"])
-            try:
-                body = await request.json()
-            except ValueError:
-                raise ApiError("the request body is not valid JSON") from None
+
+        async def serve(session: Session, body) -> dict:
             call = parse(body, served=self.model_name, sampling=self.sampling)
-            answer = await self._serve(session, call)
-            return web.json_response(respond(answer, model=self.model_name, logprobs=call.logprobs))
-        except ApiError as e:
-            self.counts["refused"] += 1
-            return web.json_response(e.body(), status=e.status)
+            return respond(await self._serve(session, call), model=self.model_name, logprobs=call.logprobs)
+
+        try:
+            return await self._answer(request, serve)
         except Exception as e:  # noqa: BLE001 - a replica's failure: the caller gets one line, the server goes on
             self.counts["failed"] += 1
             cause = e.cause if getattr(e, "cause", None) is not None else e  # a replica's own error, not Ray's banner
