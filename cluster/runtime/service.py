@@ -142,12 +142,17 @@ def start_control(run_dir: Path, pools):
     import hashlib
 
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from cluster.runtime.pools.control import NAMESPACE, RunControl, actor_name
 
     # The folder's hash keeps two runs of the same name in different run.dirs apart.
     name = actor_name(f"{run_dir.name}-{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}")
-    control = ray.remote(RunControl).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
+    # On the driver's own node: the driver calls it between every two steps, and a node lost with it
+    # would end the run; the driver's node lost ends the job anyway (resubmitting resumes it).
+    beside_driver = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    control = ray.remote(RunControl).options(name=name, namespace=NAMESPACE, num_cpus=0,
+                                             scheduling_strategy=beside_driver).remote(
         run_dir=str(run_dir), sizes=pools.sizes())
     ray.get(control.health.remote())
     pools.extra_actors.append(control)

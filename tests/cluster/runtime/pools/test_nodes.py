@@ -103,3 +103,38 @@ def test_a_learner_rank_lost_with_its_node_and_no_room_left_fails_placement_in_o
     assert "\n" not in message and "within 3s" in message and "add a node with room" in message, message
     group.shutdown()
     ray.util.remove_placement_group(pg)
+
+
+class _Pools:
+    """What start_control reads of the run's pools: their sizes, and the list its actor joins."""
+
+    def __init__(self):
+        self.extra_actors = []
+
+    def sizes(self):
+        return {"generator": 1}
+
+
+@pytest.mark.integration
+def test_the_control_actor_sits_beside_the_driver_and_outlives_every_worker_node(ray_nodes, tmp_path):
+    """Ray puts a 0-CPU actor on any node (a worker node 10 times in 12 here, without a rule): the
+    run's control actor, which the driver calls between every two steps, goes on the driver's
+    node, so losing any other node cannot end the run through it; a scale request it holds is kept."""
+    from cluster.runtime.service import start_control
+
+    workers = [ray_nodes.add(num_cpus=1, labels={"tether.test": f"w{i}"}) for i in range(3)]
+    here = ray.get_runtime_context().get_node_id()
+    pools, controls = _Pools(), []
+    try:
+        for i in range(3):
+            control, _ = start_control(tmp_path / f"run{i}", pools)
+            controls.append(control)
+            ray.get(control.request.remote({"generator": 2}))
+        beside = {p.pid for p in node_processes(here)}  # found by the driver's node id
+        assert all(ray.get(c.health.remote())["pid"] in beside for c in controls)
+        for node in workers:
+            ray_nodes.kill(node)
+        assert all(ray.get(c.pending.remote(), timeout=60) == {"generator": 2} for c in controls)
+    finally:
+        for actor in pools.extra_actors:
+            ray.kill(actor)
