@@ -11,9 +11,11 @@ Unless run.library_logs is true:
   not forward it to the driver (cluster/job/startup.py ``connect_ray``). What an actor has to
   tell the user reaches the console through the driver, in tether's words: a reward's
   errors, a replica that died, prompts skipped as too long for the model.
-* Ray's banner for a worker that died ("A worker died or was killed ...", many lines of ids
-  and likely causes) goes to ``library.log`` too: tether's own line names the replica and
-  what happens to its work. Ray's other messages from its raylet still reach the console.
+* Ray's banners for a worker that died ("A worker died or was killed ...", many lines of ids
+  and likely causes) and for a node marked dead ("The node with node id ... has been marked
+  dead because the detector has missed too many heartbeats") go to ``library.log`` too:
+  tether's own line names the replica or node and what happens to its work. Ray's other
+  messages from its raylet still reach the console.
 
 The start-up prints where both are (``library logs: ...``).
 """
@@ -27,6 +29,8 @@ from typing import Optional
 TETHER_LOGGERS = ("tether", "cluster", "actors", "learner", "core")
 LIBRARY_LOG = "library.log"
 WORKER_DIED = "A worker died or was killed"
+NODE_DIED = "has been marked dead"  # "The node with node id ... has been marked dead because the detector ..."
+DEATH_BANNERS = (WORKER_DIED, NODE_DIED)
 
 
 def is_tethers(record: logging.LogRecord) -> bool:
@@ -100,8 +104,8 @@ BANNER_REROUTE_TESTED = ("2.60.",)
 
 
 @contextlib.contextmanager
-def worker_deaths_to_log():
-    """While inside, Ray's worker-death banner is a record of the ``ray.raylet`` logger.
+def death_banners_to_log():
+    """While inside, Ray's banners for a dead worker or node are records of the ``ray.raylet`` logger.
 
     Ray's driver prints its raylet's error messages to stdout itself, from a thread of its own
     (``listen_error_messages`` calls the module's ``print_to_stdstream`` for each), not
@@ -115,7 +119,7 @@ def worker_deaths_to_log():
     printer = getattr(ray_worker, "print_to_stdstream", None)
     if printer is None or not ray.__version__.startswith(BANNER_REROUTE_TESTED):
         logging.getLogger(__name__).info(
-            "Ray %s: its worker-death banner stays on the console (rerouting tested on %s)",
+            "Ray %s: its worker and node death banners stay on the console (rerouting tested on %s)",
             ray.__version__, ", ".join(BANNER_REROUTE_TESTED))
         yield
         return
@@ -123,7 +127,7 @@ def worker_deaths_to_log():
 
     def print_or_log(data: dict, ignore_prefix: bool) -> None:
         lines = data.get("lines") or ()
-        if data.get("pid") == "raylet" and any(WORKER_DIED in line for line in lines):
+        if data.get("pid") == "raylet" and any(b in line for line in lines for b in DEATH_BANNERS):
             for line in lines:
                 banner_log.warning("%s", line)
             return
@@ -158,7 +162,7 @@ def quiet_console(library_logs: bool):
         lg.addHandler(library)
     logging.captureWarnings(True)
     try:
-        with worker_deaths_to_log():
+        with death_banners_to_log():
             yield library
     finally:
         logging.captureWarnings(False)

@@ -1,6 +1,7 @@
-"""Ray's worker-death banner goes to the log on the Ray release the rerouting was tested on,
-and Ray's printer is left alone on any other (cluster/runtime/observe/console.py). The banner is
-Ray's own: a worker killed in a task of a real local Ray."""
+"""Ray's worker-death banner goes to the log on the Ray release the rerouting was tested on (its
+node-death one: tests/cluster/runtime/pools/test_nodes.py), and Ray's printer is left alone on
+any other (cluster/runtime/observe/console.py). The banner is Ray's own: a worker killed in a
+task of a real local Ray."""
 import logging
 import os
 import time
@@ -9,7 +10,7 @@ import pytest
 import ray
 import ray._private.worker as ray_worker
 
-from cluster.runtime.observe.console import BANNER_REROUTE_TESTED, WORKER_DIED, worker_deaths_to_log
+from cluster.runtime.observe.console import BANNER_REROUTE_TESTED, WORKER_DIED, death_banners_to_log
 
 # Not the banner: a message of the raylet's that must still reach the console.
 OTHER = {"pid": "raylet", "ip": "127.0.0.1", "is_err": True, "lines": ["something else the raylet has to say"]}
@@ -37,7 +38,7 @@ def dies():
 @pytest.mark.integration
 def test_rays_banner_becomes_log_records_and_other_messages_still_print(local_ray, capfd, caplog):
     original = ray_worker.print_to_stdstream
-    with caplog.at_level(logging.WARNING, logger="ray.raylet"), worker_deaths_to_log():
+    with caplog.at_level(logging.WARNING, logger="ray.raylet"), death_banners_to_log():
         assert ray_worker.print_to_stdstream is not original
         with pytest.raises(ray.exceptions.WorkerCrashedError):
             ray.get(dies.remote())
@@ -57,5 +58,5 @@ def test_rays_banner_becomes_log_records_and_other_messages_still_print(local_ra
 def test_on_an_untested_ray_the_printer_is_left_alone(monkeypatch):
     monkeypatch.setattr(ray, "__version__", "2.99.0")
     original = ray_worker.print_to_stdstream
-    with worker_deaths_to_log():
+    with death_banners_to_log():
         assert ray_worker.print_to_stdstream is original

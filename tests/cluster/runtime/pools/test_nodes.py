@@ -138,3 +138,26 @@ def test_the_control_actor_sits_beside_the_driver_and_outlives_every_worker_node
     finally:
         for actor in pools.extra_actors:
             ray.kill(actor)
+
+
+@pytest.mark.integration
+def test_rays_node_death_banner_becomes_log_records(ray_nodes, capfd, caplog):
+    """A node SIGKILLed and marked dead: Ray's multi-line banner for it goes to the log (the run's
+    library.log), not the console, where tether's own line says what the node carried."""
+    import logging
+
+    import ray._private.worker as ray_worker
+
+    from cluster.runtime.observe.console import NODE_DIED, death_banners_to_log
+
+    node = ray_nodes.add(num_cpus=1, labels={"tether.test": "doomed"})
+    with caplog.at_level(logging.WARNING, logger="ray.raylet"), death_banners_to_log():
+        ray_nodes.kill(node)
+        # Ray's driver prints the banner from a thread of its own once the GCS marks the node dead.
+        deadline = time.monotonic() + 120
+        while not (banner := [r.getMessage() for r in caplog.records if NODE_DIED in r.getMessage()]):
+            assert time.monotonic() < deadline, "no node-death banner within 120 s of the kill"
+            time.sleep(0.05)
+    assert ray_worker.print_to_stdstream.__name__ != "print_or_log"  # Ray's own printer is back
+    out = capfd.readouterr()
+    assert NODE_DIED not in out.out + out.err and node in banner[0], (banner, out)
