@@ -64,9 +64,16 @@ def keywords(fn, base_url: str) -> dict:
     if anything or "base_url" in params:
         out["base_url"] = base_url
     if anything or "client" in params:
+        import httpx
         import openai
-        client = openai.AsyncOpenAI if inspect.iscoroutinefunction(fn) else openai.OpenAI
-        out["client"] = client(base_url=base_url, api_key=API_KEY, max_retries=0)
+
+        # The session's URL is the cluster's own: never through a proxy the environment names.
+        if inspect.iscoroutinefunction(fn):
+            out["client"] = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
+                                               http_client=httpx.AsyncClient(trust_env=False))
+        else:
+            out["client"] = openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
+                                          http_client=httpx.Client(trust_env=False))
     return out
 
 

@@ -45,8 +45,8 @@ def posts_reward(prompt, columns, *, client, base_url):
     import httpx
 
     client.completions.create(model="policy", prompt=prompt, max_tokens=4)
-    url = base_url.removesuffix("/v1") + "/reward"
-    assert httpx.post(url, json={"reward": columns["score"]}).json()["reward"] == columns["score"]
-    again = httpx.post(url, json={"reward": 0.0})
+    url, http = base_url.removesuffix("/v1") + "/reward", httpx.Client(trust_env=False)
+    assert http.post(url, json={"reward": columns["score"]}).json()["reward"] == columns["score"]
+    again = http.post(url, json={"reward": 0.0})
     assert again.status_code == 409 and again.json()["error"]["code"] == "reward_already_posted"
     return None if columns.get("also_return") is None else columns["also_return"]

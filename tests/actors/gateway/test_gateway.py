@@ -54,8 +54,11 @@ def gateway(ray_cluster, chat_policy):
 
 
 def client(url):
+    """The OpenAI client on a session's URL, as an agent gets it (no proxy from the environment)."""
+    import httpx
     import openai
-    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120,
+                         http_client=httpx.Client(trust_env=False))
 
 
 def open_session(gw, sid, prompt_index=0, sample_index=0):
@@ -275,5 +278,5 @@ def test_an_agent_may_post_its_score_once_while_its_session_runs(gateway):
     assert by_prompt[1].env_score == 0.75 and by_prompt[1].env_error is None
     assert "returned 1.0 and posted 0.25" in by_prompt[2].env_error and counts["errors"] == 1
     address = ray.get(gw.health.remote())["address"]
-    finished = httpx.post(f"{address}/sessions/post-0-1-0/reward", json={"reward": 1.0})
+    finished = httpx.Client(trust_env=False).post(f"{address}/sessions/post-0-1-0/reward", json={"reward": 1.0})
     assert finished.status_code == 404 and finished.json()["error"]["code"] == "session_not_found"
