@@ -82,17 +82,14 @@ def play(fn, name: str, request: tuple) -> tuple[str, object]:
     base_url, prompt, columns = request
     try:
         kwargs = keywords(fn, base_url)
-        if inspect.iscoroutinefunction(fn):
-            out = asyncio.run(fn(prompt, columns, **kwargs))
-        else:
-            out = fn(prompt, columns, **kwargs)
-        return "ok", check_score(out, name)
-    except ValueError as e:
-        if str(e).startswith(name):
-            return "error", str(e)
-        return "error", f"{name} raised {type_and_first_line(e)}"
+        out = asyncio.run(fn(prompt, columns, **kwargs)) if inspect.iscoroutinefunction(fn) \
+            else fn(prompt, columns, **kwargs)
     except BaseException as e:  # noqa: BLE001 - user code, SystemExit included, costs its episode only
         return "error", f"{name} raised {type_and_first_line(e)}"
+    try:
+        return "ok", check_score(out, name)
+    except ValueError as e:
+        return "error", str(e)
 
 
 def worker_main(conn, spec: str, key: str, memory_mb: int, parent: int) -> None:

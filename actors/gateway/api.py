@@ -144,7 +144,7 @@ def _messages(body: dict) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}", param=where)
-        msg = {k: v for k, v in m.items() if k not in ("content",)}
+        msg = {k: v for k, v in m.items() if k != "content"}
         if m.get("content") is not None or m["role"] != "assistant":
             msg["content"] = _text(m.get("content"), where)
         out.append(msg)

@@ -99,11 +99,6 @@ class Gateway:
         self.address = f"http://{host}:{port}"
         return self.address
 
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner, self.address = None, None
-
     # ---- sessions (called by whoever runs the episodes)
     def open_session(self, sid: str, *, prompt_index: int, sample_index: int) -> str:
         """A new session's base URL (the agent's ``base_url``)."""
@@ -121,10 +116,6 @@ class Gateway:
     def replica_of(self, sid: str) -> Optional[str]:
         """The replica the session's calls go to now (None before its first)."""
         return self.sessions[sid].replica
-
-    def set_generators(self, generators: dict) -> None:
-        """The pool's replicas now (after a replacement or a scale)."""
-        self.generators = dict(generators)
 
     def health(self) -> dict:
         return {"address": self.address, "sessions": len(self.sessions), "replicas": sorted(self.generators),
@@ -200,8 +191,8 @@ class Gateway:
             out = self.tokenizer.apply_chat_template(call.messages, tools=call.tools, add_generation_prompt=True,
                                                      tokenize=True)
         except Exception as e:  # noqa: BLE001 - the template's own refusal (a role it does not know, ...)
-            raise ApiError(f"the policy's chat template cannot render these messages: "
-                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", param="messages") from None
+            raise ApiError(f"the policy's chat template cannot render these messages: {type_and_first_line(e)}",
+                           param="messages") from None
         return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
 
     async def _serve(self, session: Session, call: CallRequest) -> Answer:
@@ -220,7 +211,7 @@ class Gateway:
         keep, text = cut_at_stop(ids, call.stop, self._decode)
         eos = self.tokenizer.eos_token_id
         finish = "stop" if keep < len(ids) or (ids and ids[-1] == eos) else "length"
-        versions = np.asarray(turn.versions[:keep] if turn.versions is not None else [0] * keep, dtype=np.int64)
+        versions = np.asarray(turn.versions[:keep], dtype=np.int64)  # sample_turns labels every token
         kept = None if turn.kept_ids is None else np.asarray(turn.kept_ids)[:keep]
         session.record(Call(prompt_ids=prompt, token_ids=ids[:keep], logprobs=np.asarray(turn.logprobs[:keep]),
                             versions=versions, finish_reason=finish, kept_ids=kept))

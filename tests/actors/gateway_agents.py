@@ -1,6 +1,6 @@
 """Agents for tests/actors/gateway/test_gateway.py, imported by its agent workers, and a replica that fails."""
 import os
-import time
+import threading
 
 
 def two_calls(prompt, columns, *, client):
@@ -25,7 +25,7 @@ def fails(prompt, columns):
     if how == "raise":
         raise RuntimeError("tool server unreachable")
     if how == "hang":
-        time.sleep(3600)
+        threading.Event().wait()  # never set: only the episode's timeout ends it
     if how == "die":
         os._exit(3)
     if how == "text":

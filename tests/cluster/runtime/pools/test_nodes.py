@@ -1,6 +1,7 @@
 """Several raylets on one machine, and a whole node's loss by its node id: only that node's
 processes die, and Ray declares it dead within the tuned detection time."""
 import os
+import threading
 import time
 
 import psutil
@@ -150,14 +151,26 @@ def test_rays_node_death_banner_becomes_log_records(ray_nodes, capfd, caplog):
 
     from cluster.runtime.observe.console import NODE_DIED, death_banners_to_log
 
+    class Seen(logging.Handler):  # set when the banner's first record arrives
+        def __init__(self):
+            super().__init__()
+            self.event = threading.Event()
+
+        def emit(self, record):
+            if NODE_DIED in record.getMessage():
+                self.event.set()
+
+    seen, raylet = Seen(), logging.getLogger("ray.raylet")
     node = ray_nodes.add(num_cpus=1, labels={"tether.test": "doomed"})
-    with caplog.at_level(logging.WARNING, logger="ray.raylet"), death_banners_to_log():
-        ray_nodes.kill(node)
-        # Ray's driver prints the banner from a thread of its own once the GCS marks the node dead.
-        deadline = time.monotonic() + 120
-        while not (banner := [r.getMessage() for r in caplog.records if NODE_DIED in r.getMessage()]):
-            assert time.monotonic() < deadline, "no node-death banner within 120 s of the kill"
-            time.sleep(0.05)
+    raylet.addHandler(seen)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ray.raylet"), death_banners_to_log():
+            ray_nodes.kill(node)
+            # Ray's driver prints the banner from a thread of its own once the GCS marks the node dead.
+            assert seen.event.wait(120), "no node-death banner within 120 s of the kill"
+    finally:
+        raylet.removeHandler(seen)
+    banner = [r.getMessage() for r in caplog.records if NODE_DIED in r.getMessage()]
     assert ray_worker.print_to_stdstream.__name__ != "print_or_log"  # Ray's own printer is back
     out = capfd.readouterr()
     assert NODE_DIED not in out.out + out.err and node in banner[0], (banner, out)
