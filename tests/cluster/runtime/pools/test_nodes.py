@@ -142,35 +142,39 @@ def test_the_control_actor_sits_beside_the_driver_and_outlives_every_worker_node
 
 
 @pytest.mark.integration
-def test_rays_node_death_banner_becomes_log_records(ray_nodes, capfd, caplog):
-    """A node SIGKILLed and marked dead: Ray's multi-line banner for it goes to the log (the run's
-    library.log), not the console, where tether's own line says what the node carried."""
+def test_rays_node_death_banner_goes_to_library_log(ray_nodes, capfd, tmp_path, monkeypatch):
+    """A node SIGKILLed and marked dead: Ray's multi-line banner for it goes to the run's
+    library.log, not the console, where tether's own line says what the node carried."""
     import logging
 
     import ray._private.worker as ray_worker
 
-    from cluster.runtime.observe.console import NODE_DIED, death_banners_to_log
+    from cluster.runtime.observe.console import LIBRARY_LOG, NODE_DIED, quiet_console
+    from cluster.runtime.pools.pool import QUIET_ENV
 
-    class Seen(logging.Handler):  # set when the banner's first record arrives
+    for name, value in QUIET_ENV.items():  # quiet_console sets them in the process: undone after the test
+        monkeypatch.setenv(name, value)
+    node = ray_nodes.add(num_cpus=1, labels={"tether.test": "doomed"})
+
+    class Written(logging.Handler):  # after the library log's handler: set once this node's banner is written
         def __init__(self):
             super().__init__()
             self.event = threading.Event()
 
         def emit(self, record):
-            if NODE_DIED in record.getMessage():
+            if NODE_DIED in record.getMessage() and node in record.getMessage():
                 self.event.set()
 
-    seen, raylet = Seen(), logging.getLogger("ray.raylet")
-    node = ray_nodes.add(num_cpus=1, labels={"tether.test": "doomed"})
-    raylet.addHandler(seen)
-    try:
-        with caplog.at_level(logging.WARNING, logger="ray.raylet"), death_banners_to_log():
+    written, ray_logger = Written(), logging.getLogger("ray")
+    with quiet_console(library_logs=False) as library:
+        library.open(tmp_path)
+        ray_logger.addHandler(written)
+        try:
             ray_nodes.kill(node)
             # Ray's driver prints the banner from a thread of its own once the GCS marks the node dead.
-            assert seen.event.wait(120), "no node-death banner within 120 s of the kill"
-    finally:
-        raylet.removeHandler(seen)
-    banner = [r.getMessage() for r in caplog.records if NODE_DIED in r.getMessage()]
+            assert written.event.wait(120), "no node-death banner within 120 s of the kill"
+        finally:
+            ray_logger.removeHandler(written)
     assert ray_worker.print_to_stdstream.__name__ != "print_or_log"  # Ray's own printer is back
-    out = capfd.readouterr()
-    assert NODE_DIED not in out.out + out.err and node in banner[0], (banner, out)
+    out, logged = capfd.readouterr(), (tmp_path / LIBRARY_LOG).read_text()
+    assert NODE_DIED not in out.out + out.err and f"{NODE_DIED} because" in logged and node in logged, (out, logged)
