@@ -20,15 +20,18 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from actors import kept_set
+from actors.admitted_calls import AGENT_CALLS_CONCURRENCY, AGENT_CALLS_GROUP, AdmittedCalls
 from actors.engine_turns import EngineTurns
 from actors.environments.config import EnvConfig
 from actors.environments.episodes import Turn, episode_runner
+from actors.gateway.producer import agent_episodes
 from actors.weight_receiver import GPU_TRANSFER, EngineWeights
 from core.choices import TRANSPORT_NAMES, TRANSPORTS
 from core.columns import PromptColumns
@@ -65,10 +68,12 @@ def engine_process_env(*, num_gpus: float, tensor_parallel: int) -> dict[str, st
 
 
 def actor_class():
-    """Generator as a Ray actor class: weight updates get their own concurrency group
-    (every generator actor must be made here: Ray kills an actor called in a group it lacks)."""
+    """Generator as a Ray actor class: weight updates and the gateway's calls get concurrency
+    groups of their own (every generator actor must be made here: Ray kills an actor called in
+    a group it lacks)."""
     import ray
-    return ray.remote(concurrency_groups={WEIGHT_UPDATE_GROUP: 1})(Generator)
+    return ray.remote(concurrency_groups={WEIGHT_UPDATE_GROUP: 1, AGENT_CALLS_GROUP: AGENT_CALLS_CONCURRENCY})(
+        Generator)
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,14 @@ class Generator:
     def __init__(self, *, model: str, sampling: SamplingConfig | dict | None = None,
                  engine: EngineConfig | dict | None = None, name: str = "generator",
                  tensor_parallel: int = 1, weight_sync: str = "cpu", partial_rollouts: bool = False,
-                 env: EnvConfig | None = None, columns: PromptColumns | None = None) -> None:
+                 env: EnvConfig | None = None, columns: PromptColumns | None = None, gateway=None) -> None:
         """tensor_parallel: GPUs the engine spans (a pool resource). weight_sync: the learner's
         transport, "cpu" (load_weights of safetensors buckets), "nccl" or "ipc" (vLLM's NCCL or
         CUDA IPC weight transfer on GPU, on top of "cpu"). partial_rollouts: a weight push lands
         between two engine steps of a generate call rather than after it (module docstring).
         env: multi-turn episodes (the env section; actors/environments/episodes.py) instead of
-        single responses, the environments given each prompt row's ``columns``."""
+        single responses, the environments given each prompt row's ``columns``; with env.agent,
+        the agent's calls go through ``gateway`` (a Gateway actor, actors/gateway) to this generator."""
         fit_threads()
         model = resolve_model_path(model, name)
         if weight_sync not in TRANSPORTS:
@@ -120,6 +126,7 @@ class Generator:
         self._skipped_total = 0
         self._generated_total = 0
         self._incomplete_kept_sets = 0  # positions whose kept set may go past the read (top-k ties)
+        self._calls, self._calls_made = None, threading.Lock()  # the gateway's calls, admitted (serve_turn)
         if weight_sync in GPU_TRANSFER and not _has_cuda():
             raise ValueError(f"{name}: weight_sync={weight_sync!r} needs CUDA ({GPU_TRANSFER[weight_sync]}); "
                              "this generator has no GPU: use 'cpu' or give it num_gpus")
@@ -132,9 +139,12 @@ class Generator:
         self._vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
         kept_set.check_vocab(self.sampling.top_k, self.sampling.top_p, self._vocab_size, name)
         self.columns = columns if columns is not None else PromptColumns()
-        self.episodes = None if env is None else episode_runner(
-            env, self._llm.get_tokenizer(), max_context=self.engine.max_model_len,
-            max_new_tokens=self.sampling.max_new_tokens, name=name)
+        if env is not None and env.agent:  # an agent's episodes, its calls through the run's gateway
+            self.episodes = agent_episodes(env, gateway=gateway, name=name)
+        else:
+            self.episodes = None if env is None else episode_runner(
+                env, self._llm.get_tokenizer(), max_context=self.engine.max_model_len,
+                max_new_tokens=self.sampling.max_new_tokens, name=name)
         log.info("%s: vLLM engine up in %.1fs", name, self.start_seconds)
 
     def _start_engine(self, model: str):
@@ -254,19 +264,38 @@ class Generator:
                 outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in transcripts],
                                              self._turn_params(room, keys), use_tqdm=False,
                                              lora_request=self.weights.adapter)
-        turns = []
-        for out in outputs:
-            (c,) = out.outputs
-            ids, kept = list(c.token_ids), None
-            if is_truncated(s.top_k, s.top_p):  # the kept sets, as _to_rollout reads them
-                logprobs, kept, incomplete = kept_set.read_completion(
-                    ids, c.logprobs, kept_set.logprobs_to_read(s.top_k, self._vocab_size))
-                self._incomplete_kept_sets += incomplete
-            else:
-                logprobs = kept_set.read_sampled(ids, c.logprobs)
-            turns.append(Turn(token_ids=ids, logprobs=logprobs, kept_ids=kept,
-                              versions=token_versions(c.weight_versions, len(ids), version)))
-        return turns
+        return [self._turn(out, version) for out in outputs]
+
+    def serve_turn(self, prompt: list[int], room: int, key: tuple[int, int, int]) -> Turn:
+        """One call of a gateway session (actors/gateway): ``prompt`` continued by at most ``room``
+        tokens, seeded as a turn of ``sample_turns`` with ``key``, admitted into the engine while
+        it runs other calls (actors/admitted_calls.py). The gateway calls it in AGENT_CALLS_GROUP."""
+        if self._calls is None:
+            with self._calls_made:
+                if self._calls is None:
+                    self._calls = AdmittedCalls(engine=self._llm.llm_engine, turns=self._turns,
+                                                adapter=lambda: self.weights.adapter,
+                                                stepping=self.partial_rollouts, name=self.name)
+        kept_set.check_vocab(self.sampling.top_k, self.sampling.top_p, self._vocab_size, self.name)
+
+        def params():
+            return self._turn_params([room], [key])[0], self.weights.version()
+
+        out, version = self._calls.sample(prompt, params)
+        return self._turn(out, version)
+
+    def _turn(self, out, version: int) -> Turn:
+        """A finished one-completion request as a Turn; ``version`` where vLLM labelled no token."""
+        s, (c,) = self.sampling, out.outputs
+        ids, kept = list(c.token_ids), None
+        if is_truncated(s.top_k, s.top_p):  # the kept sets, as _to_rollout reads them
+            logprobs, kept, incomplete = kept_set.read_completion(
+                ids, c.logprobs, kept_set.logprobs_to_read(s.top_k, self._vocab_size))
+            self._incomplete_kept_sets += incomplete
+        else:
+            logprobs = kept_set.read_sampled(ids, c.logprobs)
+        return Turn(token_ids=ids, logprobs=logprobs, kept_ids=kept,
+                    versions=token_versions(c.weight_versions, len(ids), version))
 
     def _turn_params(self, room: list[int], keys: list[tuple[int, int, int]]) -> list:
         """One SamplingParams per turn, seeded by the version now (call it holding the engine)."""

@@ -56,34 +56,45 @@ def check_score(out, name: str) -> Optional[float]:
     return float(out)
 
 
-def keywords(fn, base_url: str) -> dict:
-    """The keywords ``fn`` names among ``client`` and ``base_url`` (both for ``**kwargs``)."""
-    params = inspect.signature(fn).parameters
-    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    out = {}
-    if anything or "base_url" in params:
-        out["base_url"] = base_url
-    if anything or "client" in params:
-        import httpx
-        import openai
+class Keywords:
+    """The keywords an agent names among ``client`` and ``base_url`` (both for ``**kwargs``), made
+    per episode. The OpenAI client is imported when the worker starts, not in its first episode,
+    and a plain agent's clients share one pool of HTTP connections to the gateway."""
 
-        # The session's URL is the cluster's own: never through a proxy the environment names.
-        if inspect.iscoroutinefunction(fn):
-            out["client"] = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
-                                               http_client=httpx.AsyncClient(trust_env=False))
-        else:
-            out["client"] = openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
-                                          http_client=httpx.Client(trust_env=False))
-    return out
+    def __init__(self, fn) -> None:
+        params = inspect.signature(fn).parameters
+        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self.url, self.client = anything or "base_url" in params, anything or "client" in params
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self._http = None
+        if self.client:
+            import httpx
+            import openai  # noqa: F401 - imported here, at the worker's start
+
+            # The session's URL is the cluster's own: never through a proxy the environment names.
+            self._http = None if self.is_async else httpx.Client(trust_env=False)
+
+    def __call__(self, base_url: str) -> dict:
+        out = {"base_url": base_url} if self.url else {}
+        if self.client:
+            import httpx
+            import openai
+
+            if self.is_async:  # a client of its own: each episode runs in an event loop of its own
+                out["client"] = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
+                                                   http_client=httpx.AsyncClient(trust_env=False))
+            else:
+                out["client"] = openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
+                                              http_client=self._http)
+        return out
 
 
-def play(fn, name: str, request: tuple) -> tuple[str, object]:
+def play(fn, keywords: Keywords, name: str, request: tuple) -> tuple[str, object]:
     """One episode in the worker -> ("ok", score) or ("error", a one-line reason)."""
     base_url, prompt, columns = request
     try:
-        kwargs = keywords(fn, base_url)
-        out = asyncio.run(fn(prompt, columns, **kwargs)) if inspect.iscoroutinefunction(fn) \
-            else fn(prompt, columns, **kwargs)
+        kwargs = keywords(base_url)
+        out = asyncio.run(fn(prompt, columns, **kwargs)) if keywords.is_async else fn(prompt, columns, **kwargs)
     except BaseException as e:  # noqa: BLE001 - user code, SystemExit included, costs its episode only
         return "error", f"{name} raised {type_and_first_line(e)}"
     try:
@@ -97,7 +108,8 @@ def worker_main(conn, spec: str, key: str, memory_mb: int, parent: int) -> None:
 
     def load():
         fn = load_function(spec, key)
-        return lambda request: play(fn, name, request)
+        keywords = Keywords(fn)
+        return lambda request: play(fn, keywords, name, request)
 
     serve(conn, load, what=f"{key} {spec!r}", memory_mb=memory_mb, setting="env.memory_mb", parent=parent)
 
@@ -141,6 +153,9 @@ class AgentWorkers:
         pool = self._pool.counts
         return {"errors": self.errors, "timeouts": pool["timeouts"], "crashes": pool["crashes"],
                 "restarts": pool["restarts"]}
+
+    def stats(self) -> dict:
+        return {"agent_workers": self._pool.alive(), **self.counts}
 
     def run(self, episodes: dict[int, tuple[str, str, dict]]) -> dict[int, AgentOutcome]:
         """episode id -> (its session's base URL, the prompt's text, its row's columns); every

@@ -25,11 +25,13 @@ a port the OS picks; ``start()`` returns the address.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Callable, Optional
 
 import numpy as np
 
+from actors.admitted_calls import AGENT_CALLS_GROUP
 from actors.gateway.api import (
     Answer,
     ApiError,
@@ -64,28 +66,36 @@ class Gateway:
     """OpenAI's chat and completions APIs over ``generators`` (replica name -> Generator handle)."""
 
     def __init__(self, *, generators: dict, tokenizer: str, model_name: str,
-                 sampling: SamplingConfig | dict, max_model_len: int, host: Optional[str] = None,
-                 call_timeout_s: float = 300.0) -> None:
+                 sampling: SamplingConfig | dict, max_model_len: int, max_response_tokens: Optional[int] = None,
+                 host: Optional[str] = None, call_timeout_s: float = 300.0) -> None:
+        """max_response_tokens: what one transcript's response (the calls' tokens and the context
+        between them) may hold, the learner's horizon (env.max_tokens); None: max_model_len alone."""
         from transformers import AutoTokenizer
 
         self.generators = dict(generators)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.model_name, self.max_model_len, self.host = model_name, int(max_model_len), host
+        self.max_response_tokens = max_response_tokens
         self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**sampling)
         self.call_timeout_s = float(call_timeout_s)
         self.sessions: dict[str, Session] = {}
+        self._incarnations: dict[str, str] = {}  # replica name -> the actor id its sessions were opened by
         self.address: Optional[str] = None
         self.counts = {"requests": 0, "refused": 0, "failed": 0, "in_flight": 0, "failovers": 0}
-        self._runner = None
+        self._runner, self._starting = None, asyncio.Lock()
         self._created = int(time.time())
 
     # ---- the server
     async def start(self) -> str:
         """Serve on this node's address, on a port the OS picks; -> ``http://host:port``."""
+        async with self._starting:  # sessions opened at once on a restarted gateway: one server
+            if self.address is None:
+                await self._serve_http()
+        return self.address
+
+    async def _serve_http(self) -> None:
         from aiohttp import web
 
-        if self.address is not None:
-            return self.address
         app = web.Application()
         app.add_routes([web.post("/sessions/{sid}/v1/chat/completions", self._chat),
                         web.post("/sessions/{sid}/v1/completions", self._completions),
@@ -97,29 +107,37 @@ class Gateway:
         await web.TCPSite(self._runner, host, 0).start()
         port = self._runner.addresses[0][1]
         self.address = f"http://{host}:{port}"
-        return self.address
 
     # ---- sessions (called by whoever runs the episodes)
-    def open_session(self, sid: str, *, prompt_index: int, sample_index: int) -> str:
-        """A new session's base URL (the agent's ``base_url``)."""
-        if self.address is None:
-            raise RuntimeError("gateway: start() it before opening sessions")
+    async def open_session(self, sid: str, *, prompt_index: int, sample_index: int,
+                           replica: Optional[str] = None, handle=None, incarnation: str = "") -> str:
+        """A new session's base URL (the agent's ``base_url``). ``replica``, with its ``handle``
+        and ``incarnation`` (its actor id): the generator its calls go to while it lives, e.g.
+        the one playing the episode; a new incarnation of a known name is its replacement, and
+        the dead one's sessions are dropped."""
         if sid in self.sessions:
             raise ValueError(f"gateway: session {sid!r} is already open")
-        self.sessions[sid] = Session(sid, prompt_index=prompt_index, sample_index=sample_index)
-        return f"{self.address}/sessions/{sid}/v1"
+        address = await self.start()  # a restarted gateway serves again, on a port of its own
+        if handle is not None:
+            if self._incarnations.get(replica, incarnation) != incarnation:
+                self.sessions = {k: s for k, s in self.sessions.items() if s.replica != replica}
+            self.generators[replica], self._incarnations[replica] = handle, incarnation
+        session = self.sessions[sid] = Session(sid, prompt_index=prompt_index, sample_index=sample_index)
+        session.replica = replica
+        return f"{address}/sessions/{sid}/v1"
 
-    def close_session(self, sid: str) -> Session:
-        """The session's record (its transcripts and counts); later calls to it are refused."""
-        return self.sessions.pop(sid)
+    def close_session(self, sid: str) -> Optional[Session]:
+        """The session's record (its transcripts and counts), None if this gateway does not hold
+        it (it restarted since the session opened); later calls to it are refused."""
+        return self.sessions.pop(sid, None)
 
     def replica_of(self, sid: str) -> Optional[str]:
         """The replica the session's calls go to now (None before its first)."""
         return self.sessions[sid].replica
 
     def health(self) -> dict:
-        return {"address": self.address, "sessions": len(self.sessions), "replicas": sorted(self.generators),
-                **self.counts}
+        return {"address": self.address, "pid": os.getpid(), "sessions": len(self.sessions),
+                "replicas": sorted(self.generators), **self.counts}
 
     # ---- the routes
     async def _chat(self, request):
@@ -201,6 +219,13 @@ class Gateway:
         if room < 1:
             raise ApiError(f"the conversation is {len(prompt)} tokens: no room for an answer within the engine's "
                            f"max_model_len={self.max_model_len}", param="messages", code="context_length_exceeded")
+        if self.max_response_tokens is not None:
+            used = session.response_tokens(prompt)
+            room = min(room, self.max_response_tokens - used)
+            if room < 1:
+                raise ApiError(f"this episode's transcript already holds {used} response tokens (its calls and the "
+                               f"context between them): env.max_tokens={self.max_response_tokens} leaves no room "
+                               "for another call; end the episode", param="messages", code="context_length_exceeded")
         key = (session.prompt_index, session.sample_index, session.counts["calls"])
         self.counts["in_flight"] += 1
         try:
@@ -233,9 +258,8 @@ class Gateway:
                 session.replica = min(self.generators, key=self._load)
             handle = self.generators[session.replica]
             try:
-                (turn,) = await asyncio.wait_for(handle.sample_turns.remote([prompt], [room], [key]),
-                                                 timeout=self.call_timeout_s)
-                return turn
+                call = handle.serve_turn.options(concurrency_group=AGENT_CALLS_GROUP).remote(prompt, room, key)
+                return await asyncio.wait_for(call, timeout=self.call_timeout_s)
             except RayActorError:
                 self.generators.pop(session.replica, None)
                 self.counts["failovers"] += 1

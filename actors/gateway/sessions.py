@@ -118,6 +118,14 @@ class Session:
             self.counts["retokenize_mismatch"] += 1
         return spliced
 
+    def response_tokens(self, prompt_ids: list[int]) -> int:
+        """The response tokens a call from ``prompt_ids`` starts with: what follows the last
+        transcript's prompt if the call joins it, else none (it starts a transcript)."""
+        last = self.transcripts[-1] if self.transcripts else None
+        if last is not None and prompt_ids[:len(last.ids)] == last.ids:
+            return len(prompt_ids) - len(last.prompt_ids)
+        return 0
+
     def record(self, call: Call) -> None:
         """Add a served call: it joins the last transcript if its prompt begins with it, else starts one."""
         self.counts["calls"] += 1

@@ -79,6 +79,7 @@ SOURCES: dict[str, SourceType] = {t.name: t for t in (
                lambda w: replace(w, judge=replace(w.judge, model=None)), weights=True, engine=True,
                text_scorer=_judge_scorer),
     SourceType("environment", "environment", "env.environment", lambda w: None, episodes=True),
+    SourceType("agent", "agent", "env.agent", lambda w: None, episodes=True),
 )}
 
 
@@ -119,7 +120,7 @@ class RewardSource:
     @property
     def summary(self) -> str:
         """The start-up line's words for it: "function mod:fn", "the environment's", ..."""
-        return "the environment's" if self.from_episodes else self.name.removeprefix("reward ")
+        return f"the {self.type.label}'s" if self.from_episodes else self.name.removeprefix("reward ")
 
 
 def given_sources(reward) -> list[RewardSource]:
@@ -151,7 +152,7 @@ def gold_source(reward) -> RewardSource:
 def reward_source(cfg) -> RewardSource:
     """The source of the scores the run trains on (``cfg``: a TetherConfig)."""
     if cfg.env.enabled and cfg.env.reward == "environment":
-        return RewardSource(SOURCES["environment"], cfg.env.environment)
+        return RewardSource(SOURCES["agent" if cfg.env.agent else "environment"], cfg.env.player)
     return configured_source(cfg.reward)
 
 

@@ -37,12 +37,25 @@ def changed(section, prefix: str) -> Iterator[tuple[str, object]]:
             yield f"{prefix}.{f.name}", value
 
 
+# The env.* keys that act on an environment's episodes alone (the policy's turns, how observations
+# are rendered) and the one that acts on an agent's alone.
+ENVIRONMENT_ONLY = ("max_turns", "max_turn_tokens", "step_timeout_s", "observation_role", "plain_format",
+                    "reward_placement")
+AGENT_ONLY = ("episode_timeout_s",)
+
+
 def check_ineffective(cfg) -> None:
     """One line for the first env.* / reward.* key of ``cfg`` (a TetherConfig) set without effect."""
     if not cfg.env.enabled:
         for key, value in changed(cfg.env, "env"):
-            raise ConfigError(f"config: {key}={value!r} has no effect without env.environment (single-turn "
-                              f"responses); set env.environment to play episodes, or remove {key}")
+            raise ConfigError(f"config: {key}={value!r} has no effect without env.environment or env.agent "
+                              f"(single-turn responses); set env.environment or env.agent to play episodes, "
+                              f"or remove {key}")
+    unused = ENVIRONMENT_ONLY if cfg.env.agent else AGENT_ONLY if cfg.env.enabled else ()
+    for key, value in changed(cfg.env, "env"):
+        if key.removeprefix("env.") in unused:
+            raise ConfigError(f"config: {key}={value!r} has no effect on the episodes of {cfg.env.player_key}="
+                              f"{cfg.env.player!r}; remove {key}")
     source = reward_source(cfg)
     if source.from_episodes:
         sources = {f"reward.{key}": getattr(cfg.reward, key) for key in ("function", "model", "url")}

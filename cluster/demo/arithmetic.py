@@ -132,6 +132,18 @@ class SecondChance:
         return (self.question, 0.0, False, {}) if self.turn == 1 else (None, 0.0, True, {})
 
 
+def second_chance_agent(prompt: str, columns: dict, *, client) -> float:
+    """SecondChance as an agent (env.agent, docs/guide/agents.md): it asks the policy through the
+    OpenAI completions API, and after a wrong answer asks again with the question repeated after
+    it; 1.0 for a right first answer, 0.5 for a right second one (configs/arith-agent-tiny.yaml)."""
+    answer = str(columns.get("answer") or answer_of(prompt))
+    first = client.completions.create(model="policy", prompt=prompt).choices[0].text
+    if is_answer(first, answer):
+        return 1.0
+    second = client.completions.create(model="policy", prompt=prompt + first + prompt.strip()).choices[0].text
+    return SecondChance.SECOND_TRY if is_answer(second, answer) else 0.0
+
+
 # Pre-training recipe of the task's policy: the tiny Qwen2 of cluster.demo.tiny_models (the
 # sentiment tokenizer: digits are byte tokens of its alphabet), trained on `corpus()`.
 PRETRAIN_STEPS = 1000

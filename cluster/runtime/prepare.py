@@ -197,7 +197,9 @@ def prepare(cfg):
     if cfg.reward.judge.model:
         probe_judge(cfg.reward.judge, check_judge(cfg.reward.judge, train_set.columns.names), train_set)
     probe_reward(cfg.reward, train_set)
-    if cfg.env.enabled:
+    if cfg.env.agent:
+        probe_agent(cfg.env)
+    elif cfg.env.enabled:
         probe_environment(cfg.env, train_set, tokenizer)
     return policy, tokenizer_path, tokenizer, train_set, eval_set
 
@@ -302,6 +304,17 @@ def check_labels(judge, tokenizer) -> None:
             raise UserError(f"reward.judge.choices label {label!r} takes {n} tokens of the judge's tokenizer, more "
                             f"than reward.judge.max_new_tokens={judge.max_new_tokens}: the judge could never write "
                             "it; raise max_new_tokens or shorten the label")
+
+
+def probe_agent(env) -> None:
+    """Import the agent in a worker, as a generator will: one that cannot be imported (or is not
+    a function) is refused here in one line, before any actor starts."""
+    from actors.gateway.agents import AgentWorkers
+
+    try:
+        AgentWorkers(env.agent, workers=1, episode_timeout_s=env.episode_timeout_s, memory_mb=env.memory_mb).close()
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def probe_environment(env, train_set, tokenizer) -> None:

@@ -167,7 +167,9 @@ def startup_summary(cfg) -> str:
                             + (f", {p.num_gpus:g} GPU)" if p.num_gpus else ")"))
     source = reward_source(cfg)
     reward = source.summary
-    if cfg.env.enabled:
+    if cfg.env.agent:
+        reward += f" | episodes of agent {cfg.env.agent}, within {cfg.env.episode_timeout_s:g} s"
+    elif cfg.env.enabled:
         reward += f" | episodes of {cfg.env.environment}, up to {cfg.env.max_turns} turns"
     return (f"{cfg.run.mode} PPO, {cfg.run.steps} steps of {cfg.data.prompts_per_step} prompts x "
             f"{g.sampling.n} samples | policy {cfg.model.policy} | reward {reward} | "

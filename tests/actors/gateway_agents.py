@@ -36,7 +36,7 @@ def fails(prompt, columns):
 class Broken:
     """A replica whose every call fails (what the gateway sees of a generator that raised)."""
 
-    def sample_turns(self, transcripts, room, keys):
+    def serve_turn(self, prompt, room, key):
         raise ValueError("engine broke")
 
 

@@ -30,11 +30,11 @@ def check_invalid_scores(produced, cfg, step: int) -> None:
     above = f"above reward.max_invalid_fraction={limit:g}"
     rest = "raise reward.max_invalid_fraction to train on the rest"
     if source.from_episodes:
-        fix = "fix the environment" + (", raise env.step_timeout_s" if "timed out" in failed else "")
+        fix = f"fix the {source.type.label}" + (f", raise {timeout_key(cfg.env)}" if "timed out" in failed else "")
         raise InvalidScores(f"{source.name}: {produced.invalid_scores} of {scored} episodes at step {step} were "
                             f"invalid ({failed or 'the environment failed them'}; the log's 'reward:' lines say "
                             f"why), {above}; {fix}, or {rest}")
-    episodes = f"; {failed} in env.environment {cfg.env.environment}" if failed else ""
+    episodes = f"; {failed} in {cfg.env.player_key} {cfg.env.player}" if failed else ""
     raise InvalidScores(f"{source.name}: {produced.invalid_scores} of {scored} scores at step {step} were invalid "
                         f"(NaN or inf, or the reward raised; the log's 'reward:' lines say why{episodes}), {above}; "
                         f"fix the reward, or {rest}")
@@ -42,11 +42,15 @@ def check_invalid_scores(produced, cfg, step: int) -> None:
 
 # The episode counts (actors/environments/episodes.py's episode_counts, with the workers' faults) that end an
 # episode invalid, and how the message says them.
-_FAILURES = (("timeouts", "timed out past env.step_timeout_s={timeout:g} s"),
+_FAILURES = (("timeouts", "timed out past {key}={timeout:g} s"),
              ("lost", "lost with a worker that failed another episode"),
              ("crashes", "had their worker process die"),
-             ("errors", "had the environment raise"),
+             ("errors", "had the {who} raise or return no valid score"),
              ("malformed_actions", "had an action the environment could not read"))
+
+
+def timeout_key(env) -> str:
+    return "env.episode_timeout_s" if env.agent else "env.step_timeout_s"
 
 
 def episode_failures(counts: dict, env) -> str:
@@ -54,6 +58,9 @@ def episode_failures(counts: dict, env) -> str:
     env.step_timeout_s=10 s, 5 lost with ..." ('' when none did)."""
     if not counts.get("invalid"):
         return ""
-    parts = [f"{counts[key]} {what.format(timeout=env.step_timeout_s)}" for key, what in _FAILURES if counts.get(key)]
+    timeout = env.episode_timeout_s if env.agent else env.step_timeout_s
+    who = "agent" if env.agent else "environment"
+    parts = [f"{counts[key]} {what.format(key=timeout_key(env), timeout=timeout, who=who)}"
+             for key, what in _FAILURES if counts.get(key)]
     return f"{counts['invalid']} episodes failed: " + ", ".join(parts) if parts else \
         f"{counts['invalid']} episodes failed"

@@ -126,6 +126,19 @@ MEANINGS: dict[str, str] = {
     "env/tool_calls": "env.environment: tool calls made, summed over episodes (the info['tool_calls'] an "
                       "environment reports at an episode's last step)",
     "env/tool_errors": "env.environment: tool calls that raised (info['tool_errors'] at an episode's last step)",
+    "agent/sessions": "env.agent: episodes played (one gateway session each) this step",
+    "agent/calls_per_session": "env.agent: the agent's calls to the policy per episode, mean over the step",
+    "agent/invalid": "env.agent: episodes that ended invalid (the agent raised, returned no valid score, timed out "
+                     "or its worker died); their scores are invalid",
+    "agent/errors": "env.agent: episodes whose agent raised or returned something other than a finite score or None",
+    "agent/timeouts": "env.agent: episodes that passed env.episode_timeout_s (the worker was killed and replaced)",
+    "agent/crashes": "env.agent: episodes whose agent worker died (exit, signal, env.memory_mb)",
+    "agent/retokenize_mismatch": "env.agent: calls whose history, as the agent sent it back, rendered to other ids "
+                                 "than the policy sampled; the sampled ids were kept in its place",
+    "agent/rewritten": "env.agent: calls whose history did not continue the session's transcript (rewritten, "
+                       "e.g. summarised): each starts a rollout of its own with the episode's score",
+    "agent/without_calls": "env.agent: episodes whose agent never called the policy (no rollout: nothing to train)",
+    "agent/replayed": "env.agent: episodes played again from the start because the gateway restarted under them",
     "policy/version": "policy version the generators run",
     "pool/generator_replicas": "live generator replicas (cluster.scale changes it while the job runs)",
     "pool/reference_replicas": "live reference replicas",

@@ -51,8 +51,16 @@ def add_counts(a: dict, b) -> dict:
     return out
 
 
+AGENT_COUNTS = ("sessions", "invalid", "errors", "timeouts", "crashes", "retokenize_mismatch", "rewritten",
+                "without_calls", "replayed")
+
+
 def episode_metrics(counts: dict) -> dict:
-    """The episode/* and env/* metrics of a step's summed episode counts ({} without episodes)."""
+    """The episode/* and env/* metrics of a step's summed episode counts, or an agent's agent/*
+    ({} without episodes)."""
+    if counts.get("sessions"):  # actors/gateway/producer.py's agent_counts
+        return {"agent/calls_per_session": counts["calls"] / counts["sessions"],
+                **{f"agent/{k}": counts.get(k, 0) for k in AGENT_COUNTS}}
     if not counts.get("episodes"):
         return {}
     tokens = counts["policy_tokens"] + counts["env_tokens"]

@@ -18,6 +18,7 @@ from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
 from cluster.demo.judge import judge_path
 from cluster.runtime.pools.environment_scores import EnvironmentScores
+from cluster.runtime.pools.gateway import start_gateway
 from cluster.runtime.pools.learner_reference import LearnerReference
 from cluster.runtime.pools.pool import (
     BufferSlot,
@@ -62,7 +63,7 @@ class _Background:
 
 
 def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
-                threads: dict[str, int], columns_ref=None) -> tuple[Pool, Pool, Pool]:
+                threads: dict[str, int], columns_ref=None, gateway=None) -> tuple[Pool, Pool, Pool]:
     g, r, w, t = cfg.generator, cfg.reference, cfg.reward, cfg.resources.placement_timeout_s
     env = lambda pool: {"env_vars": pool_env(cfg, pool, threads[pool])}  # noqa: E731
     dtype = {role: d for role, (d, _) in cfg.precision().items()}
@@ -76,7 +77,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
             tensor_parallel=g.tensor_parallel,
             weight_sync=cfg.learner.weight_sync, partial_rollouts=cfg.run.mode == "async" and g.partial_rollouts,
             env=cfg.env if cfg.env.enabled else None,
-            columns=columns_ref if cfg.env.enabled else None)
+            columns=columns_ref if cfg.env.enabled else None, gateway=gateway)
 
     def reference(rid, index, options):
         return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
@@ -146,7 +147,7 @@ def _assemble(cfg: TetherConfig, pools: tuple, learner, buffer, learner_pg) -> P
     if cfg.reference.on_learner:  # learner rank 0 scores the reference: no pool of its own
         references = LearnerReference(learner)
     if reward_pool_replicas(cfg) == 0:  # the episodes carry their scores: no pool of its own
-        rewards = EnvironmentScores(cfg.env.environment)
+        rewards = EnvironmentScores(cfg.env.player)
     return Pools(generators, references, rewards, learner=learner, buffer_slot=buffer, learner_placement=learner_pg)
 
 
@@ -159,8 +160,9 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, co
     log.info("threads per actor: %s", " ".join(f"{k}={v}" for k, v in threads.items()))
     log.info("precision: %s", describe_precision(cfg))
     columns_ref = ray.put(columns) if columns is not None and columns.names else None
+    gateway, _ = start_gateway(cfg, tokenizer_path=tokenizer_path, env_vars=actor_env(cfg))
     pools = _role_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path, threads=threads,
-                        columns_ref=columns_ref)
+                        columns_ref=columns_ref, gateway=gateway)
     reserved, launched, learner_pg, started, buffer = [], [], None, [], None
     try:
         for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.pool_replicas, reward_pool_replicas(cfg))):
@@ -186,8 +188,12 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, co
         learner = learner_start.result(errors)
         if errors:
             raise errors[0]
-        return _assemble(cfg, pools, learner, buffer, learner_pg)
+        assembled = _assemble(cfg, pools, learner, buffer, learner_pg)
+        assembled.extra_actors += [gateway] if gateway is not None else []
+        return assembled
     except BaseException:
+        if gateway is not None:
+            ray.kill(gateway)
         for pool in started:
             pool.shutdown()
         for replica in [r for pool, group in zip(pools, launched) if pool not in started for r in group]:

@@ -61,6 +61,17 @@ def client(url):
                          http_client=httpx.Client(trust_env=False))
 
 
+def play(episodes, rows, n, tokenizer_path):
+    """``episodes.play`` on (prompt index, text, columns) rows, as a generator calls it."""
+    from transformers import AutoTokenizer
+
+    from core.columns import PromptColumns
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    columns = PromptColumns(ids=[idx for idx, _, _ in rows], rows=[c for _, _, c in rows])
+    return episodes.play([(tok(text)["input_ids"], idx) for idx, text, _ in rows], columns, tok, n)
+
+
 def open_session(gw, sid, prompt_index=0, sample_index=0):
     import ray
     return ray.get(gw.open_session.remote(sid, prompt_index=prompt_index, sample_index=sample_index))
@@ -209,7 +220,7 @@ def test_an_agent_that_does_not_import_is_one_line():
         and "\n" not in str(e.value)
 
 
-def test_agent_episodes_are_rollouts_of_the_sampled_ids_with_the_context_masked(gateway):
+def test_agent_episodes_are_rollouts_of_the_sampled_ids_with_the_context_masked(gateway, chat_policy):
     import numpy as np
 
     from actors.gateway.agents import AgentWorkers
@@ -218,12 +229,13 @@ def test_agent_episodes_are_rollouts_of_the_sampled_ids_with_the_context_masked(
     gw, _ = gateway
     agents = AgentWorkers("gateway_agents:two_calls", workers=2, episode_timeout_s=300)
     try:
-        rollouts, counts = AgentEpisodes(gateway=gw, agents=agents).play(
-            [(3, "The cat was", {"score": 0.5}), (8, "My friend felt", {"score": 1.0})], n=2)
+        rollouts, counts = play(AgentEpisodes(gateway=gw, agents=agents),
+                                [(3, "The cat was", {"score": 0.5}), (8, "My friend felt", {"score": 1.0})], 2,
+                                chat_policy)
     finally:
         agents.close()
     assert sorted((r.prompt_index, r.sample_index) for r in rollouts) == [(3, 0), (3, 1), (8, 0), (8, 1)]
-    assert counts["sessions"] == 4 and counts["calls_per_session"] == 2 and counts["errors"] == 0
+    assert counts["sessions"] == 4 and counts["calls"] == 8 and counts["errors"] == counts["invalid"] == 0
     for r in rollouts:
         assert r.env_score == {3: 0.5, 8: 1.0}[r.prompt_index] and r.env_error is None
         assert r.action_mask[0] and not r.action_mask.all() and r.action_mask[-1]  # policy, context, policy
@@ -231,7 +243,8 @@ def test_agent_episodes_are_rollouts_of_the_sampled_ids_with_the_context_masked(
         assert r.token_versions.tolist() == [0] * len(r.response_ids)
     bad = AgentWorkers("gateway_agents:fails", workers=1, episode_timeout_s=30)
     try:
-        rollouts, counts = AgentEpisodes(gateway=gw, agents=bad, name="bad").play([(0, "p", {"how": "raise"})], n=1)
+        rollouts, counts = play(AgentEpisodes(gateway=gw, agents=bad, name="bad"), [(0, "p", {"how": "raise"})], 1,
+                                chat_policy)
     finally:
         bad.close()
     assert rollouts == [] and counts["errors"] == 1 and counts["without_calls"] == 1
@@ -242,9 +255,10 @@ def test_a_replica_that_raises_is_one_line_to_the_caller_and_the_server_goes_on(
     ray = ray_cluster
     from gateway_agents import Broken
 
+    from actors.admitted_calls import AGENT_CALLS_GROUP
     from actors.gateway.server import Gateway
 
-    broken = ray.remote(num_cpus=0)(Broken).remote()
+    broken = ray.remote(num_cpus=0, concurrency_groups={AGENT_CALLS_GROUP: 1})(Broken).remote()
     gw = ray.remote(num_cpus=0)(Gateway).remote(generators={"broken": broken}, tokenizer=chat_policy,
                                                 model_name="policy", sampling=SAMPLING, max_model_len=128)
     try:
@@ -260,7 +274,7 @@ def test_a_replica_that_raises_is_one_line_to_the_caller_and_the_server_goes_on(
         ray.kill(broken)
 
 
-def test_an_agent_may_post_its_score_once_while_its_session_runs(gateway):
+def test_an_agent_may_post_its_score_once_while_its_session_runs(gateway, chat_policy):
     import httpx
     import ray
 
@@ -270,13 +284,47 @@ def test_an_agent_may_post_its_score_once_while_its_session_runs(gateway):
     gw, _ = gateway
     agents = AgentWorkers("gateway_agents:posts_reward", workers=1, episode_timeout_s=300)
     try:
-        rollouts, counts = AgentEpisodes(gateway=gw, agents=agents, name="post").play(
-            [(1, "The cat was", {"score": 0.75}), (2, "My friend felt", {"score": 0.25, "also_return": 1.0})], n=1)
+        rollouts, counts = play(AgentEpisodes(gateway=gw, agents=agents, name="post"),
+                                [(1, "The cat was", {"score": 0.75}),
+                                 (2, "My friend felt", {"score": 0.25, "also_return": 1.0})], 1, chat_policy)
     finally:
         agents.close()
     by_prompt = {r.prompt_index: r for r in rollouts}
     assert by_prompt[1].env_score == 0.75 and by_prompt[1].env_error is None
     assert "returned 1.0 and posted 0.25" in by_prompt[2].env_error and counts["errors"] == 1
-    address = ray.get(gw.health.remote())["address"]
-    finished = httpx.Client(trust_env=False).post(f"{address}/sessions/post-0-1-0/reward", json={"reward": 1.0})
+    url = open_session(gw, "finished")
+    ray.get(gw.close_session.remote("finished"))
+    finished = httpx.Client(trust_env=False).post(url.removesuffix("/v1") + "/reward", json={"reward": 1.0})
     assert finished.status_code == 404 and finished.json()["error"]["code"] == "session_not_found"
+
+
+def test_an_episode_is_held_to_its_token_budget_and_a_replaced_replicas_sessions_are_dropped(gateway, chat_policy):
+    """env.max_tokens bounds a transcript's response (its calls and the context between them): the
+    call that has no room left is refused in one line. A replica that opens sessions as a new
+    incarnation (its replacement, under its name) drops the dead one's."""
+    import openai
+    import ray
+
+    from actors.gateway.server import Gateway
+
+    _, gens = gateway
+    gw = ray.remote(num_cpus=0)(Gateway).remote(generators={}, tokenizer=chat_policy, model_name="policy",
+                                                sampling=SAMPLING, max_model_len=128, max_response_tokens=4)
+    try:
+        handle = gens["gw-generator-1"]
+        bound = dict(replica="gw-generator-1", handle=handle, incarnation="first")
+        chat = client(ray.get(gw.open_session.remote("budget", prompt_index=2, sample_index=0, **bound)))
+        hi = [{"role": "user", "content": "The cat was"}]
+        first = chat.chat.completions.create(model="policy", messages=hi)
+        assert first.usage.completion_tokens <= 4
+        follow = hi + [{"role": "assistant", "content": first.choices[0].message.content},
+                       {"role": "user", "content": "Why?"}]
+        with pytest.raises(openai.BadRequestError) as e:
+            chat.chat.completions.create(model="policy", messages=follow)
+        assert "env.max_tokens=4 leaves no room" in e.value.body["message"] and "\n" not in e.value.body["message"]
+        ray.get(gw.open_session.remote("again", prompt_index=2, sample_index=1,
+                                       **{**bound, "incarnation": "second"}))
+        assert ray.get(gw.close_session.remote("budget")) is None  # the first incarnation's: dropped
+        assert ray.get(gw.close_session.remote("again")).replica == "gw-generator-1"
+    finally:
+        ray.kill(gw)

@@ -38,3 +38,22 @@ def test_a_system_prompt_needs_the_chat_template():
     with pytest.raises(ConfigError, match="set data.chat_template=true"):
         load_config(None, ["data.system_prompt=Use tools."]).validate()
     load_config(None, ["data.system_prompt=Use tools.", "data.chat_template=true"]).validate()
+
+
+AGENT = ["env.agent=cluster.demo.arithmetic:second_chance_agent"]
+
+
+def test_an_agent_plays_the_episodes_instead_of_an_environment():
+    cfg = load_config(None, AGENT + ["env.max_tokens=40"])
+    cfg.validate()
+    assert cfg.env.enabled and cfg.env.player == AGENT[0].split("=")[1] and cfg.env.player_key == "env.agent"
+    assert cfg.learner_config().max_new_tokens == 40
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (ON, "set one of them"), (["env.episode_timeout_s=0"], "env.episode_timeout_s=0"),
+    (["env.reward_placement=turn"], "an agent scores its episode as a whole")])
+def test_settings_an_agent_cannot_run_with_are_one_line(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, AGENT + overrides).validate()
+    assert says in str(e.value) and "\n" not in str(e.value)

@@ -10,6 +10,7 @@ EPISODES = ["env.environment=actors.environments:Calculator"]
 URL = ["reward.function=null", "reward.url=http://127.0.0.1:9/score"]
 JUDGE = ["reward.function=null", "reward.judge.model=builtin:judge"]
 MODEL = ["reward.function=null", "reward.model=runs/rm"]
+AGENT = ["env.agent=cluster.demo.arithmetic:second_chance_agent"]
 
 
 @pytest.mark.parametrize("overrides, key, fix", [
@@ -27,6 +28,13 @@ MODEL = ["reward.function=null", "reward.model=runs/rm"]
     (JUDGE + ["reward.packing=false"], "reward.packing=False", "scored by the reward judge builtin:judge"),
     (EPISODES + ["reward.http.retries=1"], "reward.http.retries=1",
      "scored by the environment actors.environments:Calc"),
+    (["env.episode_timeout_s=10"], "env.episode_timeout_s=10", "set env.environment or env.agent"),
+    (AGENT + ["env.max_turns=2"], "env.max_turns=2", "no effect on the episodes of env.agent="),
+    (AGENT + ["env.observation_role=tool"], "env.observation_role='tool'", "no effect on the episodes of env.agent"),
+    (EPISODES + ["env.episode_timeout_s=10"], "env.episode_timeout_s=10",
+     "no effect on the episodes of env.environment="),
+    (AGENT + URL, "reward.url=", "set env.reward=pool"),
+    (AGENT + ["reward.timeout_s=5"], "reward.timeout_s=5", "scored by the agent cluster.demo.arithmetic"),
 ])
 def test_a_setting_without_effect_is_one_line(overrides, key, fix):
     with pytest.raises(ConfigError) as e:
@@ -37,6 +45,8 @@ def test_a_setting_without_effect_is_one_line(overrides, key, fix):
 @pytest.mark.parametrize("overrides", [
     EPISODES + ["env.reward_placement=turn", "env.max_turns=2"],
     EPISODES + ["env.reward=pool", "reward.sandbox.workers=2", "reward.timeout_s=5"],
+    AGENT + ["env.episode_timeout_s=10", "env.workers=4", "env.memory_mb=512", "env.max_tokens=40"],
+    AGENT + URL + ["env.reward=pool", "reward.http.timeout_s=5"],
     URL + ["reward.http.timeout_s=5"],
     JUDGE + ["reward.judge.chat_template=true"],
     MODEL + ["reward.batch_size=64", "reward.packing=false"],
