@@ -34,6 +34,10 @@ class EnvConfig:
                                       "generator.sampling.max_new_tokens")
     workers: int = setting(2, "environment or agent worker processes per generator (a crash or a hang "
                               "ends the episodes it held, never the generator)")
+    tool_parser: Optional[str] = setting(None, "with env.agent: the vLLM tool parser that reads tool calls from "
+                                               "the policy's chat answers when a call passes tools (hermes for "
+                                               "Qwen's <tool_call> tags, llama3_json, mistral, ...); null = "
+                                               "answers are text")
     episode_timeout_s: float = setting(300.0, "with env.agent: an episode not over within this many seconds "
                                               "ends invalid (its agent's worker is killed and replaced)")
     step_timeout_s: float = setting(30.0, "a reset or step not answered within this many seconds ends its "

@@ -203,9 +203,10 @@ class Answer:
     text: str
     tokens: list[str]          # each answered token's text (for log-probs)
     logprobs: list[float]
-    finish_reason: str         # "stop" (EOS or a stop string) or "length"
+    finish_reason: str         # "stop" (EOS or a stop string), "length", or "tool_calls"
     prompt_tokens: int
     created: int
+    tool_calls: tuple = ()     # OpenAI's tool_calls read from the answer (tool_calls.py); text: the rest
 
 
 def _usage(answer: Answer) -> dict:
@@ -219,9 +220,15 @@ def chat_response(answer: Answer, *, model: str, logprobs: bool) -> dict:
         lp = {"content": [{"token": t, "logprob": float(v), "bytes": list(t.encode()), "top_logprobs": []}
                           for t, v in zip(answer.tokens, answer.logprobs)]}
     return {"id": f"chatcmpl-{answer.call_id}", "object": "chat.completion", "created": answer.created,
-            "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
-                                         "logprobs": lp, "finish_reason": answer.finish_reason}],
+            "model": model, "choices": [{"index": 0, "message": _message(answer), "logprobs": lp,
+                                         "finish_reason": answer.finish_reason}],
             "usage": _usage(answer)}
+
+
+def _message(answer: Answer) -> dict:
+    if not answer.tool_calls:
+        return {"role": "assistant", "content": answer.text}
+    return {"role": "assistant", "content": answer.text or None, "tool_calls": list(answer.tool_calls)}
 
 
 def completion_response(answer: Answer, *, model: str, logprobs: bool) -> dict:

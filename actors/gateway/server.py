@@ -44,6 +44,7 @@ from actors.gateway.api import (
     reward_of,
 )
 from actors.gateway.sessions import Call, Session
+from actors.gateway.tool_calls import ToolCallReader
 from core.infra.errors import type_and_first_line
 from core.modeling.engine_config import SamplingConfig
 
@@ -67,15 +68,18 @@ class Gateway:
 
     def __init__(self, *, generators: dict, tokenizer: str, model_name: str,
                  sampling: SamplingConfig | dict, max_model_len: int, max_response_tokens: Optional[int] = None,
-                 host: Optional[str] = None, call_timeout_s: float = 300.0) -> None:
+                 host: Optional[str] = None, call_timeout_s: float = 300.0, tool_parser: Optional[str] = None) -> None:
         """max_response_tokens: what one transcript's response (the calls' tokens and the context
-        between them) may hold, the learner's horizon (env.max_tokens); None: max_model_len alone."""
+        between them) may hold, the learner's horizon (env.max_tokens); None: max_model_len alone.
+        tool_parser: the vLLM tool parser that reads a chat answer's tool calls when the call passes
+        ``tools`` (tool_calls.py); None: answers are text."""
         from transformers import AutoTokenizer
 
         self.generators = dict(generators)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.model_name, self.max_model_len, self.host = model_name, int(max_model_len), host
         self.max_response_tokens = max_response_tokens
+        self.tool_calls = None if tool_parser is None else ToolCallReader(tool_parser, self.tokenizer)
         self.sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig(**sampling)
         self.call_timeout_s = float(call_timeout_s)
         self.sessions: dict[str, Session] = {}
@@ -241,10 +245,15 @@ class Gateway:
         session.record(Call(prompt_ids=prompt, token_ids=ids[:keep], logprobs=np.asarray(turn.logprobs[:keep]),
                             versions=versions, finish_reason=finish, kept_ids=kept))
         shown = [t for t in ids[:keep] if t != eos]
+        calls = ()
+        if call.chat and call.tools and self.tool_calls is not None:  # the tags may be special tokens
+            text, calls = self.tool_calls.read(self.tokenizer.decode(shown), call.messages, call.tools)
+            finish = "tool_calls" if calls else finish
         return Answer(call_id=f"{session.sid}-{session.counts['calls']}", text=text,
                       tokens=[self._decode([t]) for t in shown],
                       logprobs=[float(v) for v in turn.logprobs[:len(shown)]],
-                      finish_reason=finish, prompt_tokens=len(prompt), created=int(time.time()))
+                      finish_reason=finish, prompt_tokens=len(prompt), created=int(time.time()),
+                      tool_calls=tuple(calls))
 
     async def _sample(self, session: Session, prompt: list[int], room: int, key: tuple):
         """One turn from the session's replica; another one's, with the same seed, if it dies."""

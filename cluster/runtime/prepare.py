@@ -307,11 +307,15 @@ def check_labels(judge, tokenizer) -> None:
 
 
 def probe_agent(env) -> None:
-    """Import the agent in a worker, as a generator will: one that cannot be imported (or is not
-    a function) is refused here in one line, before any actor starts."""
+    """Import the agent in a worker, as a generator will, and look up env.tool_parser: an agent that
+    cannot be imported (or is not a function), or a parser vLLM does not have, is refused here in
+    one line, before any actor starts."""
     from actors.gateway.agents import AgentWorkers
+    from actors.gateway.tool_calls import check_parser
 
     try:
+        if env.tool_parser is not None:
+            check_parser(env.tool_parser)
         AgentWorkers(env.agent, workers=1, episode_timeout_s=env.episode_timeout_s, memory_mb=env.memory_mb).close()
     except ValueError as e:
         raise UserError(str(e)) from None

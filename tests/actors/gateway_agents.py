@@ -50,3 +50,23 @@ def posts_reward(prompt, columns, *, client, base_url):
     again = http.post(url, json={"reward": 0.0})
     assert again.status_code == 409 and again.json()["error"]["code"] == "reward_already_posted"
     return None if columns.get("also_return") is None else columns["also_return"]
+
+
+class Scripted:
+    """A replica whose every answer is ``text`` (then EOS), as the ids its tokenizer gives: what a
+    policy trained on a tool-call format would sample."""
+
+    def __init__(self, tokenizer: str, text: str):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        self.ids = list(tok(text, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+
+    def serve_turn(self, prompt, room, key):
+        import numpy as np
+
+        from actors.environments.episodes import Turn
+
+        ids = self.ids[:room]
+        return Turn(token_ids=ids, logprobs=np.full(len(ids), -0.5, dtype=np.float32), kept_ids=None,
+                    versions=np.zeros(len(ids), dtype=np.int64))

@@ -29,7 +29,7 @@ def start_gateway(cfg, *, tokenizer_path: str, env_vars: dict):
         runtime_env={"env_vars": env_vars}).remote(
         generators={}, tokenizer=tokenizer_path, model_name=MODEL_NAME, sampling=cfg.generator.sampling,
         max_model_len=cfg.generator.engine.max_model_len, max_response_tokens=cfg.env.max_tokens,
-        call_timeout_s=cfg.env.episode_timeout_s)
+        call_timeout_s=cfg.env.episode_timeout_s, tool_parser=cfg.env.tool_parser)
     address = ray.get(gateway.start.remote())
     log.info("gateway: %s/sessions/<id>/v1 serves model %r to env.agent %s", address, MODEL_NAME, cfg.env.agent)
     return gateway, address

@@ -97,3 +97,12 @@ def test_a_posted_reward_is_one_finite_number():
         with pytest.raises(ApiError) as e:
             reward_of(body)
         assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_tool_parser_vllm_does_not_have_is_one_line_listing_those_it_has():
+    from actors.gateway.tool_calls import check_parser
+
+    check_parser("hermes")
+    with pytest.raises(ValueError) as e:
+        check_parser("hermes2")
+    assert "env.tool_parser='hermes2'" in str(e.value) and "hermes, " in str(e.value) and "\n" not in str(e.value)

@@ -328,3 +328,42 @@ def test_an_episode_is_held_to_its_token_budget_and_a_replaced_replicas_sessions
         assert ray.get(gw.close_session.remote("again")).replica == "gw-generator-1"
     finally:
         ray.kill(gw)
+
+
+def test_a_chat_answer_in_the_policys_tool_call_format_reaches_the_client_as_tool_calls(ray_cluster, chat_policy):
+    """With a tool parser named (vLLM's hermes), an answer holding <tool_call> tags is OpenAI's
+    tool_calls to a call that passed tools, and text to one that did not; the transcript keeps
+    the ids sampled either way."""
+    import json
+
+    ray = ray_cluster
+    from gateway_agents import Scripted
+    from transformers import AutoTokenizer
+
+    from actors.admitted_calls import AGENT_CALLS_GROUP
+    from actors.gateway.server import Gateway
+
+    said = 'Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    replica = ray.remote(num_cpus=0, concurrency_groups={AGENT_CALLS_GROUP: 1})(Scripted).remote(chat_policy, said)
+    gw = ray.remote(num_cpus=0)(Gateway).remote(generators={"scripted": replica}, tokenizer=chat_policy,
+                                                model_name="policy", sampling={**SAMPLING, "max_new_tokens": 160},
+                                                max_model_len=512, tool_parser="hermes")
+    add = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    try:
+        ray.get(gw.start.remote())
+        chat = client(open_session(gw, "tools"))
+        asked = [{"role": "user", "content": "What is 2 plus 3?"}]
+        answer = chat.chat.completions.create(model="policy", messages=asked, tools=[add]).choices[0]
+        (call,) = answer.message.tool_calls
+        assert answer.finish_reason == "tool_calls" and answer.message.content == "Let me add. "
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+        plain = chat.chat.completions.create(model="policy", messages=asked).choices[0]
+        assert plain.message.tool_calls is None and "<tool_call>" in plain.message.content
+        tok = AutoTokenizer.from_pretrained(chat_policy)
+        sampled = tok(said, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        session = ray.get(gw.close_session.remote("tools"))  # the same question twice: two transcripts
+        assert [t.response for t in session.transcripts] == [sampled, sampled]
+    finally:
+        ray.kill(gw)
+        ray.kill(replica)

@@ -34,6 +34,7 @@ AGENT = ["env.agent=cluster.demo.arithmetic:second_chance_agent"]
     (EPISODES + ["env.episode_timeout_s=10"], "env.episode_timeout_s=10",
      "no effect on the episodes of env.environment="),
     (AGENT + URL, "reward.url=", "set env.reward=pool"),
+    (EPISODES + ["env.tool_parser=hermes"], "env.tool_parser='hermes'", "no effect on the episodes of env.environment"),
     (AGENT + ["reward.timeout_s=5"], "reward.timeout_s=5", "scored by the agent cluster.demo.arithmetic"),
 ])
 def test_a_setting_without_effect_is_one_line(overrides, key, fix):
