@@ -91,6 +91,39 @@ def test_a_transcript_keeps_the_sampled_tokens_and_the_observations_exactly(gene
     assert gap < 1e-3 and int(trained.sum()) == sum(r.trained_tokens for r in rollouts)
 
 
+def test_a_skyrl_gym_environment_plays_unchanged_through_the_adapter(generator, tokenizer):
+    """SkyRL-gym's multi-turn GSM8K environment, made by the adapter (actors/environments/skyrl.py),
+    in tether's environment workers: its reward per turn, its follow-up message as the observation,
+    its max_turns and done end the episode; the policy's tokens are the ones vLLM sampled."""
+    from skyrl_gym.envs.gsm8k.utils import compute_score
+
+    observations = ObservationTokens(tokenizer)
+    workers = EnvironmentWorkers("skyrl_envs:GSM8kMultiTurn", workers=1, step_timeout_s=30.0)
+    try:
+        runner = EpisodeRunner(workers=workers, observations=observations, decode=tokenizer.decode,
+                               max_turns=4, max_tokens=120, max_turn_tokens=24)
+        rows = [("Tom has 2 apples and buys 3 more. How many now?", "5"), ("What is 7 minus 4?", "3")]
+        prompts = [(tokenizer(p)["input_ids"], i, p, {"answer": a}) for i, (p, a) in enumerate(rows)]
+        episodes = runner.run(prompts, 2, generator.sample_turns)
+    finally:
+        workers.close()
+    print("skyrl episodes (turns, finish, score):", [(ep.turns, ep.finish_reason, ep.score) for ep in episodes])
+    assert any(ep.turns == 2 for ep in episodes)  # the follow-up was seen (the tiny policy ends most turns)
+    follow_up = observations.ids("Now provide only the final numeric answer in the exact format: '#### ANSWER'.")
+    assert len(episodes) == 4 and not any(ep.error for ep in episodes)
+    for ep in episodes:
+        mask, response = np.asarray(ep.mask), np.asarray(ep.response)
+        turns = np.split(response, np.flatnonzero(np.diff(mask.astype(int))) + 1)
+        answer = rows[ep.prompt_index][1]
+        first = compute_score(tokenizer.decode(turns[0]), answer, method="strict", format_score=0.1, score=1.0)
+        if ep.finish_reason == "length" or first == 1.0:  # cut before its end of turn, or right at once
+            assert ep.turns == 1
+            continue
+        assert ep.turns == 2 and response[~mask].tolist() == follow_up  # SkyRL's message, as its exact ids
+        second = compute_score(tokenizer.decode(turns[2]), answer, method="strict", format_score=0.1, score=1.0)
+        assert ep.score == pytest.approx(first + second)  # the environment's rewards per turn, summed
+
+
 # Chat templates shaped like those of several model families, each ending an assistant turn with
 # the tokenizer's eos token (what the engine stops on). The tiny tokenizer has none of their
 # special tokens, so their markers split into several ids each: where an observation's ids meet
