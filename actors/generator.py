@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,6 +31,7 @@ from actors.engine_turns import EngineTurns
 from actors.environments.config import EnvConfig
 from actors.environments.episodes import Turn, episode_runner
 from actors.gateway.producer import agent_episodes
+from actors.generation import GenerationResult, GenerationSummary, request_seed, token_versions
 from actors.weight_receiver import GPU_TRANSFER, EngineWeights
 from core.choices import TRANSPORT_NAMES, TRANSPORTS
 from core.columns import PromptColumns
@@ -44,12 +44,6 @@ from core.rollout import Rollout
 from core.sampling import is_truncated
 
 log = logging.getLogger(__name__)
-
-
-def request_seed(seed: int, version: int, *key: int) -> int:
-    """The sampling seed of one request at one policy version (a 31-bit int); ``key``: a prompt's
-    index, or an episode turn's (prompt index, sample index, turn)."""
-    return int(np.random.SeedSequence([seed, version, *key]).generate_state(1)[0] >> 1)
 
 
 def engine_process_env(*, num_gpus: float, tensor_parallel: int) -> dict[str, str]:
@@ -74,29 +68,6 @@ def actor_class():
     import ray
     return ray.remote(concurrency_groups={WEIGHT_UPDATE_GROUP: 1, AGENT_CALLS_GROUP: AGENT_CALLS_CONCURRENCY})(
         Generator)
-
-
-@dataclass(frozen=True)
-class GenerationSummary:
-    """What the driver needs to know about one generate call: counts, never the rollouts."""
-    rollouts: int                    # rollouts produced
-    skipped_prompts: tuple = ()      # prompt indices too long for the model
-    generated_tokens: int = 0
-    seconds: float = 0.0
-    version: int = 0                 # policy version that sampled them
-    incomplete_kept_sets: int = 0    # positions whose kept set may hold more than was read (actors/kept_set.py)
-    episode_counts: tuple = ()       # multi-turn episodes: (name, number) pairs (actors/environments/episodes.py)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """One generate call: its rollouts, and the summary that travels to the driver instead of them."""
-    rollouts: list[Rollout]
-    summary: GenerationSummary
 
 
 class Generator:
@@ -395,15 +366,6 @@ class Generator:
                 "incomplete_kept_sets": self._incomplete_kept_sets,
                 "dtype": str(self._llm.llm_engine.model_config.dtype).removeprefix("torch."),
                 **({} if self.episodes is None else {"env": self.episodes.workers.stats()})}
-
-
-def token_versions(spans, n_tokens: int, default: int) -> np.ndarray:
-    """[n_tokens] int64 version of each output token, from vLLM's WeightVersionSpan list
-    (labels are our version numbers, set by EngineWeights); ``default`` where vLLM gave none."""
-    out = np.full(n_tokens, default, dtype=np.int64)
-    for span in spans or ():
-        out[span.start:span.end] = int(span.version)
-    return out
 
 
 def _has_cuda() -> bool:

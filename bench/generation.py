@@ -84,7 +84,7 @@ def child_vllm(wl: dict, prompts: list, args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from actors.generator import request_seed
+    from actors.generation import request_seed
     from core.modeling.engine_config import EngineConfig, SamplingConfig
 
     sampling, engine = settings(wl, args)

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from actors.engine_turns import EngineTurns
-from actors.generator import token_versions
+from actors.generation import token_versions
 
 pytestmark = pytest.mark.unit
 

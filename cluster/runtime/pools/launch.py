@@ -152,15 +152,28 @@ def _assemble(cfg: TetherConfig, pools: tuple, learner, buffer, learner_pg) -> P
 
 
 def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, columns=None) -> Pools:
-    """Reserve every pool first (so a shortage fails before any model loads), then start actors.
+    """Reserve every pool first (so a shortage fails before any model loads), then start actors;
+    with env.agent the gateway before them all (the generators are handed it).
     ``columns``: the prompt rows' other fields (core.columns.PromptColumns), put in the object
     store here, once, for every reward replica (Ray hands each the table at construction)."""
+    gateway, _ = start_gateway(cfg, tokenizer_path=tokenizer_path, env_vars=actor_env(cfg))
+    try:
+        pools = _start_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path, columns=columns,
+                             gateway=gateway)
+    except BaseException:
+        if gateway is not None:
+            ray.kill(gateway)
+        raise
+    pools.extra_actors += [gateway] if gateway is not None else []
+    return pools
+
+
+def _start_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, columns, gateway) -> Pools:
     lp = cfg.learner
     threads = plan_threads(cfg, node_cores())
     log.info("threads per actor: %s", " ".join(f"{k}={v}" for k, v in threads.items()))
     log.info("precision: %s", describe_precision(cfg))
     columns_ref = ray.put(columns) if columns is not None and columns.names else None
-    gateway, _ = start_gateway(cfg, tokenizer_path=tokenizer_path, env_vars=actor_env(cfg))
     pools = _role_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path, threads=threads,
                         columns_ref=columns_ref, gateway=gateway)
     reserved, launched, learner_pg, started, buffer = [], [], None, [], None
@@ -188,12 +201,8 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, co
         learner = learner_start.result(errors)
         if errors:
             raise errors[0]
-        assembled = _assemble(cfg, pools, learner, buffer, learner_pg)
-        assembled.extra_actors += [gateway] if gateway is not None else []
-        return assembled
+        return _assemble(cfg, pools, learner, buffer, learner_pg)
     except BaseException:
-        if gateway is not None:
-            ray.kill(gateway)
         for pool in started:
             pool.shutdown()
         for replica in [r for pool, group in zip(pools, launched) if pool not in started for r in group]:
