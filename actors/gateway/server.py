@@ -43,7 +43,7 @@ from actors.gateway.api import (
     models_response,
     reward_of,
 )
-from actors.gateway.sessions import Call, Session
+from actors.gateway.sessions import Call, Session, answer_splice
 from actors.gateway.tool_calls import ToolCallReader
 from core.infra.errors import type_and_first_line
 from core.modeling.engine_config import SamplingConfig
@@ -206,19 +206,30 @@ class Gateway:
     def _render(self, call: CallRequest) -> list[int]:
         if not call.chat:
             return list(self.tokenizer(call.prompt)["input_ids"])
+        return self._template(call.messages, call.tools, True)
+
+    def _template(self, messages: list[dict], tools, generation_prompt: bool) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError("the policy's tokenizer has no chat template: call /v1/completions with a text prompt, "
                            "or train a policy whose tokenizer has one", param="messages")
         try:
-            out = self.tokenizer.apply_chat_template(call.messages, tools=call.tools, add_generation_prompt=True,
+            out = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
                                                      tokenize=True)
         except Exception as e:  # noqa: BLE001 - the template's own refusal (a role it does not know, ...)
             raise ApiError(f"the policy's chat template cannot render these messages: {type_and_first_line(e)}",
                            param="messages") from None
         return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
 
+    def _at_answer(self, session: Session, call: CallRequest):
+        """The history's splice at the last answer, as sent back (sessions.answer_splice)."""
+        if not call.chat or session.answer is None:
+            return lambda history: None
+        render = lambda messages, generation_prompt: self._template(messages, call.tools, generation_prompt)  # noqa: E731
+        return lambda history: answer_splice(history, call.messages, session.answer, render,
+                                             self.tokenizer.eos_token_id)
+
     async def _serve(self, session: Session, call: CallRequest) -> Answer:
-        prompt = session.prompt_for(self._render(call), self._decode)
+        prompt = session.prompt_for(self._render(call), self._decode, self._at_answer(session, call))
         room = min(call.max_tokens, self.max_model_len - len(prompt))
         if room < 1:
             raise ApiError(f"the conversation is {len(prompt)} tokens: no room for an answer within the engine's "
@@ -249,6 +260,7 @@ class Gateway:
         if call.chat and call.tools and self.tool_calls is not None:  # the tags may be special tokens
             text, calls = self.tool_calls.read(self.tokenizer.decode(shown), call.messages, call.tools)
             finish = "tool_calls" if calls else finish
+        session.answer = {"content": text, "tool_calls": list(calls)} if call.chat else None
         return Answer(call_id=f"{session.sid}-{session.counts['calls']}", text=text,
                       tokens=[self._decode([t]) for t in shown],
                       logprobs=[float(v) for v in turn.logprobs[:len(shown)]],

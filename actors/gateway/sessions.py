@@ -16,6 +16,7 @@ transcript of its own; the episode's score goes to each.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -88,6 +89,42 @@ def splice(history: list[int], prompt_ids: list[int], decode: Callable[[list[int
     return None
 
 
+def same_answer(message: dict, answer: dict) -> bool:
+    """Whether a history's assistant ``message`` is the ``answer`` the gateway returned (its text
+    and its tool calls, arguments compared as JSON)."""
+    if message.get("role") != "assistant" or (message.get("content") or "") != (answer.get("content") or ""):
+        return False
+    calls = lambda m: [(c.get("function", {}).get("name"), _json(c.get("function", {}).get("arguments")))  # noqa: E731
+                       for c in m.get("tool_calls") or ()]
+    return calls(message) == calls(answer)
+
+
+def _json(text):
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return text
+
+
+def answer_splice(history: list[int], messages: list[dict], answer: dict, render: Callable, eos: int
+                  ) -> Optional[list[int]]:
+    """The next prompt with ``history`` (the transcript, ending in the sampled ``answer``) in place
+    of the template's rendering of everything up to that answer, when the caller sent the answer
+    back as the gateway returned it (e.g. as ``tool_calls``, which the template renders as text
+    of its own). ``render(messages, generation_prompt)`` -> ids. The template's glue after the
+    answer's end-of-turn (``eos``) is kept. None where the answer is not in the history as sent,
+    or the template does not render the history as a prefix of the whole."""
+    at = next((k for k in range(len(messages) - 1, -1, -1) if same_answer(messages[k], answer)), None)
+    if at is None:
+        return None
+    before, through, full = render(messages[:at], True), render(messages[:at + 1], False), render(messages, True)
+    if full[:len(through)] != through or through[:len(before)] != before:
+        return None
+    own = through[len(before):]  # the answer as the template renders it, with its glue
+    glue = own[len(own) - own[::-1].index(eos):] if eos in own else []
+    return list(history) + glue + full[len(through):]
+
+
 class Session:
     """One episode's calls through the gateway: ``(prompt_index, sample_index)`` seed them."""
 
@@ -97,6 +134,7 @@ class Session:
         self.counts = {"calls": 0, "joined": 0, "retokenize_mismatch": 0, "rewritten": 0}
         self.score: Optional[float] = None
         self.replica: Optional[str] = None  # the generator its calls go to while it lives
+        self.answer: Optional[dict] = None  # the last chat answer as returned (content, tool_calls)
 
     def post_reward(self, reward: float) -> None:
         """The episode's score as the agent posted it (once)."""
@@ -105,13 +143,16 @@ class Session:
                            "score", status=409, code="reward_already_posted")
         self.score = float(reward)
 
-    def prompt_for(self, prompt_ids: list[int], decode: Callable[[list[int]], str]) -> list[int]:
+    def prompt_for(self, prompt_ids: list[int], decode: Callable[[list[int]], str],
+                   at_answer: Callable[[list[int]], Optional[list[int]]] = lambda history: None) -> list[int]:
         """The ids to sample the next call from: ``prompt_ids`` (as rendered from the caller's
-        messages), with the last transcript's exact ids in place of their re-rendering."""
+        messages), with the last transcript's exact ids in place of their re-rendering: where
+        the texts agree, or else as ``at_answer(history)`` puts them (answer_splice: the caller
+        sent the last answer back as it was returned)."""
         if not self.transcripts:
             return list(prompt_ids)
         history = self.transcripts[-1].ids
-        spliced = splice(history, prompt_ids, decode)
+        spliced = splice(history, prompt_ids, decode) or at_answer(history)
         if spliced is None:
             return list(prompt_ids)
         if spliced != list(prompt_ids):

@@ -330,11 +330,24 @@ def test_an_episode_is_held_to_its_token_budget_and_a_replaced_replicas_sessions
         ray.kill(gw)
 
 
-def test_a_chat_answer_in_the_policys_tool_call_format_reaches_the_client_as_tool_calls(ray_cluster, chat_policy):
+# ChatML with tool calls rendered as Qwen's template renders them: the arguments string through
+# tojson, so a call sent back renders to other text than the policy wrote.
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% if m.tool_calls is defined and m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n"
+    "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "\n</tool_call>{% endfor %}{% endif %}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_answer_in_the_policys_tool_call_format_reaches_the_client_as_tool_calls(ray_cluster, chat_policy,
+                                                                                       tmp_path):
     """With a tool parser named (vLLM's hermes), an answer holding <tool_call> tags is OpenAI's
-    tool_calls to a call that passed tools, and text to one that did not; the transcript keeps
-    the ids sampled either way."""
+    tool_calls to a call that passed tools, and text to one that did not. Sent back with the
+    tool's result, the call renders to other text than the policy wrote; the session's transcript
+    still goes on from the sampled ids (one rollout: answer, the tool's result as context, answer)."""
     import json
+    import shutil
 
     ray = ray_cluster
     from gateway_agents import Scripted
@@ -343,9 +356,14 @@ def test_a_chat_answer_in_the_policys_tool_call_format_reaches_the_client_as_too
     from actors.admitted_calls import AGENT_CALLS_GROUP
     from actors.gateway.server import Gateway
 
+    policy = tmp_path / "tools-policy"
+    shutil.copytree(chat_policy, policy)
+    tok = AutoTokenizer.from_pretrained(policy)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(policy)
     said = 'Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    replica = ray.remote(num_cpus=0, concurrency_groups={AGENT_CALLS_GROUP: 1})(Scripted).remote(chat_policy, said)
-    gw = ray.remote(num_cpus=0)(Gateway).remote(generators={"scripted": replica}, tokenizer=chat_policy,
+    replica = ray.remote(num_cpus=0, concurrency_groups={AGENT_CALLS_GROUP: 1})(Scripted).remote(str(policy), said)
+    gw = ray.remote(num_cpus=0)(Gateway).remote(generators={"scripted": replica}, tokenizer=str(policy),
                                                 model_name="policy", sampling={**SAMPLING, "max_new_tokens": 160},
                                                 max_model_len=512, tool_parser="hermes")
     add = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
@@ -358,12 +376,19 @@ def test_a_chat_answer_in_the_policys_tool_call_format_reaches_the_client_as_too
         (call,) = answer.message.tool_calls
         assert answer.finish_reason == "tool_calls" and answer.message.content == "Let me add. "
         assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
-        plain = chat.chat.completions.create(model="policy", messages=asked).choices[0]
-        assert plain.message.tool_calls is None and "<tool_call>" in plain.message.content
-        tok = AutoTokenizer.from_pretrained(chat_policy)
+        replied = asked + [answer.message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        assert chat.chat.completions.create(model="policy", messages=replied, tools=[add]).choices[0].message.tool_calls
         sampled = tok(said, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        session = ray.get(gw.close_session.remote("tools"))  # the same question twice: two transcripts
-        assert [t.response for t in session.transcripts] == [sampled, sampled]
+        session = ray.get(gw.close_session.remote("tools"))
+        (t,) = session.transcripts  # joined, though the call sent back renders otherwise
+        context = tok("\n<|im_start|>tool\n5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] + tok(
+            "\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        assert t.response == sampled + context + sampled and t.calls == 2
+        assert t.mask == [True] * len(sampled) + [False] * len(context) + [True] * len(sampled)
+        assert session.counts["retokenize_mismatch"] == 1 and session.counts["rewritten"] == 0
+        plain = client(open_session(gw, "plain")).chat.completions.create(model="policy", messages=asked).choices[0]
+        assert plain.message.tool_calls is None and "<tool_call>" in plain.message.content
     finally:
         ray.kill(gw)
         ray.kill(replica)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from actors.gateway.server import cut_at_stop
-from actors.gateway.sessions import Call, Session, splice
+from actors.gateway.sessions import Call, Session, answer_splice, same_answer, splice
 
 pytestmark = pytest.mark.unit
 
@@ -81,3 +81,42 @@ def test_a_reward_is_posted_once():
     with pytest.raises(ApiError) as e:
         s.post_reward(1.0)
     assert e.value.status == 409 and s.score == 0.5 and "already posted for session 's' (0.5)" in str(e.value)
+
+
+EOS = 0
+
+
+def render(messages, generation_prompt):
+    """A toy template, a char-level tokenizer: '<role>:' content, tool calls as JSON with spaces
+    after the separators (not as the policy wrote them), EOS and a newline after each message."""
+    import json
+
+    ids = []
+    for m in messages:
+        text = m["role"] + ":" + (m.get("content") or "")
+        for c in m.get("tool_calls") or ():
+            text += json.dumps({"name": c["function"]["name"], "args": json.loads(c["function"]["arguments"])})
+        ids += [ord(ch) for ch in text] + [EOS, ord("\n")]
+    return ids + ([ord(ch) for ch in "assistant:"] if generation_prompt else [])
+
+
+def test_an_answer_sent_back_as_returned_is_spliced_at_its_end_of_turn():
+    calls = [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]
+    answer = {"content": "ok", "tool_calls": calls}
+    asked = [{"role": "user", "content": "hi"}]
+    prompt = render(asked, True)
+    sampled = [ord(ch) for ch in 'ok{"name":"add","args":{"a":2}}'] + [EOS]  # the policy's own spacing
+    history = prompt + sampled
+    back = {"role": "assistant", "content": "ok", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}]}  # JSON-equal
+    messages = asked + [back, {"role": "tool", "content": "2"}]
+    spliced = answer_splice(history, messages, answer, render, EOS)
+    assert spliced == history + [ord("\n")] + [ord(ch) for ch in "tool:2"] + [EOS, ord("\n")] + [
+        ord(ch) for ch in "assistant:"]
+    assert same_answer(back, answer) and not same_answer({**back, "content": "ok!"}, answer)
+    assert answer_splice(history, asked + [{"role": "user", "content": "x"}], answer, render, EOS) is None
+    s = Session("s", prompt_index=0, sample_index=0)
+    s.record(call(prompt, sampled))
+    assert s.prompt_for(render(messages, True), decode=lambda ids: "".join(map(chr, ids)),
+                        at_answer=lambda h: answer_splice(h, messages, answer, render, EOS)) == spliced
+    assert s.counts["retokenize_mismatch"] == 1
