@@ -34,6 +34,9 @@ class EnvConfig:
                                       "generator.sampling.max_new_tokens")
     workers: int = setting(2, "environment or agent worker processes per generator (a crash or a hang "
                               "ends the episodes it held, never the generator)")
+    episodes_per_worker: int = setting(8, "with env.agent: episodes one agent worker plays at once (an async "
+                                          "agent's as tasks of one event loop, a plain one's in threads); a "
+                                          "worker that dies takes its episodes with it")
     tool_parser: Optional[str] = setting(None, "with env.agent: the vLLM tool parser that reads tool calls from "
                                                "the policy's chat answers when a call passes tools (hermes for "
                                                "Qwen's <tool_call> tags, llama3_json, mistral, ...); null = "
@@ -74,6 +77,8 @@ def check_env(env: EnvConfig) -> None:
     if env.environment is not None and env.agent is not None:
         raise ConfigError(f"config: env.environment={env.environment!r} and env.agent={env.agent!r} both play "
                           "episodes; set one of them")
+    if env.episodes_per_worker < 1:
+        raise ConfigError(f"config: env.episodes_per_worker={env.episodes_per_worker} must be >= 1")
     if not env.episode_timeout_s > 0:
         raise ConfigError(f"config: env.episode_timeout_s={env.episode_timeout_s} must be > 0 (seconds)")
     if min(env.max_turns, env.max_tokens, env.workers) < 1 or env.max_turn_tokens < 0 or env.memory_mb < 0:

@@ -134,6 +134,6 @@ def agent_episodes(env, *, gateway, name: str) -> AgentEpisodes:
     if gateway is None:
         raise ValueError(f"{name}: env.agent={env.agent!r} plays through the run's gateway; none was given")
     agents = AgentWorkers(env.agent, workers=env.workers, episode_timeout_s=env.episode_timeout_s,
-                          memory_mb=env.memory_mb)
+                          memory_mb=env.memory_mb, per_worker=env.episodes_per_worker)
     return AgentEpisodes(gateway=gateway, agents=agents, name=name, replica=name,
                          reward_from_agent=env.reward == "environment")

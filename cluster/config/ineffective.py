@@ -41,7 +41,7 @@ def changed(section, prefix: str) -> Iterator[tuple[str, object]]:
 # are rendered) and the one that acts on an agent's alone.
 ENVIRONMENT_ONLY = ("max_turns", "max_turn_tokens", "step_timeout_s", "observation_role", "plain_format",
                     "reward_placement")
-AGENT_ONLY = ("episode_timeout_s", "tool_parser")
+AGENT_ONLY = ("episode_timeout_s", "episodes_per_worker", "tool_parser")
 
 
 def check_ineffective(cfg) -> None:

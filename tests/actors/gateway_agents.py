@@ -94,3 +94,26 @@ def langgraph_adder(prompt, columns, *, base_url):
     out = agent.invoke({"messages": [{"role": "user", "content": prompt}]})
     final = out["messages"][-1].content
     return 1.0 if ran == [(2, 3)] and str(columns["sum"]) in final else 0.0
+
+
+_together = threading.Barrier(3)
+
+
+def together(prompt, columns):
+    """Passes only with two other episodes running beside it in its process; a row may hang."""
+    if columns.get("how") == "hang":
+        threading.Event().wait()  # never set: only the episode's timeout ends it
+    _together.wait(timeout=60)
+    return 1.0
+
+
+async def together_async(prompt, columns):
+    """As ``together``, as tasks of one event loop."""
+    import asyncio
+
+    global _together_async
+    if columns.get("how") == "hang":
+        await asyncio.Event().wait()
+    _together_async = globals().get("_together_async") or asyncio.Barrier(3)
+    await asyncio.wait_for(_together_async.wait(), 60)
+    return 1.0

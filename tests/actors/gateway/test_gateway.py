@@ -211,6 +211,25 @@ def test_an_agent_that_fails_ends_its_episode_and_the_next_one_plays():
     assert all("\n" not in o.error for o in out.values() if o.error)
 
 
+@pytest.mark.parametrize("spec", ["gateway_agents:together", "gateway_agents:together_async"])
+def test_a_worker_plays_its_episodes_at_once_and_one_that_hangs_times_out_alone(spec):
+    """Three episodes that pass only side by side in one process, and a fourth that hangs: the three
+    are answered, the fourth times out; a plain agent's worker is replaced (its hung thread cannot
+    be stopped), an async agent's task is cancelled and its worker kept."""
+    from actors.gateway.agents import AgentWorkers
+
+    agents = AgentWorkers(spec, workers=1, per_worker=4, episode_timeout_s=5)
+    try:
+        rows = ["fine", "hang", "fine", "fine"]
+        out = agents.run({i: ("http://unused/v1", "p", {"how": how}) for i, how in enumerate(rows)})
+        assert [o.score for i, o in sorted(out.items()) if i != 1] == [1.0] * 3
+        assert out[1].timed_out and "within env.episode_timeout_s=5 s" in out[1].error
+        restarts = 0 if spec.endswith("async") else 1
+        assert agents.counts == {"errors": 0, "timeouts": 1, "crashes": 0, "restarts": restarts}
+    finally:
+        agents.close()
+
+
 def test_an_agent_that_does_not_import_is_one_line():
     from actors.gateway.agents import AgentWorkers
 
