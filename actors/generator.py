@@ -265,7 +265,7 @@ class Generator:
             self._incomplete_kept_sets += incomplete
         else:
             logprobs = kept_set.read_sampled(ids, c.logprobs)
-        return Turn(token_ids=ids, logprobs=logprobs, kept_ids=kept,
+        return Turn(token_ids=ids, logprobs=logprobs, kept_ids=kept, cached_tokens=int(out.num_cached_tokens or 0),
                     versions=token_versions(c.weight_versions, len(ids), version))
 
     def _turn_params(self, room: list[int], keys: list[tuple[int, int, int]]) -> list:

@@ -36,12 +36,14 @@ from core.rollout import Rollout, spliced_kept_ids
 @dataclass
 class Turn:
     """One sampled turn: its ids, their behaviour log-probs, the policy version that sampled
-    each (None: the version the episodes are played at) and, with a truncated sampler, the
-    kept set of each position ([n, K] int32, -1 padding; Rollout.kept_ids)."""
+    each (None: the version the episodes are played at), with a truncated sampler the kept set
+    of each position ([n, K] int32, -1 padding; Rollout.kept_ids), and how many of its prompt's
+    tokens the engine's prefix cache held."""
     token_ids: list[int]
     logprobs: np.ndarray
     versions: Optional[np.ndarray] = None
     kept_ids: Optional[np.ndarray] = None
+    cached_tokens: int = 0
 
 
 # One round of sampling: (transcripts' exact ids, the room each turn has, each turn's key

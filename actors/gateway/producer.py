@@ -51,7 +51,8 @@ def agent_counts(sessions: list[Session], outcomes: list[AgentOutcome], replayed
             "timeouts": sum(o.timed_out for o in outcomes), "crashes": sum(o.crashed for o in outcomes),
             "retokenize_mismatch": sum(s.counts["retokenize_mismatch"] for s in sessions),
             "rewritten": sum(s.counts["rewritten"] for s in sessions),
-            "without_calls": sum(not s.transcripts for s in sessions), "replayed": replayed}
+            "without_calls": sum(not s.transcripts for s in sessions), "replayed": replayed,
+            **{k: sum(s.counts[k] for s in sessions) for k in ("prompt_tokens", "cached_tokens")}}
 
 
 class AgentEpisodes:

@@ -131,7 +131,8 @@ class Session:
     def __init__(self, sid: str, *, prompt_index: int, sample_index: int) -> None:
         self.sid, self.prompt_index, self.sample_index = sid, prompt_index, sample_index
         self.transcripts: list[Transcript] = []
-        self.counts = {"calls": 0, "joined": 0, "retokenize_mismatch": 0, "rewritten": 0}
+        self.counts = {"calls": 0, "joined": 0, "retokenize_mismatch": 0, "rewritten": 0,
+                       "prompt_tokens": 0, "cached_tokens": 0}  # the calls' prompts, and what the prefix cache held
         self.score: Optional[float] = None
         self.replica: Optional[str] = None  # the generator its calls go to while it lives
         self.answer: Optional[dict] = None  # the last chat answer as returned (content, tool_calls)

@@ -139,6 +139,8 @@ MEANINGS: dict[str, str] = {
                        "e.g. summarised): each starts a rollout of its own with the episode's score",
     "agent/without_calls": "env.agent: episodes whose agent never called the policy (no rollout: nothing to train)",
     "agent/replayed": "env.agent: episodes played again from the start because the gateway restarted under them",
+    "gateway/prefix_cache_hit_rate": "env.agent: share of the agents' calls' prompt tokens the generators' prefix "
+                                     "caches held (a session's calls go to one replica, which keeps its history)",
     "policy/version": "policy version the generators run",
     "pool/generator_replicas": "live generator replicas (cluster.scale changes it while the job runs)",
     "pool/reference_replicas": "live reference replicas",

@@ -59,7 +59,9 @@ def episode_metrics(counts: dict) -> dict:
     """The episode/* and env/* metrics of a step's summed episode counts, or an agent's agent/*
     ({} without episodes)."""
     if counts.get("sessions"):  # actors/gateway/producer.py's agent_counts
+        prompt_tokens = max(counts.get("prompt_tokens", 0), 1)
         return {"agent/calls_per_session": counts["calls"] / counts["sessions"],
+                "gateway/prefix_cache_hit_rate": counts.get("cached_tokens", 0) / prompt_tokens,
                 **{f"agent/{k}": counts.get(k, 0) for k in AGENT_COUNTS}}
     if not counts.get("episodes"):
         return {}

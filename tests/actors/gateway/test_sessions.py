@@ -29,7 +29,8 @@ def test_a_call_that_continues_the_transcript_joins_it():
     (t,) = s.transcripts
     assert t.prompt_ids == [1] and t.response == [2, 3, 4, 5] and t.mask == [True, True, False, True]
     assert t.logprobs == [-0.5, -0.5, 0.0, -0.5] and t.versions == [0, 0, 0, 1] and t.calls == 2
-    assert s.counts == {"calls": 2, "joined": 1, "retokenize_mismatch": 0, "rewritten": 0}
+    assert s.counts == {"calls": 2, "joined": 1, "retokenize_mismatch": 0, "rewritten": 0, "prompt_tokens": 0,
+                        "cached_tokens": 0}  # the gateway counts those
 
 
 def test_a_re_rendered_history_gets_the_sampled_ids_back_where_the_texts_agree():
