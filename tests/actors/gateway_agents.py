@@ -117,3 +117,23 @@ async def together_async(prompt, columns):
     _together_async = globals().get("_together_async") or asyncio.Barrier(3)
     await asyncio.wait_for(_together_async.wait(), 60)
     return 1.0
+
+
+async def agents_sdk_adder(prompt, columns, *, client):
+    """An OpenAI Agents SDK agent with one function tool, on the session's client (the chat
+    completions model: the gateway serves no Responses API): 1.0 if it answers the sum and the tool ran."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # the SDK would send its traces to OpenAI
+    ran = []
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Adds two integers."""
+        ran.append((a, b))
+        return a + b
+
+    agent = Agent(name="adder", instructions="Use the tool.", tools=[add],
+                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+    result = await Runner.run(agent, prompt)
+    return 1.0 if ran == [(2, 3)] and str(columns["sum"]) in result.final_output else 0.0

@@ -428,17 +428,19 @@ def test_a_chat_answer_in_the_policys_tool_call_format_reaches_the_client_as_too
     assert plain.message.tool_calls is None and "<tool_call>" in plain.message.content
 
 
-def test_a_langgraph_agent_calls_its_tool_through_the_gateway_and_is_one_rollout(tools_gateway):
-    """A LangGraph ReAct agent (langchain-openai's ChatOpenAI on the session's URL) as env.agent,
-    in tether's agent workers: the policy's tool call reaches LangGraph, which runs the tool and
+@pytest.mark.parametrize("spec", ["gateway_agents:langgraph_adder", "gateway_agents:agents_sdk_adder"])
+def test_an_agent_frameworks_tool_call_goes_through_the_gateway_and_is_one_rollout(tools_gateway, spec):
+    """A LangGraph ReAct agent (langchain-openai's ChatOpenAI on the session's URL) and an OpenAI
+    Agents SDK agent (its chat completions model on the session's client) as env.agent, in
+    tether's agent workers: the policy's tool call reaches the framework, which runs the tool and
     sends the call and its result back; the episode is one rollout, the tool's result context."""
     from actors.gateway.agents import AgentWorkers
     from actors.gateway.producer import AgentEpisodes
 
     gw, tok = tools_gateway
-    agents = AgentWorkers("gateway_agents:langgraph_adder", workers=1, episode_timeout_s=300)
+    agents = AgentWorkers(spec, workers=1, episode_timeout_s=300)
     try:
-        rollouts, counts = AgentEpisodes(gateway=gw, agents=agents, name="langgraph").play(
+        rollouts, counts = AgentEpisodes(gateway=gw, agents=agents, name=spec.split(":")[1]).play(
             [(tok("What is 2 plus 3?")["input_ids"], 0)], PromptColumns(ids=[0], rows=[{"sum": 5}]), tok, 2)
     finally:
         agents.close()
