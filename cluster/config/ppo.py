@@ -298,6 +298,9 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError(f"config: {e}") from None
     _check_ptx(cfg)
     check_env(cfg.env)
+    if cfg.env.agent and cfg.data.chat_template:
+        raise ConfigError("config: env.agent gets each prompt's text and writes its own messages; with "
+                          "data.chat_template=true it would get the template's rendering: set data.chat_template=false")
     check_ineffective(cfg)
     # Every learner rank trains on whole prompt groups (core.rollout.shard_rollouts): one at least.
     if cfg.data.prompts_per_step < cfg.learner.replicas:

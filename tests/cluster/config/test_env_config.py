@@ -52,7 +52,8 @@ def test_an_agent_plays_the_episodes_instead_of_an_environment():
 
 @pytest.mark.parametrize("overrides, says", [
     (ON, "set one of them"), (["env.episode_timeout_s=0"], "env.episode_timeout_s=0"),
-    (["env.reward_placement=turn"], "an agent scores its episode as a whole")])
+    (["env.reward_placement=turn"], "an agent scores its episode as a whole"),
+    (["data.chat_template=true"], "set data.chat_template=false")])
 def test_settings_an_agent_cannot_run_with_are_one_line(overrides, says):
     with pytest.raises(ConfigError) as e:
         load_config(None, AGENT + overrides).validate()
