@@ -299,13 +299,15 @@ def test_lm_head_repack_is_gated_on_the_vllm_release(monkeypatch, caplog):
 # The slow tier: an engine of its own. The default tier: tests/actors/test_partial_rollouts.py::
 # test_push_lands_mid_generate_and_each_token_keeps_its_version samples with ignore_eos, every response full length.
 @pytest.mark.slow
-def test_ignore_eos_gives_every_response_max_new_tokens(tokenizer):
+def test_ignore_eos_gives_every_response_max_new_tokens(tokenizer, in_process_engines):
     """The pre-trained tiny policy ends most sentences with EOS within 24 tokens; with
     sampling.ignore_eos every response runs to max_new_tokens (fixed-length benchmarks)."""
     from cluster.demo.pretrain import build_pretrained_policy
 
-    gen = Generator(model=str(build_pretrained_policy()), sampling={"max_new_tokens": 24, "n": 4},
-                    engine={"max_model_len": 64, "kv_cache_bytes": 16 << 20})
+    # held with the module's engines: collected alone, it would tear down the state they share
+    gen = in_process_engines.hold(Generator(model=str(build_pretrained_policy()),
+                                            sampling={"max_new_tokens": 24, "n": 4},
+                                            engine={"max_model_len": 64, "kv_cache_bytes": 16 << 20}))
     prompts = encode(tokenizer, PROMPTS)
     stopped = gen.generate(prompts).rollouts
     assert any(r.finish_reason == "stop" and len(r.response_ids) < 24 for r in stopped)  # EOS does stop by default
