@@ -1,13 +1,14 @@
 """An agent program's episodes through the gateway against an environment's episodes and single
 responses: the same task, prompts, samples and token budget, each through a whole run.
 
-    .venv/bin/python -m bench.agents [--steps 6] [--workers 8 32]
+    .venv/bin/python -m bench.agents [--steps 6] [--workers 2 8]
 
 The two-turn arithmetic game three ways, each a sync run of ``--steps`` steps on one generator:
   - single: one response per sample (configs/arith-tiny.yaml's task at the game's sampling);
   - environment: the game's environment in worker processes (configs/arith-episodes-tiny.yaml);
   - agent-W: the same game played by an agent program through the run's gateway, W agent
-    processes per generator (configs/arith-agent-tiny.yaml, env.workers=W).
+    processes per generator, each playing up to 64 episodes at once (configs/arith-agent-tiny.yaml,
+    env.workers=W).
 Played with the same seeds, the environment's and the agent's first steps sample the same
 tokens. Prints, per side, the median over steps 2.. of the generation seconds per step,
 episodes (rollouts) per second and the policy's trained tokens per second, and for the agent
@@ -32,7 +33,7 @@ GAME = ["run.eval_every=0", "run.samples_every=0", "run.plot_every=0", "run.chec
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.agents", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--workers", type=int, nargs="+", default=[8, 32], help="env.workers of the agent sides")
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 8], help="env.workers of the agent sides")
     ap.add_argument("--out", default="runs/bench/agents.json")
     return ap.parse_args(argv)
 
