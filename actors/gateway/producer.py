@@ -61,7 +61,7 @@ class AgentEpisodes:
 
     def __init__(self, *, gateway, agents: AgentWorkers, name: str = "episodes", replica: Optional[str] = None,
                  reward_from_agent: bool = True, attempts: int = 3) -> None:
-        self.gateway, self.agents, self.name, self.replica = gateway, agents, name, replica
+        self.gateway, self.workers, self.name, self.replica = gateway, agents, name, replica
         self.reward_from_agent, self.attempts = reward_from_agent, int(attempts)
         self._batches = itertools.count()
         self._run = uuid.uuid4().hex[:8]  # a replacement of this generator opens sessions of other ids
@@ -98,7 +98,7 @@ class AgentEpisodes:
         urls = ray.get([self.gateway.open_session.remote(sid, prompt_index=index, sample_index=k, **me)
                         for sid, (index, k) in zip(sids, keys)])
         try:
-            outcomes = self.agents.run({i: (url, *rows[index]) for i, (url, (index, _)) in enumerate(zip(urls, keys))})
+            outcomes = self.workers.run({i: (url, *rows[index]) for i, (url, (index, _)) in enumerate(zip(urls, keys))})
         finally:
             sessions = ray.get([self.gateway.close_session.remote(sid) for sid in sids])
         lost = []
@@ -108,7 +108,7 @@ class AgentEpisodes:
                 continue
             outcome = episode_outcome(session, outcomes[i])
             if outcome.ok and outcome.score is None and self.reward_from_agent:
-                outcome = AgentOutcome(error=f"agent {self.agents.spec} returned None and posted no reward for "
+                outcome = AgentOutcome(error=f"agent {self.workers.spec} returned None and posted no reward for "
                                              "its episode; with env.reward=environment the agent scores it")
             done[key] = (session, outcome)
         return lost
@@ -122,12 +122,8 @@ class AgentEpisodes:
         ctx = ray.get_runtime_context()
         return {"replica": self.replica, "handle": ctx.current_actor, "incarnation": ctx.get_actor_id()}
 
-    @property
-    def workers(self) -> AgentWorkers:
-        return self.agents
-
     def close(self) -> None:
-        self.agents.close()
+        self.workers.close()
 
 
 def agent_episodes(env, *, gateway, name: str) -> AgentEpisodes:

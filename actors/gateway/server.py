@@ -248,7 +248,7 @@ class Gateway:
         finally:
             self.counts["in_flight"] -= 1
         session.counts["prompt_tokens"] += len(prompt)
-        session.counts["cached_tokens"] += int(getattr(turn, "cached_tokens", 0))
+        session.counts["cached_tokens"] += turn.cached_tokens
         ids = list(turn.token_ids)
         keep, text = cut_at_stop(ids, call.stop, self._decode)
         eos = self.tokenizer.eos_token_id

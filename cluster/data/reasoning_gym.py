@@ -17,8 +17,10 @@ from pathlib import Path
 def task_rows(task: str, *, size: int, seed: int = 0, suffix: str = "") -> list[dict]:
     """``size`` rows of reasoning-gym's ``task`` (its generator seeded by ``seed``); ``suffix``
     follows each question (e.g. how to format the answer)."""
-    import reasoning_gym
-
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError("reasoning-gym is not installed: pip install 'tether[envs]'") from None
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed)
     except Exception as e:  # noqa: BLE001 - an unknown task name is the user's to fix

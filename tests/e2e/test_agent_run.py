@@ -39,7 +39,7 @@ class Kills(threading.Thread):
                     return True
             except (ValueError, ray.exceptions.RayError):  # not started yet, or restarting
                 pass
-            time.sleep(0.05)
+            self.done.wait(0.05)  # between looks; ends at once when the run does
         return False
 
     def run(self):

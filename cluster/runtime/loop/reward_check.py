@@ -30,7 +30,8 @@ def check_invalid_scores(produced, cfg, step: int) -> None:
     above = f"above reward.max_invalid_fraction={limit:g}"
     rest = "raise reward.max_invalid_fraction to train on the rest"
     if source.from_episodes:
-        fix = f"fix the {source.type.label}" + (f", raise {timeout_key(cfg.env)}" if "timed out" in failed else "")
+        raise_time = f", raise {episode_timeout(cfg.env)[0]}" if "timed out" in failed else ""
+        fix = f"fix the {source.type.label}{raise_time}"
         raise InvalidScores(f"{source.name}: {produced.invalid_scores} of {scored} episodes at step {step} were "
                             f"invalid ({failed or 'the environment failed them'}; the log's 'reward:' lines say "
                             f"why), {above}; {fix}, or {rest}")
@@ -49,8 +50,9 @@ _FAILURES = (("timeouts", "timed out past {key}={timeout:g} s"),
              ("malformed_actions", "had an action the environment could not read"))
 
 
-def timeout_key(env) -> str:
-    return "env.episode_timeout_s" if env.agent else "env.step_timeout_s"
+def episode_timeout(env) -> tuple[str, float]:
+    """The key and value of the time an episode's step (an environment's) or whole run (an agent's) has."""
+    return ("env.episode_timeout_s", env.episode_timeout_s) if env.agent else ("env.step_timeout_s", env.step_timeout_s)
 
 
 def episode_failures(counts: dict, env) -> str:
@@ -58,9 +60,8 @@ def episode_failures(counts: dict, env) -> str:
     env.step_timeout_s=10 s, 5 lost with ..." ('' when none did)."""
     if not counts.get("invalid"):
         return ""
-    timeout = env.episode_timeout_s if env.agent else env.step_timeout_s
-    who = "agent" if env.agent else "environment"
-    parts = [f"{counts[key]} {what.format(key=timeout_key(env), timeout=timeout, who=who)}"
+    (timeout_key, timeout), who = episode_timeout(env), "agent" if env.agent else "environment"
+    parts = [f"{counts[key]} {what.format(key=timeout_key, timeout=timeout, who=who)}"
              for key, what in _FAILURES if counts.get(key)]
     return f"{counts['invalid']} episodes failed: " + ", ".join(parts) if parts else \
         f"{counts['invalid']} episodes failed"
