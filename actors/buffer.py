@@ -52,6 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from actors.rewards.composed import attach_components
 from core.annotate import RewardShaping, annotate_valid
 from core.infra.transfer import Transfer, pull_args
 from core.rollout import BatchSummary, ScoredRollout, shard_rollouts, staleness
@@ -225,6 +226,7 @@ class RolloutBuffer:
                                                     scores.valid, shaping)
             for x in scored:
                 x.chunk_id = chunk_id
+            attach_components(scored, rollouts, scores)
             order: dict = {}
             for x in scored:
                 order.setdefault(x.prompt_index, len(order))

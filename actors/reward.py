@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from actors.rewards.composed import compose, same_prompt_groups, score_parts
 from actors.rewards.config import RewardConfig
 from actors.rewards.environment_scores import environment_scores, void_invalid_episodes
+from actors.rewards.group_judge import GroupJudgeScorer
 from actors.rewards.http import HTTPScorer
 from actors.rewards.reward_model import RewardModelScorer
 from actors.rewards.scoring import (
@@ -67,6 +70,8 @@ class Reward:
     score one pair at a time in worker processes (actors/rewards/sandbox.py): a pair that hangs,
     crashes or runs out of memory is invalid, and its worker replaced. ``dtype``: the reward
     model's and the judge engine's (where reward.judge.engine.dtype is null); ``seed``: the judge's.
+    With reward.sources the replica holds one replica of each source alone (``parts``), scores
+    them concurrently and combines their scores by reward.combine (actors/rewards/composed.py).
     """
 
     def __init__(self, *, config: RewardConfig, source: RewardSource | None = None, tokenizer: str | None = None,
@@ -89,25 +94,43 @@ class Reward:
                                  "tokens")
             self.text_tokenizer = load_tokenizer(resolve_tokenizer_path(tokenizer), "Reward")
         self.reward_model: RewardModelScorer | None = source.token_scorer(config, dtype=dtype, device=self.device)
+        self.parts = tuple((part, Reward(config=part.config, source=part.source, tokenizer=tokenizer, dtype=dtype,
+                                         seed=seed, columns=self.columns, device=device)) for part in source.parts)
+        self.combine = config.combine
+        self._pool = ThreadPoolExecutor(len(self.parts), "reward-part") if len(self.parts) > 1 else None
         self._counts = {"calls": 0, "items": 0, "invalid_items": 0, "failed_calls": 0, "timeouts": 0, "crashes": 0,
                         "seconds": 0.0}
         self.last_error: str | None = None
 
     def score(self, prompt_ids_batch: list[np.ndarray], response_ids_batch: list[np.ndarray],
-              columns: Columns | None = None) -> ScoreResult:
+              columns: Columns | None = None, groups=None) -> ScoreResult:
         """One score per (prompt, response) token pair; ``columns``: the prompt rows' other
-        fields, each a list as long as the batch (a text reward gets them as keyword arguments)."""
+        fields, each a list as long as the batch (a text reward gets them as keyword arguments);
+        ``groups`` [N]: which pairs are samples of one prompt (a group judge's and gdpo's groups;
+        None: the pairs of equal prompt tokens)."""
         prompts, responses = as_token_arrays(prompt_ids_batch, response_ids_batch, "Reward.score")
         start = time.perf_counter()
         n = len(prompts)
+        groups = same_prompt_groups(prompts) if groups is None else np.asarray(groups)
         if n == 0:
             result = ScoreResult(np.zeros(0, np.float32), np.zeros(0, bool))
+        elif self.parts:
+            result = self._composed([lambda sub=sub: sub.score(prompts, responses, columns, groups)
+                                     for _, sub in self.parts], groups)
         elif self.scorer is not None:
-            result = self._score_text(self.scorer, prompts, responses, columns or {})
+            result = self._score_text(self.scorer, prompts, responses, columns or {}, groups)
         elif self.reward_model is None:
             raise ValueError(f"Reward.score: {self.source.name} scores the episodes themselves; call score_rollouts")
         else:
             result = self.reward_model.score_tokens(prompts, responses)
+        return self._counted(result, n, start)
+
+    def _composed(self, calls: list, groups) -> ScoreResult:
+        """reward.sources: each part's call (its result), run concurrently, combined by reward.combine."""
+        return compose([part for part, _ in self.parts], score_parts(calls, self._pool), groups, self.combine)
+
+    def _counted(self, result: ScoreResult, n: int, start: float) -> ScoreResult:
+        """``result`` (of ``n`` pairs, scoring since perf_counter() ``start``) counted in stats()."""
         self._counts["calls"] += 1
         self._counts["items"] += n
         self._counts["invalid_items"] += result.n_invalid
@@ -125,6 +148,10 @@ class Reward:
         """score() of Rollouts, for a caller that passes the generator's output by reference;
         their columns are looked up by prompt_index (none when one is not a dataset id). With
         with the environment as the source: the episodes' own scores (actors/rewards/environment_scores.py)."""
+        if self.parts:  # each part scores the rollouts its way (an environment part: the episodes' own)
+            start, groups = time.perf_counter(), np.array([r.prompt_index for r in rollouts], dtype=np.int64)
+            result = self._composed([lambda sub=sub: sub.score_rollouts(rollouts) for _, sub in self.parts], groups)
+            return void_invalid_episodes(self._counted(result, len(rollouts), start), rollouts)
         if self.source.from_episodes:
             result = environment_scores(rollouts)
             for key, n in (("calls", 1), ("items", len(rollouts)), ("invalid_items", result.n_invalid)):
@@ -133,7 +160,7 @@ class Reward:
                 log.warning("%s", msg)
             return result
         result = self.score([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
-                            self.rollout_columns(rollouts))
+                            self.rollout_columns(rollouts), [r.prompt_index for r in rollouts])
         return void_invalid_episodes(result, rollouts)
 
     def rollout_columns(self, rollouts: list) -> Columns:
@@ -157,15 +184,18 @@ class Reward:
                                              "Reward.gold_scores")
         return self._score_text(self.gold, prompts, responses, self.rollout_columns(rollouts))
 
-    def _score_text(self, scorer: TextScorer, prompts, responses, columns: Columns) -> ScoreResult:
+    def _score_text(self, scorer: TextScorer, prompts, responses, columns: Columns, groups=None) -> ScoreResult:
         """A text scorer's scores of token arrays (decoded here); its failures are per-item results."""
         if isinstance(scorer, HTTPScorer):  # a server gets the text OpenRLHF would send, special tokens and all
             return scorer.score_ids(self.text_tokenizer, prompts, responses, columns)
         decode = lambda seqs: self.text_tokenizer.batch_decode([s.tolist() for s in seqs], skip_special_tokens=True)
+        if isinstance(scorer, GroupJudgeScorer):  # one judge call per prompt group
+            return scorer.score_texts(decode(prompts), decode(responses), columns, groups)
         return scorer.score_texts(decode(prompts), decode(responses), columns)
 
     def stats(self) -> dict:
-        abandoned = sum(s.stats().get("abandoned_calls", 0) for s in (self.scorer, self.gold) if s is not None)
+        abandoned = sum(s.stats().get("abandoned_calls", 0) for s in (self.scorer, self.gold) if s is not None) + \
+            sum(sub.stats()["abandoned_calls"] for _, sub in self.parts)
         return {**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()},
                 "abandoned_calls": abandoned, "last_error": self.last_error}
 
@@ -174,9 +204,17 @@ class Reward:
         for scorer in (self.scorer, self.gold):
             if scorer is not None:
                 scorer.close()
+        for _, sub in self.parts:
+            sub.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def health(self) -> dict:
-        if self.reward_model is not None:
+        if self.parts:  # each source's own health, by its name; the replica's dtype is its first model's
+            sources = {part.name: sub.health() for part, sub in self.parts}
+            dtypes = [h["dtype"] for h in sources.values() if "dtype" in h]
+            source = {"scorer": "sources", "sources": sources, **({"dtype": dtypes[0]} if dtypes else {})}
+        elif self.reward_model is not None:
             source = self.reward_model.health()
         elif self.scorer is not None:  # the scorer's own counters (a judge's include its engine's dtype)
             source = {self.source.type.name: self.source.spec, "scorer": self.scorer.name, **self.scorer.stats()}

@@ -122,6 +122,9 @@ class ScoredRollout(Rollout):
     # the group estimators credit each turn by its return (core/turn_credit.py). None: the score
     # on the last token.
     placed_rewards: np.ndarray = None
+    # reward.sources: each source's own score of this rollout by its name (the score combines them);
+    # None: one source.
+    components: dict = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -200,6 +203,14 @@ def trained_spans(action_mask: np.ndarray, versions: np.ndarray) -> list[list]:
     return [[a, b, bool(mask[a]), int(versions[a])] for a, b in zip(edges, edges[1:]) if b > a]
 
 
+def batch_components(rollouts: list):
+    """name -> [N] float64: each reward source's scores of ``rollouts`` (ScoredRollout.components);
+    None unless every rollout has them (a run with one source)."""
+    if not rollouts or any(r.components is None for r in rollouts):
+        return None
+    return {name: np.array([r.components[name] for r in rollouts], dtype=np.float64) for name in rollouts[0].components}
+
+
 def staleness(rollouts: list, version: int) -> np.ndarray:
     """[N] int64: how many versions behind ``version`` the policy that sampled each rollout was."""
     return np.array([max(0, version - r.policy_version) for r in rollouts], dtype=np.int64)
@@ -228,6 +239,7 @@ class BatchSummary:
     dropped_stale: int = 0      # rollouts the buffer has dropped as stale so far
     samples: tuple = field(default_factory=tuple)  # a few rows (dicts of plain values) for samples.jsonl
     prompt_indices: np.ndarray = None  # [N] int64: each rollout's prompt (dataset id), for per-source metrics
+    components: dict = None     # reward.sources: name -> [N] float64, each source's scores; None: one source
 
     @classmethod
     def of(cls, rollouts: list, *, current_version: int, n_samples: int = 4,
@@ -237,6 +249,7 @@ class BatchSummary:
                          "score": float(r.score), "kl_sum": float(np.sum(r.kl)),
                          "finish_reason": r.finish_reason, "policy_version": r.policy_version,
                          "prompt_index": r.prompt_index,
+                         **({} if r.components is None else {"components": dict(r.components)}),
                          **({} if r.action_mask is None else {"spans": trained_spans(r.action_mask, r.token_versions)})}
                         for r in firsts)
         return cls(scores=np.array([r.score for r in rollouts], dtype=np.float64),
@@ -248,5 +261,6 @@ class BatchSummary:
                                              if r.token_versions.size else 0.0 for r in rollouts]),
                    partial=np.array([r.partial for r in rollouts], dtype=bool),
                    prompt_indices=np.array([r.prompt_index for r in rollouts], dtype=np.int64),
+                   components=batch_components(rollouts),
                    surplus=surplus, samples=samples, consumed=tuple(consumed),
                    buffer_depth=buffer_depth, dropped_stale=dropped_stale)

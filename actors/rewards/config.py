@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Optional
+from typing import Literal, Optional
 from urllib.parse import urlsplit
 
+from actors.rewards.combine import COMBINERS
 from core.infra.schema import ConfigError, config_class, setting
 from core.modeling.engine_config import EngineConfig
+
+JudgeMode = Literal["pair", "group"]
+Combine = Literal[tuple(COMBINERS)]  # the combiners' table names the choices (actors/rewards/combine.py)
 
 
 @config_class
@@ -91,6 +95,9 @@ def template_fields(template: str, key: str = "reward.judge.template") -> set[st
 
 # The built-in tiny judge's prompt (cluster/demo/judge.py trains on this very text).
 DEFAULT_TEMPLATE = "Prompt: {prompt}\nResponse: {response}\nScore:"
+# reward.judge.mode=group's prompt: {responses} is the group's responses enumerated ("Response 1: ...").
+GROUP_TEMPLATE = ("Prompt: {prompt}\n\n{responses}\n\nScore each of the {n} responses from 0 to 10. Answer with "
+                  "one line per response, as 'Response k: score'.\nScores:")
 
 
 @config_class
@@ -110,15 +117,25 @@ class JudgeConfig:
     max_score: Optional[float] = setting(None, "number verdicts above this are lowered to it; null = no bound")
     max_new_tokens: int = setting(8, "tokens the judge may write per verdict")
     temperature: float = setting(0.0, "0 = greedy: the same pair always gets the same verdict")
+    mode: JudgeMode = setting("pair", "pair: one judge call per (prompt, response) | group: one call per prompt sees "
+                                      "all generator.sampling.n responses of its group (group_template) and answers "
+                                      "n scores; a reply without exactly n readable scores voids the whole group")
+    group_template: str = setting(GROUP_TEMPLATE, "with mode=group: the judge's prompt, a format string: {prompt}, "
+                                                  "{responses} (the group's responses, 'Response 1: ...' each, a "
+                                                  "blank line between), {n} (their number) and any column")
     engine: EngineConfig
 
     def __post_init__(self) -> None:
         template_fields(self.template)  # its syntax; its fields are checked against the data's columns
+        template_fields(self.group_template, "reward.judge.group_template")
         if self.max_new_tokens < 1 or self.temperature < 0:
             raise ValueError("reward.judge.max_new_tokens must be >= 1 and reward.judge.temperature >= 0")
         if self.choices is not None and (not self.choices or "" in self.choices):
             raise ValueError("reward.judge.choices needs at least one non-empty label, e.g. {A: 1.0, B: 0.0}; "
                              "or null to read a number")
+        if self.choices and self.mode == "group":
+            raise ValueError("reward.judge.mode=group reads one number per response; choices (labels) are read in "
+                             "mode=pair only: remove choices or set mode=pair")
         if self.choices and (self.min_score is not None or self.max_score is not None):
             raise ValueError("reward.judge.min_score/max_score bound number verdicts; with choices, give each "
                              "label its score instead")
@@ -133,10 +150,10 @@ BUILTIN_REWARD = "cluster.demo.sentiment:sentiment"
 
 
 @config_class
-class RewardConfig:
-    """The reward: a reward model, a Python function, a server over HTTP or a judge model scoring each response."""
+class ScorerSettings:
+    """What one reward source is and how a replica scores with it: the keys reward and each of reward.sources share."""
     model: Optional[str] = setting(None, "sequence-classification reward model directory, or ...")
-    function: Optional[str] = setting(BUILTIN_REWARD, "... a `module:function(prompts, responses) -> floats`, or ...")
+    function: Optional[str] = setting(None, "... a `module:function(prompts, responses) -> floats`, or ...")
     url: Optional[str] = setting(None, "... a reward server's http(s) URL, POSTed OpenRLHF's remote reward "
                                        "payload ({query, prompts, labels} -> {rewards}; docs/guide/rewards.md)")
     batch_size: int = setting(16, "sequences per forward pass of the reward model")
@@ -144,15 +161,46 @@ class RewardConfig:
                                   "padding, attended per sequence")
     normalize: bool = setting(False, "standardise reward-model scores with the reward_stats.json beside "
                                      "reward.model")
-    gold: Optional[str] = setting(None, "eval only: a `module:function(prompts, responses) -> floats` scored on "
-                                        "the held-out prompts as eval/gold_score, never trained on (the true "
-                                        "goal behind a proxy)")
-    max_invalid_fraction: float = setting(0.5, "a step whose share of invalid scores (NaN/inf, or the reward "
-                                               "raised) is above this stops the run, naming the reward; "
-                                               "1 = never")
     timeout_s: float = setting(60.0, "a reward.function or reward.gold call that has not returned after this "
                                      "many seconds counts its pairs as invalid scores (the call is abandoned; "
                                      "the start-up probe refuses such a function)")
     http: RewardHTTPConfig
     sandbox: SandboxConfig
     judge: JudgeConfig
+
+
+def scorer_settings(section) -> dict:
+    """The ScorerSettings keys of ``section`` (a RewardConfig or a RewardSourceConfig), by name."""
+    from dataclasses import fields
+
+    return {f.name: getattr(section, f.name) for f in fields(ScorerSettings)}
+
+
+@config_class
+class RewardSourceConfig(ScorerSettings):
+    """One of reward.sources: a named, weighted source with the single-source keys of its own."""
+    name: str = setting("", "the source's name (letters, digits, _ and -): its step metric is reward/<name>/mean")
+    weight: float = setting(1.0, "its weight in the pair's score; 0 = a monitor, scored and logged, never "
+                                 "trained on")
+    environment: bool = setting(False, "the episodes' own score (env.environment or env.agent, with "
+                                       "env.reward=pool) as this source, instead of function/model/url/judge.model")
+
+
+@config_class
+class RewardConfig(ScorerSettings):
+    """The reward: a reward model, a Python function, a server over HTTP or a judge model scoring each response."""
+    function: Optional[str] = setting(BUILTIN_REWARD, "... a `module:function(prompts, responses) -> floats`, or ...")
+    gold: Optional[str] = setting(None, "eval only: a `module:function(prompts, responses) -> floats` scored on "
+                                        "the held-out prompts as eval/gold_score, never trained on (the true "
+                                        "goal behind a proxy)")
+    max_invalid_fraction: float = setting(0.5, "a step whose share of invalid scores (NaN/inf, or the reward "
+                                               "raised) is above this stops the run, naming the reward; "
+                                               "1 = never")
+    sources: tuple[RewardSourceConfig, ...] = setting((), "several sources scored together, each {name, weight, and "
+                                                          "the single-source keys: function, model, url, judge, "
+                                                          "sandbox, http, ... or environment: true}; the pair's score "
+                                                          "combines theirs (combine). Replaces reward.function/model/"
+                                                          "url/judge.model (set those to null); [] = one source")
+    combine: Combine = setting("sum", "with sources: sum = the weighted sum of the sources' scores | gdpo = each "
+                                      "source's scores normalised within the prompt's group (mean, std over its "
+                                      "samples), then the weighted sum (GDPO)")

@@ -10,6 +10,7 @@ This module imports no torch: a task's worker process stays small.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 
@@ -49,7 +50,7 @@ def void_invalid_episodes(result: ScoreResult, rollouts: list[Rollout]) -> Score
     if not any(r.env_error for r in rollouts):
         return result
     failed = np.array([bool(r.env_error) for r in rollouts])
-    voided = ScoreResult(result.scores, result.valid & ~failed, list(result.errors), result.failed, result.counts)
+    voided = replace(result, valid=result.valid & ~failed, errors=list(result.errors))
     return _void(voided, rollouts, "")
 
 
@@ -62,4 +63,4 @@ def _void(result: ScoreResult, rollouts: list[Rollout], unknown: str) -> ScoreRe
             reasons[why] = reasons.get(why, 0) + 1
     errors = result.errors + [f"{why} ({n} of {len(rollouts)} episodes invalid)" for why, n in reasons.items()]
     scores = np.where(result.valid, result.scores, np.nan).astype(np.float32)
-    return ScoreResult(scores, result.valid, errors, result.failed, result.counts)
+    return replace(result, scores=scores, errors=errors)

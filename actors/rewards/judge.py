@@ -129,24 +129,31 @@ class JudgeScorer:
     def _token_ids(self, text: str) -> list[int]:
         return judge_token_ids(self.tokenizer, text, self.chat_template)
 
-    def score_texts(self, prompts: list[str], responses: list[str], columns: Columns) -> ScoreResult:
+    def generate(self, texts: list[str]) -> tuple[list[int], list[str]]:
+        """(the indices of the ``texts`` that fit the engine beside max_new_tokens, the judge's reply
+        to each of those): one engine call for them all."""
         from vllm.inputs import TokensPrompt
 
+        ids = [self._token_ids(t) for t in texts]
+        room = self.max_model_len - self.params.max_tokens
+        fits = [i for i, x in enumerate(ids) if 0 < len(x) <= room]
+        if not fits:
+            return [], []
+        done = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in fits], self.params, use_tqdm=False)
+        self.generated_tokens += sum(len(out.outputs[0].token_ids) for out in done)
+        return fits, [out.outputs[0].text for out in done]
+
+    def score_texts(self, prompts: list[str], responses: list[str], columns: Columns) -> ScoreResult:
         n = len(prompts)
         try:
             texts = render(self.template, prompts, responses, columns)
         except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:  # a column lacking or mis-shaped
             return invalid_result(n, f"{self.name}: cannot fill reward.judge.template ({type(e).__name__}: {e}); "
                                      f"all {n} items invalid")
-        ids = [self._token_ids(t) for t in texts]
-        room = self.max_model_len - self.params.max_tokens
-        fits = [i for i, x in enumerate(ids) if 0 < len(x) <= room]
+        fits, replies = self.generate(texts)
         result = ScoreResult(np.full(n, np.nan, np.float32), np.zeros(n, bool))
         if fits:
-            done = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in fits], self.params, use_tqdm=False)
-            self.generated_tokens += sum(len(out.outputs[0].token_ids) for out in done)
-            read = parse_verdicts([out.outputs[0].text for out in done], self.choices, self.min_score,
-                                  self.max_score, self.name)
+            read = parse_verdicts(replies, self.choices, self.min_score, self.max_score, self.name)
             result.scores[fits], result.valid[fits], result.errors = read.scores, read.valid, read.errors
         if len(fits) < n:
             result.errors.insert(0, f"{self.name}: {n - len(fits)} of {n} rendered templates do not fit "

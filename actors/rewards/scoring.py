@@ -34,6 +34,8 @@ class ScoreResult:
     # the call's counters, summed into the step metrics reward/<name>: timeouts (items invalid because
     # their call passed its time limit), crashes (items whose sandbox worker died), http_retries, ...
     counts: dict = field(default_factory=dict)
+    # reward.sources: each source's own scores by its name, [N] float32, NaN where that source gave none
+    components: dict = field(default_factory=dict)
 
     @property
     def n_invalid(self) -> int:

@@ -1,8 +1,11 @@
 """Which source scores a PPO run's rollouts, and what each source needs: one table.
 
-Exactly one of reward.function, reward.model, reward.url and reward.judge.model is set
-(cluster/config/ppo.py checks it), but with ``env.reward: environment`` none of them scores:
-the episodes' own rewards do. Every place that says, sizes, starts or probes the reward (the
+Exactly one of reward.function, reward.model, reward.url, reward.judge.model and reward.sources
+is set (cluster/config/ppo.py checks it), but with ``env.reward: environment`` none of them scores:
+the episodes' own rewards do. reward.sources is a source made of parts (``RewardPart``: a name, a
+weight and one of the other sources with its own settings; ``reward_parts``): a replica scores
+each part as it would that source alone and combines their scores (actors/rewards/combine.py).
+Every place that says, sizes, starts or probes the reward (the
 start-up line, the memory estimate, the threads, the pools started, the probe, the reward
 replica's scorer, the invalid-scores message) asks ``reward_source`` and reads the table's
 entry, so none of them can read the wrong setting. Adding a source is one entry here and its
@@ -54,9 +57,11 @@ def _server_scorer(source, config, **_):
 
 def _judge_scorer(source, config, *, dtype=None, seed: int = 0, **_):
     """The judge's engine in this process; ``config.judge.model`` is the resolved path (source.spec)."""
+    from actors.rewards.group_judge import GroupJudgeScorer
     from actors.rewards.judge import JudgeScorer
 
-    return JudgeScorer(replace(config.judge, model=source.spec), dtype=dtype, seed=seed)
+    judge = GroupJudgeScorer if config.judge.mode == "group" else JudgeScorer  # group: one call per prompt
+    return judge(replace(config.judge, model=source.spec), dtype=dtype, seed=seed)
 
 
 def _model_scorer(source, config, *, dtype: str, device):
@@ -80,6 +85,9 @@ SOURCES: dict[str, SourceType] = {t.name: t for t in (
                text_scorer=_judge_scorer),
     SourceType("environment", "environment", "env.environment", lambda w: None, episodes=True),
     SourceType("agent", "agent", "env.agent", lambda w: None, episodes=True),
+    SourceType("sources", "reward sources", "reward.sources",
+               lambda w: ", ".join(s.name for s in w.sources) if getattr(w, "sources", ()) else None,
+               lambda w: replace(w, sources=())),
 )}
 
 
@@ -87,6 +95,7 @@ SOURCES: dict[str, SourceType] = {t.name: t for t in (
 class RewardSource:
     type: SourceType
     spec: str  # the function's module:function, the model's path, the URL, the judge model, the environment class
+    parts: tuple = ()  # reward.sources: its RewardParts; () for the other sources
 
     @property
     def name(self) -> str:
@@ -96,7 +105,7 @@ class RewardSource:
     @property
     def holds_model(self) -> bool:
         """Whether the reward replicas load a model of their own (its weights in their memory)."""
-        return self.type.weights
+        return self.type.weights or any(p.source.holds_model for p in self.parts)
 
     @property
     def from_episodes(self) -> bool:
@@ -120,18 +129,58 @@ class RewardSource:
     @property
     def summary(self) -> str:
         """The start-up line's words for it: "function mod:fn", "the environment's", ..."""
+        if self.parts:
+            return " + ".join(f"{p.name}={p.source.summary} x{p.weight:g}" for p in self.parts)
         return f"the {self.type.label}'s" if self.from_episodes else self.name.removeprefix("reward ")
+
+
+@dataclass(frozen=True)
+class RewardPart:
+    """One of reward.sources: its name, its weight, the source and the settings it is built from
+    (a RewardConfig holding that source alone)."""
+    name: str
+    weight: float
+    source: RewardSource
+    config: object
 
 
 def given_sources(reward) -> list[RewardSource]:
     """The sources ``reward`` (a RewardConfig) sets, in the table's order: one, in a valid config."""
-    return [RewardSource(t, spec) for t in SOURCES.values() if (spec := t.setting(reward)) is not None]
+    return [RewardSource(t, spec, parts=reward_parts(reward) if t.name == "sources" else ())
+            for t in SOURCES.values() if (spec := t.setting(reward)) is not None]
+
+
+def part_sources(item) -> list[RewardSource]:
+    """The sources one reward.sources item (a RewardSourceConfig) sets: one, in a valid config."""
+    given = given_sources(part_config(item))
+    return given + ([RewardSource(SOURCES["environment"], "episodes")] if item.environment else [])
+
+
+def part_config(item):
+    """The RewardConfig a reward.sources item scores with: its own settings, no other source."""
+    from actors.rewards.config import RewardConfig, scorer_settings
+
+    return RewardConfig(**scorer_settings(item))
+
+
+def reward_parts(reward) -> tuple[RewardPart, ...]:
+    """reward.sources as RewardParts (``reward``: a RewardConfig with sources set); a one-line
+    ValueError for an item that sets no source or more than one."""
+    parts = []
+    for i, item in enumerate(reward.sources):
+        given = part_sources(item)
+        if len(given) != 1:
+            got = ", ".join(s.type.key.removeprefix("reward.").removeprefix("env.") for s in given) or "none"
+            raise ValueError(f"reward.sources[{i}] ({item.name!r}) must set exactly one of function, model, url, "
+                             f"judge.model and environment: true (got {got})")
+        parts.append(RewardPart(item.name, float(item.weight), given[0], part_config(item)))
+    return tuple(parts)
 
 
 def one_source_rule() -> str:
     """What a valid reward section sets, for the messages that refuse another."""
-    keys = [t.key for t in SOURCES.values() if not t.episodes]
-    return f"set exactly one of {', '.join(keys[:-1])} and {keys[-1]}"
+    keys = [t.key for t in SOURCES.values() if not t.episodes and t.name != "sources"]
+    return f"set exactly one of {', '.join(keys[:-1])} and {keys[-1]}, or several in reward.sources"
 
 
 def configured_source(reward) -> RewardSource:

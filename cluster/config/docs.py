@@ -12,7 +12,7 @@ import json
 import typing
 from pathlib import Path
 
-from cluster.config.loader import default_of, type_name, walk
+from cluster.config.loader import default_of, section_list, type_name, walk
 from cluster.config.pipeline import PipelineConfig
 from cluster.config.ppo import TetherConfig
 from cluster.config.stages import RMConfig, SFTConfig
@@ -43,7 +43,7 @@ def _type(tp) -> str:
     elif optional:
         text = type_name(next(a for a in typing.get_args(tp) if a is not type(None)))
     else:
-        text = "list" if tp is tuple else type_name(tp)
+        text = "list" if tp is tuple else "list of sections" if section_list(tp) else type_name(tp)
     return text + (" or null" if optional else "")
 
 

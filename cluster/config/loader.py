@@ -61,6 +61,10 @@ def _coerce(value, tp, key: str):
         if problem:
             raise ConfigError(f"config: {problem}")
         return value
+    if section_list(tp) is not None:  # a list of sections (reward.sources): each built as a section
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config: {key} must be a list of mappings, got {value!r}")
+        return tuple(build_section(section_list(tp), item, f"{key}[{i}]") for i, item in enumerate(value))
     if tp is tuple or origin is tuple:
         if isinstance(value, str) and args and args[0] is str:  # one name where a list of names goes
             return (value,)
@@ -79,6 +83,12 @@ def _coerce(value, tp, key: str):
         return value
     raise ConfigError(f"config: {key} must be {type_name(tp)}, got {value!r} "
                       f"({type(value).__name__})")
+
+
+def section_list(tp):
+    """The config class of ``tuple[Section, ...]`` (a key holding a list of sections); None otherwise."""
+    args = typing.get_args(tp) if typing.get_origin(tp) is tuple else ()
+    return args[0] if args and dataclasses.is_dataclass(args[0]) else None
 
 
 def build_section(cls, data, prefix: str, root=None):
@@ -118,6 +128,8 @@ def walk(cls, prefix: str = "", stop: tuple = ()) -> Iterator[tuple[str, datacla
         yield prefix + f.name, f, hints[f.name]
         if dataclasses.is_dataclass(hints[f.name]) and hints[f.name] not in stop:
             yield from walk(hints[f.name], f"{prefix}{f.name}.", stop)
+        elif section_list(hints[f.name]) is not None:  # each item's keys, as reward.sources[].name
+            yield from walk(section_list(hints[f.name]), f"{prefix}{f.name}[].", stop)
 
 
 def default_of(f: dataclasses.Field):

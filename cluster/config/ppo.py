@@ -23,6 +23,7 @@ from cluster.config import loader
 from cluster.config.ineffective import check_ineffective
 from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.pools import check_pools
+from cluster.config.reward_sources import check_reward_sources
 from cluster.config.step import check_step
 from cluster.config.tracking import TRACKERS_HELP, TrackingConfig, tracker_names
 from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
@@ -279,6 +280,7 @@ def describe(root=None) -> str:
 def validate(cfg: TetherConfig) -> None:
     """Cross-field checks: what each section alone cannot see."""
     check_pools(cfg)
+    check_reward_sources(cfg)  # reward.sources and group judges, before the one-source rule counts them
     _check_reward(cfg.reward)
     if cfg.ppo.old_logprobs == "behaviour" and cfg.run.mode != "sync":
         raise ConfigError("config: ppo.old_logprobs=behaviour takes the sampler's log-probs as the update's "

@@ -98,6 +98,17 @@ def exact(prompts: list[str], responses: list[str], *, answer: list[str], **_col
     return [1.0 if is_answer(r, a) else 0.0 for r, a in zip(responses, answer)]
 
 
+def well_formed(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 where the response has an answer's form (one integer, optionally a full stop), right or
+    wrong, else 0.0: configs/arith-composed-tiny.yaml's format source."""
+    return [1.0 if ANSWER.match(r) else 0.0 for r in responses]
+
+
+def response_chars(prompts: list[str], responses: list[str]) -> list[float]:
+    """Each response's length in characters: configs/arith-composed-tiny.yaml's monitor (weight 0)."""
+    return [float(len(r)) for r in responses]
+
+
 def answer_of(prompt: str) -> str:
     """The reference answer of a prompt of this task, worked out from its text."""
     m = PROMPT.match(prompt)

@@ -152,15 +152,22 @@ def model_bytes(path: Optional[str]) -> int:
 
 def reward_model_bytes(cfg) -> int:
     """A reward replica's model in host memory: a reward model's weights, or a judge's and its
-    engine's KV cache; a function or a server holds none."""
+    engine's KV cache; a function or a server holds none. With reward.sources, every source's."""
     source = reward_source(cfg)
+    if source.parts:  # a replica holds one scorer per source
+        return sum(_source_bytes(p.source, p.config) for p in source.parts)
+    return _source_bytes(source, cfg.reward)
+
+
+def _source_bytes(source, reward) -> int:
+    """One source's model in a replica's host memory (``reward``: the settings it is built from)."""
     if not source.holds_model:
         return 0
     if not source.type.engine:
         return model_bytes(source.spec)
     from cluster.demo.judge import judge_path  # the built-in judge, built by prepare already
 
-    return model_bytes(judge_path(source.spec)) + cfg.reward.judge.engine.kv_cache_bytes
+    return model_bytes(judge_path(source.spec)) + reward.judge.engine.kv_cache_bytes
 
 
 def training_state_bytes(weights: int, ranks: int, zero_stage: int) -> int:

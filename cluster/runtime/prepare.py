@@ -112,11 +112,14 @@ def check_judge(judge, columns) -> str:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from actors.rewards.group_judge import check_group_template
     from actors.rewards.judge import check_template
     from cluster.demo.judge import BUILTIN_JUDGE, judge_path
     from core.modeling.loading import resolve_model_path
     try:
         check_template(judge.template, columns)
+        if judge.mode == "group":
+            check_group_template(judge.group_template, columns)
     except ValueError as e:
         raise UserError(str(e)) from None
     if judge.model.startswith("builtin:") and judge.model != BUILTIN_JUDGE:
@@ -165,7 +168,7 @@ def prepare(cfg):
     """Everything that can fail on user input, before any actor starts."""
     from transformers import AutoTokenizer
 
-    from actors.rewards.source import without_unused_reward
+    from actors.rewards.source import reward_parts, without_unused_reward
 
     cfg = without_unused_reward(cfg)  # env.reward=environment: the reward.* source is never called
     policy = resolve_model(cfg.model.policy)
@@ -173,7 +176,9 @@ def prepare(cfg):
     from actors.rewards.scoring import ColumnBinding, load_function
     with user_input(kinds=(ValueError, OSError, ImportError)):  # the user's module, run on import
         functions = {key: load_function(spec, key) for key, spec in
-                     (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold)) if spec}
+                     (("reward.function", cfg.reward.function), ("reward.gold", cfg.reward.gold),
+                      *((f"reward.sources[{i}].function", s.function) for i, s in enumerate(cfg.reward.sources)))
+                     if spec}
         required = {c for fn in functions.values() for c in ColumnBinding.of(fn).required}
     tokenizer_path = cfg.model.tokenizer or policy
     with user_input():
@@ -197,6 +202,8 @@ def prepare(cfg):
     if cfg.reward.judge.model:
         probe_judge(cfg.reward.judge, check_judge(cfg.reward.judge, train_set.columns.names), train_set)
     probe_reward(cfg.reward, train_set)
+    for part in reward_parts(cfg.reward) if cfg.reward.sources else ():  # each as its single keys would be
+        probe_source(part.config, tokenizer, tokenizer_path, train_set)
     if cfg.env.agent:
         probe_agent(cfg.env)
     elif cfg.env.enabled:
@@ -256,6 +263,21 @@ def probe_reward(reward, train_set) -> None:
         from actors.rewards.http import probe_server
         with user_input():  # the user's server, answering
             probe_server(reward.url, prompts, responses, columns=columns, settings=reward.http)
+
+
+def probe_source(reward, tokenizer, tokenizer_path: str, train_set) -> None:
+    """One of reward.sources (``reward``: a RewardConfig holding it alone) checked and probed as
+    the single-source keys are: a reward model's config, a judge's template and input, a function
+    or a server called on example pairs."""
+    if reward.model:
+        check_reward_model(reward.model, tokenizer, tokenizer_path)
+        if reward.normalize:
+            from actors.rewards.reward_model import load_reward_stats
+            with user_input():
+                load_reward_stats(reward.model)
+    if reward.judge.model:
+        probe_judge(reward.judge, check_judge(reward.judge, train_set.columns.names), train_set)
+    probe_reward(reward, train_set)
 
 
 def probe_judge(judge, path: str, train_set) -> None:

@@ -63,7 +63,7 @@ class StepRow:
                 "perf/sync_seconds": sync.get("seconds", seconds["sync"]), "perf/sync_bytes": sync.get("bytes", 0),
                 "perf/sync_wait_seconds": sync.get("wait_seconds", 0.0),
                 "perf/tokens_per_s": produced.tokens / max(produced.generate_seconds, 1e-9), **moved, **learn,
-                **source_metrics(batch, self.columns, self.source_field),
+                **source_metrics(batch, self.columns, self.source_field), **component_metrics(batch),
                 **{f"reward/{k}": v for k, v in produced.reward_counts.items()}}
 
     def _filter_metrics(self, produced: Produced, batch) -> dict:
@@ -85,7 +85,8 @@ def decode_sample(tokenizer, row: dict, columns=None) -> dict:
     dec = tokenizer.decode
     out = {"prompt": dec(row["prompt_ids"], skip_special_tokens=True),
            "response": dec(row["response_ids"], skip_special_tokens=True),
-           **{k: row[k] for k in ("score", "kl_sum", "finish_reason", "policy_version")}}
+           **{k: row[k] for k in ("score", "kl_sum", "finish_reason", "policy_version")},
+           **({"components": row["components"]} if "components" in row else {})}
     if "spans" in row:
         out["transcript"] = [{"by": "policy" if trained else "environment", "tokens": end - start,
                               "version": version,
@@ -109,3 +110,9 @@ def source_metrics(batch, columns, source_field: str) -> dict:
         out[f"reward/{name}/mean"] = float(batch.scores[mine].mean())
         out[f"reward/{name}/count"] = int(mine.sum())
     return out
+
+
+def component_metrics(batch) -> dict:
+    """reward/<name>/mean of a BatchSummary: each reward.sources source's mean score over the
+    rollouts trained on (a monitor's too); {} for a reward of one source."""
+    return {f"reward/{name}/mean": float(values.mean()) for name, values in (batch.components or {}).items()}

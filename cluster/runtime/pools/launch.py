@@ -85,9 +85,7 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
             model=r.model or policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
             top_p=g.sampling.top_p, batch_size=r.batch_size, packing=r.packing, dtype=dtype["reference"])
 
-    scoring, source = w.scoring(), reward_source(cfg)
-    if source.type.engine:  # the judge by the path prepare built or found it at (builtin:judge)
-        source = replace(source, spec=judge_path(source.spec))
+    scoring, source = w.scoring(), with_judge_paths(reward_source(cfg))
 
     def reward(rid, index, options):
         return ray.remote(Reward).options(name=rid, num_cpus=w.num_cpus, num_gpus=w.num_gpus,
@@ -99,6 +97,14 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
                       node_labels=p.node_labels, strategy=p.strategy)
                  for role, start, p in (("generator", generator, g), ("reference", reference, r),
                                         ("reward", reward, w)))
+
+
+def with_judge_paths(source):
+    """``source`` with each judge (its own, or a reward.sources part's) by the path prepare built or
+    found it at (builtin:judge)."""
+    if source.type.engine:
+        return replace(source, spec=judge_path(source.spec))
+    return replace(source, parts=tuple(replace(p, source=with_judge_paths(p.source)) for p in source.parts))
 
 
 def describe_precision(cfg: TetherConfig) -> str:

@@ -178,3 +178,62 @@ def test_with_chat_template_the_engine_gets_the_templates_rendering(chat_judge, 
     for ids, prompt, response in zip(seen, PROMPTS, RESPONSES):
         text = scorer.template.format(prompt=prompt, response=response)
         assert scorer.tokenizer.decode(ids) == f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("reply, n, scores", [
+    ("1: 7\n2: 3", 2, [7.0, 3.0]),
+    ("Response 1: 7/10\nResponse 2: 3/10", 2, [7.0, 3.0]),
+    ("**Response 2**: 9\n**Response 1**: 4", 2, [4.0, 9.0]),  # in any order, by their numbers
+    ("Scores: [7, 3.5, 0]", 3, [7.0, 3.5, 0.0]),
+    ("#1 - 8.5\n#2 - 12", 2, [8.5, 10.0]),  # clipped to max_score
+    ("6\n2", 2, [6.0, 2.0]),  # one number per line, unnumbered
+    (" 1.5", 1, [1.5]),  # a decimal, not "1." numbering a 5
+    ("1: 7", 2, None),  # one score for two responses
+    ("[7, 3, 5]", 2, None),  # a list of three
+    ("1: 7\n1: 3", 2, None),  # an index twice
+    ("1: 7\n3: 2", 2, None),  # 2 missing
+    ("all fine", 2, None),
+])
+def test_a_group_verdict_gives_exactly_n_scores_or_none(reply, n, scores):
+    from actors.rewards.group_judge import parse_group_scores
+
+    read = parse_group_scores(reply, n, 0.0, 10.0)
+    assert (read is None) if scores is None else read.tolist() == scores
+
+
+@pytest.mark.unit
+def test_the_group_template_enumerates_the_responses_and_its_fields_are_checked():
+    from actors.rewards.config import GROUP_TEMPLATE
+    from actors.rewards.group_judge import check_group_template, render_group
+
+    text = render_group(GROUP_TEMPLATE, "3 plus 4 is", [" 7", " 8."], {"answer": "7"})
+    assert text.startswith("Prompt: 3 plus 4 is\n\nResponse 1:  7\n\nResponse 2:  8.\n\nScore each of the 2 responses")
+    check_group_template("{prompt} {responses} {n} {answer}", ["answer"])
+    with pytest.raises(ValueError, match="names the field 'response', which it does not have"):
+        check_group_template("{prompt} {response}", ["answer"])
+    with pytest.raises(ValueError, match="the data has a column named 'n'"):
+        check_group_template("{prompt} {responses}", ["n"])
+
+
+@pytest.mark.integration
+def test_a_group_judge_calls_once_per_group_and_voids_a_group_without_n_scores(policy_path, tokenizer,
+                                                                               in_process_engine, monkeypatch):
+    from actors.reward import Reward
+
+    # The tiny judge writes one digit and stops: a verdict for a group of one, too few for a group of two.
+    template = "Prompt: {prompt}\n{responses}\nScore:"
+    rw = Reward(config=reward_config(judge=_judge(mode="group", group_template=template)), tokenizer=policy_path)
+    calls, generate = [], rw.scorer.llm.generate
+
+    def recording(prompts, *args, **kwargs):  # the real engine, its inputs counted
+        calls.append(len(prompts))
+        return generate(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(rw.scorer.llm, "generate", recording)
+    prompts, responses = _encode(tokenizer, PROMPTS[:4]), _encode(tokenizer, RESPONSES[:4])
+    pairs = rw.score(prompts, responses, groups=[0, 0, 1, 1])  # two groups of two
+    assert calls == [2] and not pairs.valid.any() and np.isnan(pairs.scores).all()
+    assert len(pairs.errors) == 1 and "2 of 2 groups' verdicts did not give one score per response" in pairs.errors[0]
+    single = rw.score(prompts, responses, groups=[0, 1, 2, 3])  # each response its own group
+    assert calls == [2, 4] and single.valid.all() and set(single.scores.tolist()) <= {0.0, 1.0}
