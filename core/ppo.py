@@ -11,7 +11,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from core.choices import AGG_MODES, OFF_POLICY_MODES
+from core.choices import AGG_MODES, OFF_POLICY_MODES, correction_row
+from core.corrections import Bounds, correct
 from core.kl import LOG_RATIO_LIMIT, bounded_kl
 from core.logprobs import logprobs_from_logits
 from core.masked import check_masked, check_shapes, masked_mean, require, zero_pad
@@ -91,6 +92,7 @@ def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str
 
 def behaviour_weights(
     proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, mode: str = "tis", cap: float = 2.0,
+    band: Optional[Tuple[float, float]] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Per-token importance weights [B, T] that correct for the policy that SAMPLED the tokens.
 
@@ -98,7 +100,8 @@ def behaviour_weights(
     version, or the same weights scored by another engine); proximal_logprobs: log
     pi_prox, the learner's weights when the update starts (PPO's "old" log-probs, the
     anchor of the clipped ratio); with truncated sampling, of the set pi_prox itself would
-    keep, -inf outside it (weight 0). With w = pi_prox / pi_behaviour:
+    keep, -inf outside it (weight 0). ``mode`` is a rollout-correction preset
+    (``ppo.off_policy``, core/corrections.py has each formula); with w = pi_prox / pi_behaviour:
 
       none:       1 on every valid token (the rollouts are treated as on-policy);
       tis:        min(w, cap): truncated importance sampling (Ionides 2008; as used
@@ -106,26 +109,33 @@ def behaviour_weights(
                   counts; a token the learner finds much likelier than the sampler
                   did counts at most ``cap`` times (bias for bounded variance);
       decoupled:  w where w <= cap, else 0: decoupled PPO (Hilton et al. 2022) with
-                  AReaL's cap, which leaves such tokens out instead of truncating them.
+                  AReaL's cap, which leaves such tokens out instead of truncating them;
+      seq_tis, seq_mis, geo_rs, geo_rs_token_tis, icepop: the sequence-level and masking
+                  presets; ``band`` (lower, upper) is their rejection band (None: the preset's
+                  default, core.choices.CORRECTION_TABLE).
 
     Returns (weights, capped): weights detached, 0 on padding; capped [B, T] bool, True
-    on valid tokens with w > cap (truncated by tis, dropped by decoupled; False for none).
+    on valid tokens the preset truncated or rejected (for tis and decoupled: w > cap).
     """
     fn = "behaviour_weights"
     require(mode in OFF_POLICY_MODES, f"{fn}: unknown mode {mode!r}; valid: {', '.join(OFF_POLICY_MODES)}")
     require(cap >= 1 and math.isfinite(cap), f"{fn}: cap must be a finite number >= 1, got {cap}")
-    check_masked(fn, mask, nonempty=False, proximal_logprobs=proximal_logprobs,
-                 behaviour_logprobs=behaviour_logprobs)
-    valid = mask != 0
-    log_w = zero_pad(proximal_logprobs.detach() - behaviour_logprobs.detach(), mask)
-    # -inf: the token is outside the set the proximal policy would sample from (truncated
-    # sampling, core.sampling), so it has no probability there: weight exactly 0.
-    w = torch.where(log_w == float("-inf"), 0.0, torch.exp(log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)))
-    if mode == "none":
-        return valid.to(w.dtype), torch.zeros_like(valid)
-    capped = valid & (w > cap)
-    kept = w.clamp_max(cap) if mode == "tis" else torch.where(capped, 0.0, w)
-    return zero_pad(kept, mask), capped
+    lower, upper = band or correction_row(mode).band or (0.5, 2.0)
+    out = correct(proximal_logprobs, behaviour_logprobs, mask, mode, Bounds(cap=cap, lower=lower, upper=upper))
+    return out.weights, out.truncated | out.masked
+
+
+def check_policy_inputs(fn: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                        clip_low: float, clip_high: Optional[float], weights: Optional[Tensor]) -> float:
+    """Check a policy loss's [B, T] inputs and clip range (one-line errors naming ``fn``);
+    returns clip_high, defaulting to clip_low."""
+    check_masked(fn, mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    if weights is not None:
+        check_shapes(fn, "mask", mask.shape, weights=weights)
+    clip_high = clip_low if clip_high is None else clip_high
+    require(0 < clip_low < 1 and clip_high > 0,
+            f"{fn}: need 0 < clip_low < 1 and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
+    return clip_high
 
 
 def policy_loss(
@@ -146,12 +156,7 @@ def policy_loss(
     off-policy correction from the sampling policy to ``old_logprobs``' policy.
     """
     fn = "policy_loss"
-    check_masked(fn, mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
-    if weights is not None:
-        check_shapes(fn, "mask", mask.shape, weights=weights)
-    clip_high = clip_low if clip_high is None else clip_high
-    require(0 < clip_low < 1 and clip_high > 0,
-            f"{fn}: need 0 < clip_low < 1 and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
+    clip_high = check_policy_inputs(fn, logprobs, old_logprobs, advantages, mask, clip_low, clip_high, weights)
     require(dual_clip is None or dual_clip > 1, f"{fn}: dual_clip must be > 1, got {dual_clip}")
 
     # Masked before exp so padding garbage cannot overflow into inf * 0 = NaN; clamped so a

@@ -15,7 +15,11 @@ from dataclasses import asdict, fields
 from typing import Optional
 
 from core.choices import (
+    BAND_DEFAULTS,
     ESTIMATOR_HELP,
+    OFF_POLICY_HELP,
+    POLICY_LOSS_HELP,
+    POLICY_LOSSES,
     TRANSPORTS,
     AdvantageEstimator,
     Critic,
@@ -24,13 +28,17 @@ from core.choices import (
     OffPolicyCorrection,
     OldLogprobs,
     Optimizer,
+    PolicyLoss,
     TrainableDType,
     WeightSync,
+    band_error,
     critic_free_names,
     discounting_names,
     estimator_row,
     gamma_error,
     outcome_names,
+    policy_loss_error,
+    policy_loss_row,
 )
 from core.infra.schema import check_choices, config_class, setting
 from learner.lora_config import LoraConfig
@@ -138,16 +146,25 @@ class PPOConfig:
     gamma: float = setting(1.0, f"discount of the returns of {discounting_names()}; the outcome estimators "
                                 f"({outcome_names()}) take none and refuse gamma < 1")
     lam: float = setting(0.95, "GAE lambda")
-    agg: LossAggregation = setting("token-mean", "loss aggregation, see core.ppo.aggregate_loss")
+    agg: Optional[LossAggregation] = setting(None, "loss aggregation, see core.ppo.aggregate_loss; null = the "
+                                                   "policy loss's (see policy_loss)")
+    policy_loss: PolicyLoss = setting("ppo", POLICY_LOSS_HELP)
     whiten_advantages: bool = setting(True, "gae: normalise advantages over the global batch (REINFORCE++ always "
                                             "does; grpo and rloo never)")
     shuffle: bool = setting(True, "shuffle rollouts into minibatches each epoch (seeded)")
-    off_policy: OffPolicyCorrection = setting("tis", "correction for rollouts sampled by other weights: "
-                                                     "none | tis | decoupled (core.ppo.behaviour_weights)")
-    is_cap: float = setting(2.0, "importance-weight cap: tis truncates weights to it, decoupled drops "
-                                 "tokens above it")
+    off_policy: OffPolicyCorrection = setting("tis", OFF_POLICY_HELP)
+    is_cap: float = setting(2.0, "importance-weight cap (verl's rollout_is_threshold): tis, seq_tis, seq_mis and "
+                                 "geo_rs_token_tis truncate weights to it, decoupled drops tokens above it")
+    rs_lower: Optional[float] = setting(None, f"lower end of the masking presets' band (verl's rollout_rs_threshold "
+                                              f"lower_upper); null = the preset's: {BAND_DEFAULTS[0]}")
+    rs_upper: Optional[float] = setting(None, f"upper end of that band; null = the preset's: {BAND_DEFAULTS[1]}")
     old_logprobs: OldLogprobs = setting("recompute", "the ratio's pi_old: recompute (a learner forward) | "
                                                      "behaviour (the sampler's log-probs; sync mode only)")
+
+    def __post_init__(self) -> None:
+        # agg left out takes the policy loss's; one written out stays, for validate to check.
+        if self.agg is None and self.policy_loss in POLICY_LOSSES:
+            object.__setattr__(self, "agg", policy_loss_row(self.policy_loss).agg)
 
     def validate(self, world_size: int = 1, at: str = "learner.ppo") -> None:
         """``at``: where the user writes this section (a PPO job's is ``ppo``), for the messages."""
@@ -179,6 +196,10 @@ class PPOConfig:
             _fail(why)
         if not (self.is_cap >= 1 and math.isfinite(self.is_cap)):
             _fail(f"{p}.is_cap={self.is_cap} must be a finite number >= 1 (weights above it are capped)")
+        for why in (band_error(self.off_policy, self.rs_lower, self.rs_upper, p),
+                    policy_loss_error(self.policy_loss, self.agg, self.dual_clip, p)):
+            if why is not None:
+                _fail(why)
 
 
 @config_class

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from core import ppo
+from core import policy_losses, ppo
 from core.kl import KLPenalty
 from learner.batch import Batch
 from learner.config import PPOConfig
@@ -49,12 +49,38 @@ class TermSettings:
     critic: bool            # a value model trains (ppo.advantage=gae)
 
 
-def policy_term(x: MicroBatch, s: TermSettings) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, clip_frac, approx_kl), each []: the clipped surrogate of the [B, T] log-probs against
-    pi_old, each token weighted by its off-policy weight (core.ppo.policy_loss)."""
-    b, p = x.batch, s.ppo
+def _ppo_loss(x: MicroBatch, p: PPOConfig) -> tuple[Tensor, Tensor, Tensor]:
+    b = x.batch
     return ppo.policy_loss(x.logprobs, b.old_logprobs, b.advantages, x.mask, p.clip_low, p.clip_high,
                            p.dual_clip, x.agg, weights=b.is_weights)
+
+
+def _gspo_loss(x: MicroBatch, p: PPOConfig) -> tuple[Tensor, Tensor, Tensor]:
+    b = x.batch
+    return policy_losses.gspo_loss(x.logprobs, b.old_logprobs, b.advantages, x.mask, p.clip_low, p.clip_high,
+                                   x.agg, weights=b.is_weights)
+
+
+def _cispo_loss(x: MicroBatch, p: PPOConfig) -> tuple[Tensor, Tensor, Tensor]:
+    b = x.batch
+    return policy_losses.cispo_loss(x.logprobs, b.old_logprobs, b.advantages, x.mask, p.clip_low, p.clip_high,
+                                    x.agg, weights=b.is_weights)
+
+
+# The policy losses by ``ppo.policy_loss`` (its names: core.choices.POLICY_LOSS_TABLE; a test checks
+# they are the same), each of the [B, T] micro-batch against pi_old, each token weighted by its
+# rollout correction's weight.
+POLICY_LOSSES: dict[str, Callable[[MicroBatch, PPOConfig], tuple[Tensor, Tensor, Tensor]]] = {
+    "ppo": _ppo_loss,      # core.ppo.policy_loss: the clipped token ratio
+    "gspo": _gspo_loss,    # core.policy_losses.gspo_loss: the clipped sequence ratio
+    "cispo": _cispo_loss,  # core.policy_losses.cispo_loss: the clipped, stop-gradient weight times log pi
+}
+
+
+def policy_term(x: MicroBatch, s: TermSettings) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, clip_frac, approx_kl), each []: ``ppo.policy_loss``'s loss of the [B, T] log-probs
+    against pi_old, each token weighted by its off-policy weight."""
+    return POLICY_LOSSES[s.ppo.policy_loss](x, s.ppo)
 
 
 def value_term(x: MicroBatch, s: TermSettings) -> tuple[Tensor, Tensor]:

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from core import ppo
+from core.choices import resolved_band
+from core.corrections import Bounds, correct
 from core.estimators import EstimatorOptions, estimator
 from core.kl import NO_KL, KLPenalty, kl_estimate
 from core.layout import position_ids
@@ -154,13 +156,23 @@ class PPOObjective(Objective):
         proximal = torch.where(mask != 0, own, 0.0) if recompute else batch.old_logprobs
         batch.advantages, returns = self._advantages(batch, shard)
         batch.returns = returns if returns is not None else torch.zeros_like(mask)
-        batch.is_weights, _ = ppo.behaviour_weights(proximal, batch.behaviour_logprobs, mask,
-                                                    cfg.off_policy, cfg.is_cap)
-        metrics = self._value_metrics(batch) if self.critic else self._advantage_metrics(batch)
+        batch.is_weights, corrected = self._correct(proximal, batch.behaviour_logprobs, mask)
+        metrics = {**corrected, **(self._value_metrics(batch) if self.critic else self._advantage_metrics(batch))}
         if recompute:
             metrics.update(self._agreement_metrics([(batch.old_logprobs, batch.behaviour_logprobs, mask)],
                                                    proximal))
         return metrics
+
+    def _correct(self, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> tuple:
+        """(weights [B, R], metrics): the rollout correction's (``ppo.off_policy``, core/corrections.py)
+        and the fractions of the batch's tokens, over every rank, it truncated and it masked."""
+        cfg = self.config.ppo
+        lower, upper = resolved_band(cfg.off_policy, cfg.rs_lower, cfg.rs_upper)
+        out = correct(proximal, behaviour, mask, cfg.off_policy, Bounds(cap=cfg.is_cap, lower=lower, upper=upper))
+        m = mask.double()
+        n, s_truncated, s_masked = self.comm.sum([m.sum(), (out.truncated * m).sum(), (out.masked * m).sum()])
+        n = max(n, 1.0)
+        return out.weights, {"off_policy/truncated_frac": s_truncated / n, "off_policy/masked_frac": s_masked / n}
 
     def _advantages(self, batch: Batch, shard: list[ScoredRollout]):
         """(advantages, returns or None), [B, R] each, by ``ppo.advantage`` (core/estimators.py).

@@ -151,6 +151,37 @@ def test_off_policy_correction_matches_plain_torch(policy_path, pad_id, stale_ro
     assert max_abs_diff(w.full_state_dict(), uncorrected) > 1e-3
 
 
+def _preset_fractions(log_w_rows, preset):
+    """(truncated, masked) token fractions of ``preset`` at its default band and cap 2, by hand
+    in numpy from each row's [R] log-weights."""
+    n = sum(len(r) for r in log_w_rows)
+    if preset == "seq_mis":  # a row is rejected when W = prod w is outside [0.5, 2]
+        out = [len(r) for r in log_w_rows if not 0.5 <= np.exp(r.sum()) <= 2.0]
+        return 0.0, sum(out) / n
+    # icepop: a token is masked outside [0.5, 5]; nothing truncated
+    return 0.0, sum(int(((np.exp(r) < 0.5) | (np.exp(r) > 5.0)).sum()) for r in log_w_rows) / n
+
+
+@pytest.mark.parametrize("preset, loss", [("seq_mis", "gspo"), ("icepop", "cispo")])
+def test_sequence_presets_and_policy_losses_train_and_report(policy_path, stale_rollouts, initial, preset, loss):
+    """ppo.policy_loss=gspo/cispo with a masking preset: the update runs, moves the weights, and
+    reports the fractions the preset masked, as computed by hand from the learner's log-probs."""
+    clip = dict(clip_low=3e-4, clip_high=4e-4) if loss == "gspo" else {}
+    cfg = sgd_config(off_policy=preset, policy_loss=loss, **clip)
+    assert cfg.ppo.agg == ("seq-mean-token-mean" if loss == "gspo" else "token-mean")  # the loss's own
+    w = worker(policy_path, cfg)
+    metrics = w.train(stale_rollouts)
+    learner = model_logprobs(policy_path, [r.prompt_ids for r in stale_rollouts],
+                             [r.response_ids for r in stale_rollouts])
+    log_w = [(a - r.behaviour_logprobs).astype(np.float64) for a, r in zip(learner, stale_rollouts)]
+    truncated, masked = _preset_fractions(log_w, preset)
+    assert metrics["off_policy/truncated_frac"] == pytest.approx(truncated, abs=1e-9)
+    assert metrics["off_policy/masked_frac"] == pytest.approx(masked, abs=1e-9)
+    assert 0 < metrics["off_policy/masked_frac"] < 1
+    assert np.isfinite(metrics["ppo/policy_loss"]) and 0 <= metrics["ppo/clip_frac"] <= 1
+    assert max_abs_diff(initial, w.full_state_dict()) > 1e-4
+
+
 @pytest.mark.parametrize("estimator, stage", [("k3", 2), ("k2", 3)])
 def test_kl_loss_term_matches_plain_torch(policy_path, pad_id, rollouts, initial, estimator, stage):
     """ppo.kl.placement=loss: beta x the estimator's aggregate joins the loss with its gradient

@@ -45,6 +45,10 @@ MEANINGS: dict[str, str] = {
     "off_policy/is_weight_mean": "token-mean importance weight pi_learner / pi_behaviour, before the cap",
     "off_policy/is_weight_max": "largest importance weight pi_learner / pi_behaviour in the batch",
     "off_policy/capped_frac": "fraction of tokens whose weight exceeds ppo.is_cap (tis truncates, decoupled drops)",
+    "off_policy/truncated_frac": "fraction of tokens whose ppo.off_policy weight was cut down to ppo.is_cap (a "
+                                 "sequence preset counts every token of a truncated row)",
+    "off_policy/masked_frac": "fraction of tokens the ppo.off_policy preset rejected: weight 0 (decoupled, and "
+                              "the masking presets seq_mis, geo_rs, geo_rs_token_tis, icepop)",
     "perf/step_seconds": "wall time of the whole PPO step",
     "perf/generate_seconds": "time spent generating rollouts",
     "perf/score_seconds": "time spent on reference logprobs and reward scores",
