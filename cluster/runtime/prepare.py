@@ -188,22 +188,14 @@ def prepare(cfg):
     check_policy_config(policy_config)
     if cfg.learner.lora.enabled:
         check_adapter_targets(cfg.learner, policy_config)
-    if cfg.reward.model:
-        check_reward_model(cfg.reward.model, tokenizer, tokenizer_path)
-        if cfg.reward.normalize:  # the actors would fail on it one by one: refuse here, in one line
-            from actors.rewards.reward_model import load_reward_stats
-            with user_input():
-                load_reward_stats(cfg.reward.model)
     if cfg.reference.model:
         from cluster.runtime.state.lineage import check_reference
         with user_input():
             check_reference(cfg.reference.model, tokenizer, tokenizer_path, policy)
     train_set, eval_set = prepare_prompts(cfg.data, tokenizer_path, required)
-    if cfg.reward.judge.model:
-        probe_judge(cfg.reward.judge, check_judge(cfg.reward.judge, train_set.columns.names), train_set)
-    probe_reward(cfg.reward, train_set)
-    for part in reward_parts(cfg.reward) if cfg.reward.sources else ():  # each as its single keys would be
-        probe_source(part.config, tokenizer, tokenizer_path, train_set)
+    parts = reward_parts(cfg.reward) if cfg.reward.sources else ()
+    for reward in (cfg.reward, *(p.config for p in parts)):  # the single keys, then each of reward.sources alike
+        probe_source(reward, tokenizer, tokenizer_path, train_set)
     if cfg.env.agent:
         probe_agent(cfg.env)
     elif cfg.env.enabled:
@@ -266,12 +258,12 @@ def probe_reward(reward, train_set) -> None:
 
 
 def probe_source(reward, tokenizer, tokenizer_path: str, train_set) -> None:
-    """One of reward.sources (``reward``: a RewardConfig holding it alone) checked and probed as
-    the single-source keys are: a reward model's config, a judge's template and input, a function
-    or a server called on example pairs."""
+    """A reward section (the run's, or one of reward.sources as a RewardConfig holding it alone)
+    checked and probed: a reward model's config, a judge's template and input, a function or a
+    server called on example pairs."""
     if reward.model:
         check_reward_model(reward.model, tokenizer, tokenizer_path)
-        if reward.normalize:
+        if reward.normalize:  # the actors would fail on it one by one: refuse here, in one line
             from actors.rewards.reward_model import load_reward_stats
             with user_input():
                 load_reward_stats(reward.model)

@@ -165,7 +165,9 @@ def metric_name(key: str) -> str:
 
 
 METRICS: dict[str, str] = {metric_name(k): meaning for k, meaning in MEANINGS.items()}
-# reward/<source>/mean and reward/<source>/count: one series per value of data.source_field in the data.
+# reward/<source>/mean and reward/<source>/count: one series per value of data.source_field in the data,
+# and reward/<name>/mean per reward.sources source.
 PER_SOURCE = re.compile(r"tether_reward_.+_(mean|count)")
-PER_SOURCE_MEANING = "the step's reward over the rollouts of one data source (data.source_field)"
+PER_SOURCE_MEANING = ("the step's reward over the rollouts of one data source (data.source_field), or one "
+                      "reward.sources source's mean score over the rollouts trained on")
 TAG_KEYS: dict[str, tuple[str, ...]] = {metric_name(k): TAGGED.get(k, ()) for k in MEANINGS}

@@ -118,6 +118,14 @@ def _old_runs(d: Path) -> None:
         (d / name / "checkpoints/resume/step-000002/learner").mkdir()
 
 
+WF = "function: 'cluster.demo.arithmetic:well_formed'"  # a reward.sources item's source
+
+
+def _sources(*items: str) -> str:
+    """reward.sources=[{...}, ...] of YAML mappings' insides, braces doubled (the cases are .format()ted)."""
+    return "reward.sources=[" + ", ".join("{{" + item + "}}" for item in items) + "]"
+
+
 CASES = [
     # -- the command line and the config file --
     pytest.param(["--config", "{inputs}/bad.yaml"], "bad.yaml is not valid YAML at line 2", id="yaml-malformed"),
@@ -267,6 +275,27 @@ CASES = [
     pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "data.path={inputs}/with_response.jsonl",
                   "data.prompts_per_step=8", "data.eval_prompts=0"], "the data has a column named 'response', which "
                  "reward.judge.template cannot tell from the response being scored", id="judge-data-column-response"),
+    # -- reward.sources, reward.combine and group judges (config) --
+    pytest.param(["reward.function=null", _sources(f"name: a, weight: 0, {WF}")],
+                 "reward.sources has no trainable weight (every weight is 0: a are monitors only)",
+                 id="sources-no-weight"),
+    pytest.param(["reward.function=null", _sources(f"name: a, {WF}", f"name: a, {WF}")],
+                 "reward.sources names 'a' twice", id="sources-duplicate-name"),
+    pytest.param(["reward.function=null", _sources(f"name: a, {WF}, url: 'http://127.0.0.1:9/r'")],
+                 "reward.sources[0] (a) must set exactly one of function, model, url, judge.model and environment: "
+                 "true (got function, url)", id="sources-two-kinds"),
+    pytest.param(["reward.function=null", _sources("name: a")], "reward.sources[0] (a) must set exactly one of "
+                 "function, model, url, judge.model and environment: true (got none)", id="sources-no-kind"),
+    pytest.param([_sources(f"name: a, {WF}")], "reward.sources replaces reward.model, reward.function, reward.url, "
+                 "reward.judge.model; set reward.function=null", id="sources-and-single-key"),
+    pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.mode=group",
+                  "generator.sampling.n=1", "data.prompts_per_step=32"], "reward.judge.mode=group judges a prompt's "
+                 "samples together, and generator.sampling.n=1 gives it one", id="group-judge-one-sample"),
+    pytest.param(["reward.function=null", _sources(f"name: a, {WF}"), "reward.combine=gdpo", "generator.sampling.n=1",
+                  "data.prompts_per_step=32"], "reward.combine=gdpo normalises each source within a prompt's group "
+                 "of samples, and generator.sampling.n=1", id="gdpo-one-sample"),
+    pytest.param(["reward.combine=mean"], "reward.combine='mean' is unknown; use one of sum, gdpo",
+                 id="combine-unknown"),
     pytest.param(["reward.function=null", "reward.judge.model=builtin:judge", "reward.judge.chat_template=true"],
                  "the tokenizer of reward.judge.model='builtin:judge' has no chat template; set "
                  "reward.judge.chat_template=false", id="judge-chat-template-missing"),
