@@ -55,7 +55,7 @@ from typing import Optional
 from actors.rewards.composed import attach_components
 from core.annotate import RewardShaping, annotate_valid
 from core.infra.transfer import Transfer, pull_args
-from core.rollout import BatchSummary, ScoredRollout, shard_rollouts, staleness
+from core.rollout import BatchSummary, FrozenLogprobs, ScoredRollout, shard_rollouts, staleness
 
 
 @dataclass(frozen=True)
@@ -205,11 +205,13 @@ class RolloutBuffer:
             finally:
                 self._waiting_gets -= 1
 
-    def put_chunk(self, chunk_id: int, rollouts: list, reference_logprobs: list, scores,
+    def put_chunk(self, chunk_id: int, rollouts: list, reference_logprobs, scores,
                   shaping: RewardShaping, timeout: Optional[float] = None,
                   drop_flat_groups: bool = False) -> ChunkReport:
         """Annotate one chunk's rollouts (scores: the reward's ScoreResult) and put them, once.
 
+        ``reference_logprobs``: a reference replica's FrozenLogprobs (the teacher's too, where it
+        hosts one) or a plain list of the reference's (core.rollout.FrozenLogprobs.of).
         Each of rollouts, reference_logprobs and scores is a value or a core.infra.transfer.Pull
         (pulled here; a lost object raises as ray.get does, and nothing is stored). A duplicate
         chunk id (already stored, or being stored right now) pulls and stores nothing.
@@ -221,9 +223,10 @@ class RolloutBuffer:
                 return ChunkReport(chunk_id, duplicate=True, held=self._chunks.get(chunk_id, ()))
             self._chunks_pending.add(chunk_id)
         try:
-            (rollouts, reference_logprobs, scores), moved = pull_args(rollouts, reference_logprobs, scores)
-            scored, invalid, empty = annotate_valid(rollouts, reference_logprobs, scores.scores,
-                                                    scores.valid, shaping)
+            (rollouts, frozen, scores), moved = pull_args(rollouts, reference_logprobs, scores)
+            frozen = FrozenLogprobs.of(frozen)
+            scored, invalid, empty = annotate_valid(rollouts, frozen.reference, scores.scores,
+                                                    scores.valid, shaping, teacher_logprobs=frozen.teacher)
             for x in scored:
                 x.chunk_id = chunk_id
             attach_components(scored, rollouts, scores)

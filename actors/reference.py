@@ -7,6 +7,10 @@ samples from: log_softmax(logits / T), and with top-k/top-p sampling renormalise
 set of tokens the sampler kept at each position (the rollout's ``kept_ids``, core.sampling),
 so the KL penalty compares like with like.
 
+A replica may host the run's teacher too (``teacher``: on-policy distillation, core/distill.py):
+a second frozen model scoring the same tokens under the same temperature and kept sets. A
+teacher that is the reference's own model is scored once.
+
 A forward scores a length-sorted chunk of ``batch_size`` sequences, with ``packing`` as one
 row of their real tokens (core/modeling/packed_rows.py: no padding, each sequence attended alone),
 else padded prompt | response (core.layout).
@@ -36,6 +40,7 @@ from core.modeling.loading import (
 )
 from core.modeling.packed_rows import pack_sequences
 from core.modeling.varlen_attention import use_varlen
+from core.rollout import FrozenLogprobs
 from core.sampling import check_truncation, is_truncated, pad_kept_ids
 
 log = logging.getLogger(__name__)
@@ -45,11 +50,11 @@ class Reference:
     """Token log-probs of given (prompt, response) pairs under a frozen causal LM."""
 
     def __init__(self, *, model: str, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 dtype: str = "float32", batch_size: int = 16, packing: bool = True, device: str | None = None):
+                 dtype: str = "float32", batch_size: int = 16, packing: bool = True, device: str | None = None,
+                 teacher: str | None = None, role: str = "Reference"):
         from transformers import AutoModelForCausalLM
 
         fit_threads()
-        role = "Reference"
         if not (temperature > 0 and np.isfinite(temperature)):
             raise ValueError(f"{role}: temperature must be a finite number > 0, got {temperature}")
         check_truncation(role, top_k, top_p)
@@ -81,6 +86,12 @@ class Reference:
             use_varlen(self.model)
         self._forward = self._forward_packed if self.packing else self._forward_padded
         self._counts = {"calls": 0, "sequences": 0, "tokens": 0, "seconds": 0.0}
+        self.teacher = None  # the teacher's scorer; self where the teacher is the reference's model
+        if teacher is not None:
+            same = resolve_model_path(teacher, "Teacher") == self.model_path
+            self.teacher = self if same else Reference(
+                model=teacher, temperature=temperature, top_k=top_k, top_p=top_p, dtype=dtype,
+                batch_size=batch_size, packing=packing, device=device, role="Teacher")
 
     def logprobs(self, prompt_ids_batch: list[np.ndarray], response_ids_batch: list[np.ndarray],
                  kept_ids_batch: list[np.ndarray] | None = None) -> list[np.ndarray]:
@@ -115,11 +126,16 @@ class Reference:
         return self.logprobs([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
                              [r.kept_ids for r in rollouts] if self.truncated else None)
 
-    def reference_logprobs_pulled(self, rollouts: Pull) -> tuple[list[np.ndarray], Transfer]:
-        """reference_logprobs() of Rollouts this call pulls itself (call it with num_returns=2):
-        the log-probs, and what the pull moved between nodes (core/infra/transfer.py)."""
+    def reference_logprobs_pulled(self, rollouts: Pull) -> tuple[FrozenLogprobs, Transfer]:
+        """reference_logprobs() of Rollouts this call pulls itself (call it with num_returns=2),
+        with the teacher's where this replica hosts one, and what the pull moved between nodes
+        (core/infra/transfer.py)."""
         (rollouts,), moved = pull_args(rollouts)
-        return self.reference_logprobs(rollouts), moved
+        reference = self.reference_logprobs(rollouts)
+        if self.teacher is None:
+            return FrozenLogprobs(reference), moved
+        teacher = reference if self.teacher is self else self.teacher.reference_logprobs(rollouts)
+        return FrozenLogprobs(reference, teacher), moved
 
     @property
     def truncated(self) -> bool:
@@ -179,4 +195,11 @@ class Reference:
                 "dtype": str(self.dtype).replace("torch.", ""), "packing": self.packing,
                 "temperature": self.temperature,
                 "top_k": self.top_k, "top_p": self.top_p,
-                **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()}}
+                **self._rounded_counts(),
+                **({} if self.teacher is None else {"teacher": {"model": self.teacher.model_path,
+                                                                **self.teacher._rounded_counts()}})}
+
+    def _rounded_counts(self) -> dict:
+        """calls, sequences, tokens and seconds scored so far (a teacher that is the reference's
+        model: the reference's, since one forward serves both)."""
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._counts.items()}

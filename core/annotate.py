@@ -41,7 +41,8 @@ class RewardShaping:
 
 
 def annotate_valid(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], scores: np.ndarray,
-                   valid: np.ndarray, shaping: RewardShaping) -> tuple[list[ScoredRollout], int, int]:
+                   valid: np.ndarray, shaping: RewardShaping,
+                   teacher_logprobs: Optional[Sequence[np.ndarray]] = None) -> tuple[list[ScoredRollout], int, int]:
     """``annotate`` of the rollouts whose score is valid: (scored, n_invalid, n_empty).
 
     scores and valid are [N] (a reward's ScoreResult); invalid items are left out and counted.
@@ -49,7 +50,8 @@ def annotate_valid(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarra
     keep = np.flatnonzero(np.asarray(valid, dtype=bool))
     scored = annotate([rollouts[i] for i in keep], [ref_logprobs[i] for i in keep],
                       np.asarray(scores)[keep], beta=shaping.beta, kl_estimator=shaping.kl_estimator,
-                      truncation_penalty=shaping.truncation_penalty, reward_clip=shaping.reward_clip)
+                      truncation_penalty=shaping.truncation_penalty, reward_clip=shaping.reward_clip,
+                      teacher_logprobs=None if teacher_logprobs is None else [teacher_logprobs[i] for i in keep])
     return scored, len(rollouts) - len(keep), len(keep) - len(scored)
 
 
@@ -59,7 +61,8 @@ def _name(r: Rollout) -> str:
 
 def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], scores: np.ndarray, *,
              beta: float, kl_estimator: str = "k1", truncation_penalty: float = 0.0,
-             reward_clip: Optional[float] = None) -> list[ScoredRollout]:
+             reward_clip: Optional[float] = None,
+             teacher_logprobs: Optional[Sequence[np.ndarray]] = None) -> list[ScoredRollout]:
     """Turn rollouts into ScoredRollouts with per-token KL and rewards.
 
     ref_logprobs[i] is [R_i] (Reference.logprobs output); scores is [N], one per rollout,
@@ -75,14 +78,18 @@ def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], sc
     Rollouts with an empty response have no token to carry a reward and are left
     out: the result keeps input order, and ``len(rollouts) - len(result)`` is the
     number skipped (each result still names its prompt_index / sample_index).
+    ``teacher_logprobs[i]`` [R_i], where the run has a teacher: kept on the ScoredRollout as
+    they are (the learner turns them into an advantage term, core/distill.py).
     """
     n = len(rollouts)
-    if len(ref_logprobs) != n:
-        raise ValueError(f"annotate: {n} rollouts but {len(ref_logprobs)} reference log-prob arrays")
+    if len(ref_logprobs) != n or (teacher_logprobs is not None and len(teacher_logprobs) != n):
+        raise ValueError(f"annotate: {n} rollouts but {len(ref_logprobs)} reference log-prob arrays"
+                         + ("" if teacher_logprobs is None else f" and {len(teacher_logprobs)} teacher ones"))
     scores = np.asarray(scores, dtype=np.float64).reshape(-1)
     if scores.shape != (n,):
         raise ValueError(f"annotate: {n} rollouts but {scores.size} scores")
-    keep, refs, kept_scores = _non_empty(rollouts, ref_logprobs, scores)
+    teachers = [None] * n if teacher_logprobs is None else teacher_logprobs
+    keep, refs, kept_scores, kept_teachers = _non_empty(rollouts, ref_logprobs, scores, teachers)
     if len(keep) < n:
         log.debug("annotate: skipped %d rollouts with empty responses", n - len(keep))
     if not keep:
@@ -92,35 +99,41 @@ def annotate(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], sc
         keep, refs, kept_scores, beta=beta, kl_estimator=kl_estimator, truncation_penalty=truncation_penalty,
         reward_clip=reward_clip)
     out = []
-    for row, (r, ref, R) in enumerate(zip(keep, refs, lengths)):
+    for row, (r, ref, teacher, R) in enumerate(zip(keep, refs, kept_teachers, lengths)):
         base = {name: getattr(r, name) for name in _ROLLOUT_FIELDS}
-        out.append(ScoredRollout(**base, reference_logprobs=ref, kl=kl_np[row, :R].copy(),
+        out.append(ScoredRollout(**base, reference_logprobs=ref, teacher_logprobs=teacher, kl=kl_np[row, :R].copy(),
                                  rewards=rewards_np[row, :R].copy(), score=float(kept_scores[row]),
                                  reward_score=float(shaped[row]),
                                  placed_rewards=None if r.turn_rewards is None else placed_np[row, :R].copy()))
     return out
 
 
-def _non_empty(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray],
-               scores: np.ndarray) -> tuple[list[Rollout], list[np.ndarray], np.ndarray]:
-    """The rollouts with a response, their [R_i] float32 reference log-probs and their [N'] float64
-    scores; a ValueError for a length mismatch or a non-finite score or log-prob among them."""
-    keep, refs, kept_scores = [], [], []
-    for r, ref, s in zip(rollouts, ref_logprobs, scores):
+def _non_empty(rollouts: Sequence[Rollout], ref_logprobs: Sequence[np.ndarray], scores: np.ndarray,
+               teachers: Sequence) -> tuple[list[Rollout], list[np.ndarray], np.ndarray, list]:
+    """The rollouts with a response, their [R_i] float32 reference log-probs, their [N'] float64
+    scores and their [R_i] float32 teacher log-probs (None entries without a teacher); a ValueError
+    for a length mismatch or a non-finite score or log-prob among them."""
+    keep, refs, kept_scores, kept_teachers = [], [], [], []
+    for r, ref, s, teacher in zip(rollouts, ref_logprobs, scores, teachers):
         ref = np.asarray(ref, dtype=np.float32).reshape(-1)
         if r.trained_tokens == 0:  # nothing the policy sampled: nothing to train
             continue
-        if ref.shape != r.response_ids.shape:
-            raise ValueError(f"annotate: {_name(r)} has {r.response_ids.size} response tokens but "
-                             f"{ref.size} reference log-probs")
+        if teacher is not None:
+            teacher = np.asarray(teacher, dtype=np.float32).reshape(-1)
+        for name, lp in (("reference", ref), ("teacher", teacher)):
+            if lp is not None and lp.shape != r.response_ids.shape:
+                raise ValueError(f"annotate: {_name(r)} has {r.response_ids.size} response tokens but "
+                                 f"{lp.size} {name} log-probs")
         if not np.isfinite(s):
             raise ValueError(f"annotate: {_name(r)} has non-finite score {s}; drop invalid reward items first")
-        if not (np.isfinite(ref).all() and np.isfinite(r.behaviour_logprobs).all()):
-            raise ValueError(f"annotate: {_name(r)} has non-finite behaviour or reference log-probs")
+        if not (np.isfinite(ref).all() and np.isfinite(r.behaviour_logprobs).all()
+                and (teacher is None or np.isfinite(teacher).all())):
+            raise ValueError(f"annotate: {_name(r)} has non-finite behaviour, reference or teacher log-probs")
         keep.append(r)
         refs.append(ref)
         kept_scores.append(s)
-    return keep, refs, np.array(kept_scores)
+        kept_teachers.append(teacher)
+    return keep, refs, np.array(kept_scores), kept_teachers
 
 
 def _kl_and_rewards(keep: list[Rollout], refs: list[np.ndarray], scores: np.ndarray, *, beta: float,

@@ -125,9 +125,17 @@ class ScoredRollout(Rollout):
     # reward.sources: each source's own score of this rollout by its name (the score combines them);
     # None: one source.
     components: dict = None
+    # [R] float32: log pi_teacher(token) of a run with a teacher (on-policy distillation), same
+    # temperature and kept sets as the reference's; None: no teacher.
+    teacher_logprobs: np.ndarray = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = np.asarray(self.teacher_logprobs, dtype=np.float32).reshape(-1)
+            if self.teacher_logprobs.shape != self.response_ids.shape:
+                raise ValueError(f"ScoredRollout: teacher_logprobs shape {self.teacher_logprobs.shape} does not "
+                                 f"match response_ids shape {self.response_ids.shape}")
         if self.placed_rewards is not None:
             self.placed_rewards = np.asarray(self.placed_rewards, dtype=np.float32).reshape(-1)
             if self.placed_rewards.shape != self.response_ids.shape:
@@ -141,6 +149,20 @@ class ScoredRollout(Rollout):
                 raise ValueError(f"ScoredRollout: {name} shape {arr.shape} does not match "
                                  f"response_ids shape {self.response_ids.shape}")
             setattr(self, name, arr)
+
+
+@dataclass(frozen=True)
+class FrozenLogprobs:
+    """What a reference replica returns for a chunk: per rollout, the [R_i] float32 log-probs of its
+    response tokens under the reference, and under the teacher where the replica hosts one."""
+    reference: list
+    teacher: list = None  # None: the run has no teacher
+
+    @classmethod
+    def of(cls, value) -> "FrozenLogprobs":
+        """``value`` as FrozenLogprobs: a plain list is the reference's log-probs alone (a scorer
+        without a teacher, the learner scoring the reference)."""
+        return value if isinstance(value, cls) else cls(reference=list(value))
 
 
 def spliced_kept_ids(spans: list, length: int):

@@ -34,6 +34,7 @@ class Batch:
     scores: Tensor                # [B] float32: sequence scores (for metrics)
     prompt_len: int               # P: column where every response starts
     kept_ids: Optional[Tensor] = None  # [B, R, K] int64: truncated sampling's kept sets (-1 = padding)
+    teacher_logprobs: Optional[Tensor] = None  # [B, R] float32: the teacher's, in a run with one (core/distill.py)
     # Filled in by the learner before the epochs; same [B, R] layout.
     old_logprobs: Optional[Tensor] = None
     old_values: Optional[Tensor] = None
@@ -145,6 +146,13 @@ def collate(rollouts: Sequence[ScoredRollout | Rollout], pad_id: int) -> Batch:
         if any(k is None for k in kept):
             raise ValueError("collate: some rollouts carry a kept set (truncated sampling) and some do not")
         per_token["kept_ids"] = pad_kept_ids(kept)
+    teachers = [getattr(r, "teacher_logprobs", None) for r in rollouts]
+    if any(t is not None for t in teachers):
+        if any(t is None for t in teachers):
+            raise ValueError("collate: some rollouts carry teacher log-probs and some do not")
+        per_token["teacher_logprobs"] = np.zeros((B, R), dtype=np.float32)
+        for row, t in enumerate(teachers):
+            per_token["teacher_logprobs"][row, :t.size] = t
     return Batch(input_ids=torch.from_numpy(ids), attention_mask=attention_mask,
                  position_ids=position_ids(attention_mask),
                  scores=torch.tensor([float(getattr(r, "score", 0.0)) for r in rollouts], dtype=torch.float32),

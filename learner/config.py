@@ -337,6 +337,8 @@ class LearnerConfig(RankConfig):
               "each sequence's token sum by it, a constant as in Dr. GRPO")
     reference_threads: int = setting(0, "reference.on_learner: CPU threads rank 0 scores the reference with "
                                         "(the scorers' share of the node); 0: the learner's own")
+    teacher_coef: float = setting(0.0, "teacher.coef: the weight of the teacher's reverse-KL term in each token's "
+                                       "advantage (core/distill.py); 0 = the run has no teacher")
 
     def validate(self, world_size: int = 1, *, ppo_at: str = "learner.ppo") -> None:
         super().validate(world_size)

@@ -64,6 +64,17 @@ def _judge_scorer(source, config, *, dtype=None, seed: int = 0, **_):
     return judge(replace(config.judge, model=source.spec), dtype=dtype, seed=seed)
 
 
+def no_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """Every pair scores 0: a run whose teacher is its whole signal (pure distillation)."""
+    return [0.0] * len(responses)
+
+
+def _no_reward_scorer(source, config, **_):
+    from actors.rewards.scoring import FunctionScorer
+
+    return FunctionScorer(no_reward, name="no reward (the teacher alone)", timeout_s=config.timeout_s)
+
+
 def _model_scorer(source, config, *, dtype: str, device):
     """The reward model in this process."""
     from actors.rewards.reward_model import RewardModelScorer
@@ -85,6 +96,8 @@ SOURCES: dict[str, SourceType] = {t.name: t for t in (
                text_scorer=_judge_scorer),
     SourceType("environment", "environment", "env.environment", lambda w: None, episodes=True),
     SourceType("agent", "agent", "env.agent", lambda w: None, episodes=True),
+    # No reward key set and a teacher: every score is 0, the teacher's term the whole advantage.
+    SourceType("teacher", "teacher", "teacher.model", lambda w: None, text_scorer=_no_reward_scorer),
     SourceType("sources", "reward sources", "reward.sources",
                lambda w: ", ".join(s.name for s in w.sources) if getattr(w, "sources", ()) else None,
                lambda w: replace(w, sources=())),
@@ -179,7 +192,7 @@ def reward_parts(reward) -> tuple[RewardPart, ...]:
 
 def one_source_rule() -> str:
     """What a valid reward section sets, for the messages that refuse another."""
-    keys = [t.key for t in SOURCES.values() if not t.episodes and t.name != "sources"]
+    keys = [t.key for t in SOURCES.values() if not t.episodes and t.name not in ("sources", "teacher")]
     return f"set exactly one of {', '.join(keys[:-1])} and {keys[-1]}, or several in reward.sources"
 
 
@@ -202,6 +215,8 @@ def reward_source(cfg) -> RewardSource:
     """The source of the scores the run trains on (``cfg``: a TetherConfig)."""
     if cfg.env.enabled and cfg.env.reward == "environment":
         return RewardSource(SOURCES["agent" if cfg.env.agent else "environment"], cfg.env.player)
+    if cfg.teacher.enabled and not given_sources(cfg.reward):  # pure distillation
+        return RewardSource(SOURCES["teacher"], cfg.teacher.model)
     return configured_source(cfg.reward)
 
 

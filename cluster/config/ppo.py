@@ -25,6 +25,7 @@ from cluster.config.loader import ConfigError, RootConfig
 from cluster.config.pools import check_pools
 from cluster.config.reward_sources import check_reward_sources
 from cluster.config.step import check_step
+from cluster.config.teacher import TeacherConfig, check_teacher
 from cluster.config.tracking import TRACKERS_HELP, TrackingConfig, tracker_names
 from core.choices import CPUThreads, KLEstimator, KLPlacement, PlacementStrategy, Precision, RunMode, kl_placement_error
 from core.infra.dtypes import resolve_precision
@@ -36,13 +37,16 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the shipped configs
 DEFAULT_CONFIG = CONFIGS / "tiny-cpu.yaml"
 BUILTIN_POLICY = "builtin:tiny"        # the offline tiny model, pre-trained on the built-in corpus
 BUILTIN_POLICY_30M = "builtin:tiny-30m"
+BUILTIN_POLICY_POSITIVE = "builtin:tiny-positive"  # builtin:tiny's recipe on the corpus's positive sentences
 
 
 @config_class
 class ModelConfig:
     """The policy PPO trains (and starts the reference from)."""
-    policy: str = setting(BUILTIN_POLICY, "HF model directory, builtin:tiny, builtin:tiny-30m (random init, "
-                                          "for benchmarks), or builtin:arith (the arithmetic task's)")
+    policy: str = setting(BUILTIN_POLICY, "HF model directory, builtin:tiny, builtin:tiny-positive (the same "
+                                          "recipe on the corpus's positive sentences only: a teacher to distil), "
+                                          "builtin:tiny-30m (random init, for benchmarks), or builtin:arith (the "
+                                          "arithmetic task's)")
     tokenizer: Optional[str] = setting(None, "defaults to the policy directory")
     dtype: Precision = setting("auto", "the whole service's precision: the generators, reference, reward model and "
                                        "learner (bf16 keeps fp32 master weights). auto: bfloat16 on GPUs and on "
@@ -227,6 +231,7 @@ class TetherConfig(RootConfig):
     generator: GeneratorPoolConfig
     reference: ReferencePoolConfig
     reward: RewardPoolConfig
+    teacher: TeacherConfig
     buffer: BufferConfig
     learner: LearnerPoolConfig
     ppo: PPOSection
@@ -246,7 +251,8 @@ class TetherConfig(RootConfig):
                              seed=self.run.seed, temperature=self.generator.sampling.temperature,
                              top_k=self.generator.sampling.top_k, top_p=self.generator.sampling.top_p,
                              max_new_tokens=self.env.max_tokens if self.env.enabled else
-                             self.generator.sampling.max_new_tokens)
+                             self.generator.sampling.max_new_tokens,
+                             teacher_coef=self.teacher.coef if self.teacher.enabled else 0.0)
 
     @property
     def rollouts_per_step(self) -> int:
@@ -281,7 +287,7 @@ def validate(cfg: TetherConfig) -> None:
     """Cross-field checks: what each section alone cannot see."""
     check_pools(cfg)
     check_reward_sources(cfg)  # reward.sources and group judges, before the one-source rule counts them
-    _check_reward(cfg.reward)
+    _check_reward(cfg.reward, teacher=cfg.teacher.enabled)
     if cfg.ppo.old_logprobs == "behaviour" and cfg.run.mode != "sync":
         raise ConfigError("config: ppo.old_logprobs=behaviour takes the sampler's log-probs as the update's "
                           "starting policy, which holds in sync mode only; set run.mode=sync or "
@@ -300,6 +306,7 @@ def validate(cfg: TetherConfig) -> None:
         raise ConfigError(f"config: {e}") from None
     _check_ptx(cfg)
     check_env(cfg.env)
+    check_teacher(cfg)
     if cfg.env.agent and cfg.data.chat_template:
         raise ConfigError("config: env.agent gets each prompt's text and writes its own messages; with "
                           "data.chat_template=true it would get the template's rendering: set data.chat_template=false")
@@ -311,8 +318,9 @@ def validate(cfg: TetherConfig) -> None:
                           f"raise prompts_per_step to at least {cfg.learner.replicas}")
 
 
-def _check_reward(reward: RewardPoolConfig) -> None:
-    if len(given_sources(reward)) != 1:
+def _check_reward(reward: RewardPoolConfig, *, teacher: bool) -> None:
+    """``teacher``: the run has one, so no reward source at all is pure distillation."""
+    if len(given_sources(reward)) != 1 and not (teacher and not given_sources(reward)):
         raise ConfigError(f"config: {one_source_rule()} (the others to null)")
     check_reward_http(reward.url, reward.http)
     if reward.normalize and reward.model is None:

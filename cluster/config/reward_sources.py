@@ -12,7 +12,7 @@ from actors.rewards.source import SOURCES, part_sources
 from core.infra.schema import ConfigError
 
 NAME = re.compile(r"[A-Za-z0-9_-]+")  # a source's name is one path segment of its metrics: reward/<name>/mean
-SINGLE_KEYS = tuple(t.key for t in SOURCES.values() if not t.episodes and t.name != "sources")
+SINGLE_KEYS = tuple(t.key for t in SOURCES.values() if not t.episodes and t.name not in ("sources", "teacher"))
 
 
 def check_reward_sources(cfg) -> None:
@@ -36,9 +36,10 @@ def check_reward_sources(cfg) -> None:
     if duplicate is not None:
         raise ConfigError(f"config: reward.sources names {duplicate!r} twice; give each source a name of its own "
                           "(its metrics are reward/<name>/mean)")
-    if not any(item.weight > 0 for item in reward.sources):
+    if not any(item.weight > 0 for item in reward.sources) and not cfg.teacher.enabled:
         raise ConfigError(f"config: reward.sources has no trainable weight (every weight is 0: {', '.join(names)} "
-                          "are monitors only); give at least one source a weight > 0")
+                          "are monitors only); give at least one source a weight > 0, or set teacher.model to "
+                          "distil with these as monitors")
     if reward.combine == "gdpo" and n < 2:
         raise ConfigError(f"config: reward.combine=gdpo normalises each source within a prompt's group of samples, "
                           f"and generator.sampling.n={n} leaves one per group; raise generator.sampling.n to 2 or "

@@ -75,10 +75,10 @@ PLACES = ("in the morning", "by the sea", "at night", "after the rain", "in the 
 LINKS = ("and", "but", "so", "because", "while")
 
 
-def corpus(n_sentences: int = 2000, seed: int = 0) -> list[str]:
-    """A deterministic built-in English-like corpus mixing positive and negative sentences."""
+def corpus(n_sentences: int = 2000, seed: int = 0, words: tuple = POSITIVE_WORDS + NEGATIVE_WORDS) -> list[str]:
+    """A deterministic built-in English-like corpus mixing positive and negative sentences (each
+    clause's sentiment word drawn from ``words``: POSITIVE_WORDS alone gives positive sentences)."""
     rng = random.Random(seed)
-    words = POSITIVE_WORDS + NEGATIVE_WORDS
     lines = []
     for _ in range(n_sentences):
         clause = lambda: f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(words)}"

@@ -12,9 +12,9 @@ line naming the largest pool, a run whose
   lower). Per replica: the pool's process as measured on the default job (peak RSS of
   each actor with the ~1M-parameter built-in model, rounded up: `BASE_BYTES`), plus its
   model in host memory (the size of the model's weight files, W): a generator W and its
-  KV cache (generator.engine.kv_cache_bytes), a reference W, a reward model W, a judge W and
-  its KV cache (reward.judge.engine.kv_cache_bytes; a reward function or server nothing; with
-  env.reward=environment there is no reward pool), a learner rank its training state:
+  KV cache (generator.engine.kv_cache_bytes), a reference W (plus a teacher directory's W),
+  a reward model W, a judge W and its KV cache (reward.judge.engine.kv_cache_bytes; a reward
+  function or server nothing; with env.reward=environment there is no reward pool), a learner rank its training state:
   parameters, gradients and Adam's two moments, 4 W, divided among the ranks as ZeRO shards
   them (stage 1 the moments, 2 also the gradients, 3 also the parameters; the policy plus a
   separate critic's model).
@@ -186,7 +186,8 @@ def replica_bytes(cfg, policy: Optional[str] = None) -> dict[str, int]:
     weights = model_bytes(policy)
     trained = weights + (model_bytes(lp.critic_model) if lp.critic == "separate" else 0)
     on_host = {"generator": weights + g.engine.kv_cache_bytes,
-               "reference": model_bytes(r.model) if r.model else weights,
+               # a teacher other than the reference's model is a second set of weights in each replica
+               "reference": (model_bytes(r.model) if r.model else weights) + model_bytes(cfg.teacher.model),
                "reward": reward_model_bytes(cfg),
                "learner": training_state_bytes(trained, lp.replicas, lp.zero_stage)}
     return {name: BASE_BYTES[name] + (0 if pool.num_gpus else on_host[name]) for name, pool in _pools(cfg).items()}

@@ -11,47 +11,11 @@ import logging
 from pathlib import Path
 
 from cluster.job.errors import UserError
+from cluster.runtime.models import resolve_model
 from core.infra.errors import type_and_first_line, user_input
 from core.modeling.architectures import check_policy_config, check_reward_config
 
 log = logging.getLogger("tether")
-
-
-def resolve_model(name: str, key: str = "model.policy") -> str:
-    """builtin:* names build the offline tiny models (cached); anything else is a path."""
-    from cluster.config.ppo import BUILTIN_POLICY, BUILTIN_POLICY_30M
-
-    if name == BUILTIN_POLICY:
-        from cluster.demo.pretrain import build_pretrained_policy
-        return str(build_pretrained_policy())
-    if name == BUILTIN_POLICY_30M:  # randomly initialised: for throughput, not for learning
-        from cluster.demo.tiny_models import SPEC_30M, build_policy
-        return str(build_policy(SPEC_30M))
-    from cluster.demo import arithmetic
-    if name == arithmetic.BUILTIN:  # pre-trained on the arithmetic task's corpus
-        return str(arithmetic.build_arithmetic_policy())
-    if name.startswith("builtin:"):
-        raise UserError(f"{key}={name!r} is not a built-in model; use {BUILTIN_POLICY}, {BUILTIN_POLICY_30M}, "
-                        f"{arithmetic.BUILTIN} or a model directory")
-    if not Path(name).exists():
-        raise UserError(f"{key}={name!r} does not exist; point it at a Hugging Face model directory")
-    from learner.lora import is_adapter_dir
-    if is_adapter_dir(name):  # a LoRA adapter (an SFT stage's adapter/): its base with it merged in
-        return merged_adapter(name)
-    return name
-
-
-def merged_adapter(adapter_dir: str) -> str:
-    """The base model of a PEFT adapter with the adapter merged (built once, cached by content)."""
-    import hashlib
-
-    from cluster.demo.tiny_models import cache_root, cached_build
-    from learner.lora import merge_adapter_dir
-
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(adapter_dir).iterdir()) if f.is_file()))
-    with user_input():
-        return str(cached_build(cache_root() / f"merged-{digest.hexdigest()[:16]}",
-                                lambda out: merge_adapter_dir(adapter_dir, out)))
 
 
 def check_vocabulary(tokenizer, tokenizer_path: str, model_dir: str, key: str):

@@ -11,6 +11,7 @@ from cluster.job.errors import Stopped, UserError
 from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.signals import StopSignals
 from cluster.job.startup import StartupClock, check_fits, connect_ray
+from cluster.runtime.models import prepare_teacher
 from cluster.runtime.observe.trackers import check_trackers, open_trackers
 from cluster.runtime.prepare import prepare, prepare_ptx
 from core.modeling.architectures import unsupported_model
@@ -47,7 +48,8 @@ def _run(cfg, overrides: Sequence[str], library_log) -> dict:
         startup.lap("ray")
         try:
             pools = create_pools(cfg, policy_path=inputs["policy"], tokenizer_path=inputs["tokenizer_path"],
-                                 columns=inputs["dataset"].columns)  # the whole set's: eval prompts' too
+                                 columns=inputs["dataset"].columns,  # the whole set's: eval prompts' too
+                                 teacher_path=inputs["teacher"])
         except PlacementError as e:
             raise UserError(str(e)) from None
         except Exception as e:  # an actor that refused its model in its constructor: the user's to fix
@@ -70,7 +72,8 @@ def _prepare(cfg, overrides: Sequence[str]) -> tuple:
         cfg = resumed_config(cfg, resume_from, overrides)
     policy, tokenizer_path, tokenizer, train_set, eval_set = prepare(cfg)
     inputs = dict(policy=policy, tokenizer_path=tokenizer_path, tokenizer=tokenizer, dataset=train_set,
-                  eval_dataset=eval_set, ptx=prepare_ptx(cfg, tokenizer_path))
+                  eval_dataset=eval_set, ptx=prepare_ptx(cfg, tokenizer_path),
+                  teacher=prepare_teacher(cfg, tokenizer, tokenizer_path, policy))
     check_fits(cfg, policy)  # a local Ray that cannot hold the pools: refused before it starts
     return cfg, inputs, reused_dir, resume_from
 
@@ -167,6 +170,8 @@ def startup_summary(cfg) -> str:
                             + (f", {p.num_gpus:g} GPU)" if p.num_gpus else ")"))
     source = reward_source(cfg)
     reward = source.summary
+    if cfg.teacher.enabled:
+        reward += f" | teacher {cfg.teacher.model} (coef {cfg.teacher.coef:g})"
     if cfg.env.agent:
         reward += f" | episodes of agent {cfg.env.agent}, within {cfg.env.episode_timeout_s:g} s"
     elif cfg.env.enabled:

@@ -35,6 +35,7 @@ from learner.objectives.loss_terms import MicroBatch, TermSettings, micro_batch_
 from learner.objectives.minibatches import minibatch_plan, split_rows, visit_order
 from learner.objectives.objective import Objective
 from learner.objectives.stats import UpdateStats, merge_rank_metrics
+from learner.objectives.teacher_term import add_teacher_term
 from learner.packing import Packed, Padded, row_groups, row_lengths
 from learner.policy import PolicyWithValueHead
 
@@ -155,9 +156,11 @@ class PPOObjective(Objective):
         # the ratio's anchor is renormalised over the sampler's set, as the update's log-probs are.
         proximal = torch.where(mask != 0, own, 0.0) if recompute else batch.old_logprobs
         batch.advantages, returns = self._advantages(batch, shard)
+        teacher = add_teacher_term(batch, self.config.teacher_coef, self.comm.sum) if self.config.teacher_coef else {}
         batch.returns = returns if returns is not None else torch.zeros_like(mask)
         batch.is_weights, corrected = self._correct(proximal, batch.behaviour_logprobs, mask)
         metrics = {**corrected, **(self._value_metrics(batch) if self.critic else self._advantage_metrics(batch))}
+        metrics.update(teacher)
         if recompute:
             metrics.update(self._agreement_metrics([(batch.old_logprobs, batch.behaviour_logprobs, mask)],
                                                    proximal))

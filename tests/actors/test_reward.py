@@ -127,6 +127,21 @@ def test_function_path_decodes_and_scores(policy_path, tokenizer):
 
 
 @pytest.mark.integration
+def test_a_run_with_a_teacher_and_no_reward_scores_every_pair_zero(policy_path, tokenizer):
+    """Pure distillation: no reward key set, the teacher's term is the whole advantage."""
+    from actors.rewards.source import reward_source
+    from cluster.config.ppo import load_config
+
+    cfg = load_config(None, ["reward.function=null", "teacher.model=builtin:tiny"])
+    cfg.validate()
+    source = reward_source(cfg)
+    assert source.summary == "teacher builtin:tiny" and not source.holds_model and not source.from_episodes
+    rw = Reward(config=cfg.reward.scoring(), source=source, tokenizer=policy_path)
+    res = rw.score(_encode(tokenizer, ["Once"] * 2), _encode(tokenizer, ["the cat was good", "sad"]))
+    assert res.scores.tolist() == [0.0, 0.0] and res.valid.all()
+
+
+@pytest.mark.integration
 def test_nan_scores_mark_items_invalid(policy_path, tokenizer, caplog):
     rw = Reward(config=reward_config(function="bad_rewards:nan_for_odd"), tokenizer=policy_path)
     prompts, responses = _batch(seed=2, lens=((2, 2),) * 4)

@@ -120,7 +120,7 @@ def test_bad_inputs():
         annotate([r], [np.zeros(2)], np.zeros(1), beta=0.1)
     with pytest.raises(ValueError, match="non-finite score"):
         annotate([r], ref, np.array([np.nan]), beta=0.1)
-    with pytest.raises(ValueError, match="non-finite behaviour or reference"):
+    with pytest.raises(ValueError, match="non-finite behaviour, reference"):
         annotate([r], [np.array([0.0, -np.inf, 0.0])], np.zeros(1), beta=0.1)
     with pytest.raises(ValueError, match="beta"):
         annotate([r], ref, np.zeros(1), beta=-1.0)

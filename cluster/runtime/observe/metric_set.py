@@ -36,6 +36,9 @@ MEANINGS: dict[str, str] = {
     "advantage/abs_mean": "critic-free estimators: token-mean |advantage| over the batch",
     "advantage/zero_frac": "critic-free estimators: fraction of tokens with a zero advantage (a prompt whose "
                            "samples' returns are all equal teaches nothing)",
+    "teacher/kl_mean": "token-mean of log pi_old - log pi_teacher over the sampled tokens: KL(policy || teacher), "
+                       "the distillation term before teacher.coef (teacher.model)",
+    "teacher/logprob_mean": "token-mean log-prob the teacher gives the sampled tokens (teacher.model)",
     "eval/gold_score": "mean reward.gold score on the held-out prompts (evaluation only, never trained on)",
     "alarm/proxy_up_gold_down": "1 when eval/score_mean rose and eval/gold_score fell over the last 3 evaluations",
     "alarm/kl_up_entropy_down":

@@ -62,8 +62,8 @@ class _Background:
         return self._value
 
 
-def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
-                threads: dict[str, int], columns_ref=None, gateway=None) -> tuple[Pool, Pool, Pool]:
+def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, threads: dict[str, int],
+                columns_ref=None, gateway=None, teacher_path: str | None = None) -> tuple[Pool, Pool, Pool]:
     g, r, w, t = cfg.generator, cfg.reference, cfg.reward, cfg.resources.placement_timeout_s
     env = lambda pool: {"env_vars": pool_env(cfg, pool, threads[pool])}  # noqa: E731
     dtype = {role: d for role, (d, _) in cfg.precision().items()}
@@ -83,7 +83,8 @@ def _role_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str,
         return ray.remote(Reference).options(name=rid, num_cpus=r.num_cpus, num_gpus=r.num_gpus,
                                              runtime_env=env("reference"), **options).remote(
             model=r.model or policy_path, temperature=g.sampling.temperature, top_k=g.sampling.top_k,
-            top_p=g.sampling.top_p, batch_size=r.batch_size, packing=r.packing, dtype=dtype["reference"])
+            top_p=g.sampling.top_p, batch_size=r.batch_size, packing=r.packing, dtype=dtype["reference"],
+            teacher=teacher_path)
 
     scoring, source = w.scoring(), with_judge_paths(reward_source(cfg))
 
@@ -157,15 +158,17 @@ def _assemble(cfg: TetherConfig, pools: tuple, learner, buffer, learner_pg) -> P
     return Pools(generators, references, rewards, learner=learner, buffer_slot=buffer, learner_placement=learner_pg)
 
 
-def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, columns=None) -> Pools:
+def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, columns=None,
+                 teacher_path: str | None = None) -> Pools:
     """Reserve every pool first (so a shortage fails before any model loads), then start actors;
     with env.agent the gateway before them all (the generators are handed it).
     ``columns``: the prompt rows' other fields (core.columns.PromptColumns), put in the object
-    store here, once, for every reward replica (Ray hands each the table at construction)."""
+    store here, once, for every reward replica (Ray hands each the table at construction).
+    ``teacher_path``: the teacher the reference replicas host (prepare_teacher), or None."""
     gateway, _ = start_gateway(cfg, tokenizer_path=tokenizer_path, env_vars=actor_env(cfg))
     try:
         pools = _start_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path, columns=columns,
-                             gateway=gateway)
+                             gateway=gateway, teacher_path=teacher_path)
     except BaseException:
         if gateway is not None:
             ray.kill(gateway)
@@ -174,14 +177,15 @@ def create_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, co
     return pools
 
 
-def _start_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, columns, gateway) -> Pools:
+def _start_pools(cfg: TetherConfig, *, policy_path: str, tokenizer_path: str, columns, gateway,
+                 teacher_path: str | None = None) -> Pools:
     lp = cfg.learner
     threads = plan_threads(cfg, node_cores())
     log.info("threads per actor: %s", " ".join(f"{k}={v}" for k, v in threads.items()))
     log.info("precision: %s", describe_precision(cfg))
     columns_ref = ray.put(columns) if columns is not None and columns.names else None
     pools = _role_pools(cfg, policy_path=policy_path, tokenizer_path=tokenizer_path, threads=threads,
-                        columns_ref=columns_ref, gateway=gateway)
+                        columns_ref=columns_ref, gateway=gateway, teacher_path=teacher_path)
     reserved, launched, learner_pg, started, buffer = [], [], None, [], None
     try:
         for pool, n in zip(pools, (cfg.generator.replicas, cfg.reference.pool_replicas, reward_pool_replicas(cfg))):

@@ -61,27 +61,35 @@ def tether_warning(policy: str, reference: str) -> Optional[str]:
 def check_reference(path: str, tokenizer, tokenizer_path: str, policy: str) -> str:
     """``reference.model``: an existing causal-LM directory with the run's vocabulary.
     Returns the path; raises ValueError (one line) otherwise; logs the tether warning."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise ValueError(f"reference.model={path!r} is not a Hugging Face model directory (no config.json); "
-                         "point it at a causal-LM checkpoint, or leave it unset to use the policy")
-    from core.modeling.architectures import check_policy_config
-    config = AutoConfig.from_pretrained(path)
-    check_policy_config(config, "reference.model")  # the reference is a causal LM too
-    vocab = getattr(config.get_text_config(), "vocab_size", None)
-    policy_vocab = getattr(AutoConfig.from_pretrained(policy).get_text_config(), "vocab_size", None)
-    if vocab != policy_vocab or (vocab and len(tokenizer) > vocab):
-        raise ValueError(f"reference.model={path!r} has vocab_size={vocab} but the policy has {policy_vocab} "
-                         f"(tokenizer {tokenizer_path}: {len(tokenizer)} tokens); the reference must share the "
-                         "policy's tokenizer and vocabulary")
-    if any((p / f).exists() for f in ("tokenizer.json", "vocab.json", "tokenizer.model")):
-        own = AutoTokenizer.from_pretrained(path).get_vocab()
-        if own != tokenizer.get_vocab():
-            raise ValueError(f"reference.model={path!r} has another tokenizer than the policy's ({tokenizer_path}); "
-                             "the reference must share the policy's tokenizer and vocabulary")
+    check_frozen_model(path, tokenizer, tokenizer_path, policy, key="reference.model", role="the reference")
     warning = tether_warning(policy, path)
     if warning:
         log.warning("warning: %s", warning)
     return path
+
+
+def check_frozen_model(path: str, tokenizer, tokenizer_path: str, policy: str, *, key: str, role: str) -> None:
+    """A frozen model that scores the policy's sampled ids (``key``: reference.model, teacher.model):
+    an existing causal-LM directory with the policy's vocabulary and tokenizer, else a one-line
+    ValueError naming ``key``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{key}={path!r} is not a Hugging Face model directory (no config.json); "
+                         "point it at a causal-LM checkpoint" + (", or leave it unset to use the policy"
+                                                                  if key == "reference.model" else ""))
+    from core.modeling.architectures import check_policy_config
+    config = AutoConfig.from_pretrained(path)
+    check_policy_config(config, key)  # a causal LM too
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    policy_vocab = getattr(AutoConfig.from_pretrained(policy).get_text_config(), "vocab_size", None)
+    if vocab != policy_vocab or (vocab and len(tokenizer) > vocab):
+        raise ValueError(f"{key}={path!r} has vocab_size={vocab} but the policy has {policy_vocab} "
+                         f"(tokenizer {tokenizer_path}: {len(tokenizer)} tokens); {role} must share the "
+                         "policy's tokenizer and vocabulary")
+    if any((p / f).exists() for f in ("tokenizer.json", "vocab.json", "tokenizer.model")):
+        own = AutoTokenizer.from_pretrained(path).get_vocab()
+        if own != tokenizer.get_vocab():
+            raise ValueError(f"{key}={path!r} has another tokenizer than the policy's ({tokenizer_path}); "
+                             f"{role} must share the policy's tokenizer and vocabulary")

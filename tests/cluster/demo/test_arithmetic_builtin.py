@@ -48,7 +48,7 @@ def test_the_task_configs_name_only_built_in_inputs(name):
 def test_the_policy_is_built_once_into_the_cache(empty_cache, monkeypatch):
     """A few pre-training steps stand in for the task's 1000: the cache key covers them."""
     from cluster.demo import pretrain
-    from cluster.runtime.prepare import resolve_model
+    from cluster.runtime.models import resolve_model
 
     monkeypatch.setattr(arithmetic, "PRETRAIN_STEPS", 2)
     builds = []

@@ -74,6 +74,15 @@ def _two_label_reward_model(out: Path) -> None:
     GPT2ForSequenceClassification(config).save_pretrained(out)
 
 
+def _other_vocabulary_lm(out: Path) -> None:
+    """A causal LM of 2048 ids: a teacher the tiny policy's tokenizer does not fit."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=2048, n_positions=64, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+                        eos_token_id=0, pad_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(out)
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
     """Everything the cases point at, built offline, outside any run.dir."""
@@ -90,6 +99,7 @@ def inputs(tmp_path_factory) -> Path:
     (d / "probe_rewards.py").write_text(PROBE_REWARDS)
     _tokenizers(d)
     _two_label_reward_model(d / "rm_two_labels")
+    _other_vocabulary_lm(d / "lm_other_vocabulary")
     _old_runs(d)
     return d
 
@@ -217,6 +227,12 @@ CASES = [
                  id="tokenizer-larger-than-policy"),
     pytest.param(["model.tokenizer={inputs}/tok_other"], "does not match the policy's vocabulary",
                  id="tokenizer-other-vocabulary"),
+    pytest.param(["teacher.model={inputs}/lm_other_vocabulary"], "teacher.model='{inputs}/lm_other_vocabulary' has "
+                 "vocab_size=2048 but the policy has 1024", id="teacher-vocabulary"),
+    pytest.param(["teacher.model=/nonexistent/teacher"], "teacher.model='/nonexistent/teacher' does not exist",
+                 id="teacher-missing"),
+    pytest.param(["teacher.model=builtin:tiny", "teacher.coef=0"], "teacher.coef=0.0 must be a finite number > 0",
+                 id="teacher-coef-zero"),
     pytest.param(["run.trackers=[tensorboard,wnadb]"], "run.trackers: 'wnadb' is unknown; use any of tensorboard, "
                  "wandb, mlflow", id="tracker-unknown"),
     # -- environment (prepare) --
