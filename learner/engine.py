@@ -2,11 +2,34 @@
 DeepSpeed engine, as one rank trains it."""
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
 
 from learner.config import RankConfig
+
+
+def import_deepspeed():
+    """deepspeed, imported without its autotuner's optional ``import mlflow``.
+
+    DeepSpeed's autotuner imports MLflow if it can (for its own tuning runs, which a rank never
+    does); with the trackers extra installed that is about 40% of DeepSpeed's import, paid by
+    every rank at start-up. While deepspeed imports, ``mlflow`` is marked unimportable, so the
+    autotuner's ``try: import mlflow`` takes its except branch; the mark is removed right after,
+    and a later ``import mlflow`` in the process works as ever (tests/learner/test_engine_import.py).
+    """
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    blocked = "mlflow" not in sys.modules
+    if blocked:
+        sys.modules["mlflow"] = None  # import mlflow now raises ImportError
+    try:
+        import deepspeed
+    finally:
+        if blocked and sys.modules.get("mlflow", False) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
 
 
 def build_engine(model: str, config: RankConfig, world_size: int, *, load: Callable[[str, RankConfig], tuple]):
@@ -15,7 +38,7 @@ def build_engine(model: str, config: RankConfig, world_size: int, *, load: Calla
 
     The process group must exist already (DeepSpeed is told not to create one).
     """
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     torch.manual_seed(config.seed)  # identical value-head / score-head init on every rank
     policy, body = load(model, config)
