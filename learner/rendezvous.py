@@ -4,6 +4,11 @@ No port is ever chosen by binding a socket, closing it and binding it again late
 between, another process can take it (CI failed at random with EADDRINUSE). Rank 0
 opens the TCPStore on port 0 instead, so the OS picks a free port and the store holds
 it from that moment; the other ranks connect to that (address, port) as clients.
+
+Every rank's gloo traffic goes out on the interface holding its node's address (as Ray knows
+it): left alone, gloo binds the address the machine's hostname resolves to, often 127.0.0.1
+(or 127.0.1.1), which the other nodes reach as their own loopback, so a group whose ranks are
+on different machines hangs until ``dist_timeout_s``.
 """
 from __future__ import annotations
 
@@ -11,9 +16,11 @@ import datetime
 import errno
 import os
 import random
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -53,12 +60,29 @@ def open_store(world_size: int, timeout_s: float) -> tuple[dist.TCPStore, StoreA
     return store, StoreAddress(host, int(store.port))
 
 
+def interface_of(ip: str) -> Optional[str]:
+    """The name of the network interface (of this process's network namespace) holding ``ip``."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addresses):
+            return name
+    return None
+
+
+def use_node_interface(ip: str) -> None:
+    """Have gloo bind the interface holding ``ip`` (this node's address), unless the user chose
+    one (GLOO_SOCKET_IFNAME). Read when a gloo group is created: set before the first."""
+    name = interface_of(ip)
+    if name is not None and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
 def join_process_group(rank: int, world_size: int, address: Optional[StoreAddress], timeout_s: float,
-                       store: Optional[dist.Store] = None) -> str:
+                       store: Optional[dist.Store] = None, own_ip: Optional[str] = None) -> str:
     """Join the default torch.distributed group through rank 0's store; returns the backend.
 
     ``store``: rank 0 passes the one it opened; the others connect to ``address``. A
-    process already in a group (in-process tests) reuses it. The timeout also bounds every
+    process already in a group (in-process tests) reuses it. ``own_ip``: this rank's node's
+    address, which gloo binds (default: Ray's node address). The timeout also bounds every
     later collective, so a dead peer becomes an error instead of a hang.
     """
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -68,6 +92,8 @@ def join_process_group(rank: int, world_size: int, address: Optional[StoreAddres
                                f"{dist.get_world_size()}, asked to be {rank}/{world_size}")
         return dist.get_backend()
     timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        use_node_interface(own_ip or node_ip())
     try:
         if store is None:
             store = dist.TCPStore(address.host, address.port, world_size, is_master=False, timeout=timeout)
