@@ -2,6 +2,7 @@
 DeepSpeed engine, as one rank trains it."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable
 
@@ -9,26 +10,36 @@ import torch
 
 from learner.config import RankConfig
 
+# Optional imports DeepSpeed makes that a rank never uses: its autotuner's MLflow (at import; with
+# the trackers extra installed, ~40% of DeepSpeed's import) and, in initialize's optimizer check,
+# its Muon optimizer, whose import torch.compiles kernels and so imports torch's inductor (~1-2 s
+# of CPU at start-up, for a type comparison against an optimizer we do not use). DeepSpeed guards
+# both with ``except ImportError``, the path it takes where they are not installed.
+UNUSED_AT_IMPORT = ("mlflow",)
+UNUSED_AT_INITIALIZE = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+
+
+@contextlib.contextmanager
+def without_imports(modules: tuple[str, ...]):
+    """Within the block, ``import`` of any of ``modules`` not yet loaded raises ImportError;
+    after it they import as ever (tests/learner/test_engine_import.py)."""
+    blocked = [m for m in modules if m not in sys.modules]
+    for m in blocked:
+        sys.modules[m] = None  # the import system's mark for "cannot be imported"
+    try:
+        yield
+    finally:
+        for m in blocked:
+            if m in sys.modules and sys.modules[m] is None:
+                del sys.modules[m]
+
 
 def import_deepspeed():
-    """deepspeed, imported without its autotuner's optional ``import mlflow``.
-
-    DeepSpeed's autotuner imports MLflow if it can (for its own tuning runs, which a rank never
-    does); with the trackers extra installed that is about 40% of DeepSpeed's import, paid by
-    every rank at start-up. While deepspeed imports, ``mlflow`` is marked unimportable, so the
-    autotuner's ``try: import mlflow`` takes its except branch; the mark is removed right after,
-    and a later ``import mlflow`` in the process works as ever (tests/learner/test_engine_import.py).
-    """
+    """deepspeed, imported without the optional modules a rank never uses (UNUSED_AT_IMPORT)."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
-    blocked = "mlflow" not in sys.modules
-    if blocked:
-        sys.modules["mlflow"] = None  # import mlflow now raises ImportError
-    try:
+    with without_imports(UNUSED_AT_IMPORT):
         import deepspeed
-    finally:
-        if blocked and sys.modules.get("mlflow", False) is None:
-            del sys.modules["mlflow"]
     return deepspeed
 
 
@@ -52,8 +63,9 @@ def build_engine(model: str, config: RankConfig, world_size: int, *, load: Calla
     # A plain closure: LambdaLR then leaves it out of its state_dict (checkpoints stay picklable).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s))
     ds_config = config.deepspeed_config(world_size, sum(p.numel() for p in trainable))
-    engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, dist_init_required=False)
+    with without_imports(UNUSED_AT_INITIALIZE):
+        engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config, dist_init_required=False)
     if world_size == 1 and config.zero_stage == 0:
         # Alone, a rank has no gradients to average, but DeepSpeed still flattens, all-reduces
         # and copies back every gradient after each backward (~70 ms a step for 32M params on
