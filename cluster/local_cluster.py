@@ -1,4 +1,4 @@
-"""A multi-node Ray cluster on this machine to try tether on: tether cluster up|status|down|kill-node
+"""A multi-node Ray cluster on this machine to try tether on: `tether cluster <subcommand>`
 
 `up` starts a head (no CPUs: the job's driver) and worker nodes (the actors), each its own
 raylet and object store, with this environment's `ray start`; the OS picks the ports (all
@@ -6,7 +6,10 @@ but the Ray Client server's: --client-port).
 It records what it started in ./.tether-cluster.json; `status` lists the nodes and the
 `ray job submit` command for this cluster; `kill-node` SIGKILLs one worker node whole, to watch
 a job survive it; `down` stops exactly what `up` started (never `ray stop`, which would stop
-every Ray on the machine). Exit 0 on success, 2 on a mistake (one line on stderr).
+every Ray on the machine). With `up --netns` each worker node has a network namespace and
+an address of its own on a bridge `up` makes (root only); `cut-link` and `restore-link` then
+partition a node from the others and end the partition, and `down` removes every namespace,
+link and address it made. Exit 0 on success, 2 on a mistake (one line on stderr).
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                  formatter_class=argparse.RawDescriptionHelpFormatter,
                  epilog="Each subcommand has its own --help. The record lives in the current directory: "
                         "run every subcommand from the same one (the repository root).")
-    sub = ap.add_subparsers(dest="command", metavar="{up,status,down,kill-node}", parser_class=_Parser)
+    sub = ap.add_subparsers(dest="command", metavar="{up,status,down,kill-node,cut-link,restore-link}",
+                            parser_class=_Parser)
     sub.required = True
     up = sub.add_parser("up", help="start a head and worker nodes", description=(
         "Start a head node (0 CPUs) and --workers worker nodes, each its own raylet and object store, "
@@ -59,6 +63,10 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "<pool>.node_labels")
     up.add_argument("--client-port", type=int, default=None, metavar="PORT",
                     help="the head's Ray Client server port (default: one the OS chooses)")
+    up.add_argument("--netns", action="store_true",
+                    help="run each worker node in a network namespace of its own, with its own address on "
+                         "a bridge this command makes (a free 10.x.y.0/24; the head on the bridge's address); "
+                         "needs root")
     status = sub.add_parser("status", help="list the nodes and the job submit command",
                             description="List the cluster's nodes (id, name, labels, CPUs, alive) and print "
                                         "the `ray job submit` command for it.")
@@ -70,6 +78,12 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
                           description="SIGKILL one worker node whole, as a machine lost: its raylet and "
                                       "every process it started. Ray declares it dead within ~3 s.")
     kill.add_argument("node", help="the node's name (worker-2), id or a unique prefix of its id")
+    for name, what in (("cut-link", "take a worker node's link down: a network partition (--netns)"),
+                       ("restore-link", "bring a cut worker node's link up again (--netns)")):
+        link = sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + (
+            ". Its processes run on; a node cut longer than Ray's failure detection (~3 s) is declared "
+            "dead, and on its return its raylet exits."))
+        link.add_argument("node", help="the node's name (worker-2), id or a unique prefix of its id")
     return ap
 
 
@@ -110,9 +124,14 @@ def cmd_up(args, path: Path) -> int:
     if min(cpus) < 1:
         raise _Mistake("--cpus-per-worker must be >= 1")
     labels = [local.parse_labels(s) for s in _per_worker(args.labels_per_worker, args.workers, "--labels-per-worker")]
-    print(f"tether: starting a head and {args.workers} worker node(s) ...", flush=True)
-    state = local.up(cpus, labels, client_port=args.client_port, workdir=path.parent)
-    local.save(state, path)
+    where = " in network namespaces of their own" if args.netns else ""
+    print(f"tether: starting a head and {args.workers} worker node(s){where} ...", flush=True)
+    try:  # recorded as it grows: a crash mid-way leaves what `down` needs to remove it
+        state = local.up(cpus, labels, client_port=args.client_port, workdir=path.parent, use_netns=args.netns,
+                         record=lambda s: local.save(s, path))
+    except BaseException:
+        path.unlink(missing_ok=True)  # up removed what it had made
+        raise
     print(f"tether: cluster up; recorded in {path}")
     return _print_status(state)
 
@@ -128,10 +147,11 @@ def cmd_status(args, path: Path) -> int:
 
 def _print_status(state) -> int:
     rows = local.nodes(state)
-    print(f"\n{'node':<10} {'id':<56}  {'CPUs':>4}  {'alive':<5}  labels")
+    print(f"\n{'node':<10} {'id':<56}  {'address':<15} {'CPUs':>4}  {'alive':<5}  labels")
     for r in rows:
         labels = ",".join(f"{k}={v}" for k, v in r["labels"].items())
-        print(f"{r['name']:<10} {r['id']:<56}  {r['cpus']:>4g}  {'yes' if r['alive'] else 'NO':<5}  {labels}")
+        print(f"{r['name']:<10} {r['id']:<56}  {r['ip']:<15} {r['cpus']:>4g}  {'yes' if r['alive'] else 'NO':<5}  "
+              f"{labels}")
     print(f"\ndashboard: {state.dashboard_url} (token: ~/.ray/auth_token)   GCS: {state.gcs_address}")
     if state.client_port:
         print(f"Ray Client: ray://{state.gcs_address.rsplit(':', 1)[0]}:{state.client_port}")
@@ -142,10 +162,17 @@ def _print_status(state) -> int:
 
 
 def cmd_down(args, path: Path) -> int:
-    state = _recorded(path)
+    state = local.load(path)
+    if state is None:  # a second down, or one after a failed up: nothing of ours is left
+        print(f"tether: no cluster is recorded here ({path}); nothing to stop")
+        return EXIT_DONE
     pids = local.stop(state)
+    if local.running(state):  # the record stays, so a second down can finish the job
+        raise RuntimeError(f"some of the cluster is still there after down; run `tether cluster down` again "
+                           f"(record: {path})")
     path.unlink(missing_ok=True)
-    print(f"tether: cluster down: stopped {len(pids)} processes of head {state.head_id[:12]}; "
+    removed = f", removed bridge {state.net['bridge']} and {len(state.net['nodes'])} namespaces" if state.net else ""
+    print(f"tether: cluster down: stopped {len(pids)} processes of head {state.head_id[:12] or '(none)'}{removed}; "
           f"Ray's logs are kept in {state.temp_dir}")
     return EXIT_DONE
 
@@ -159,6 +186,19 @@ def cmd_kill_node(args, path: Path) -> int:
     return EXIT_DONE
 
 
+def cmd_cut_link(args, path: Path) -> int:
+    name = local.set_link(_recorded(path), args.node, up=False)
+    print(f"tether: cut the link of {name}: it is partitioned from the other nodes until "
+          f"`tether cluster restore-link {name}`; Ray declares it dead after ~3 s")
+    return EXIT_DONE
+
+
+def cmd_restore_link(args, path: Path) -> int:
+    name = local.set_link(_recorded(path), args.node, up=True)
+    print(f"tether: restored the link of {name}")
+    return EXIT_DONE
+
+
 def _recorded(path: Path):
     state = local.load(path)
     if state is None:
@@ -166,7 +206,8 @@ def _recorded(path: Path):
     return state
 
 
-COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "kill-node": cmd_kill_node}
+COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "kill-node": cmd_kill_node,
+            "cut-link": cmd_cut_link, "restore-link": cmd_restore_link}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -372,6 +372,38 @@ def _module_nodes():
         nodes.shutdown()
 
 
+@pytest.fixture(scope="module")
+def _module_netns_nodes(request, tmp_path_factory):
+    """One Ray per test module whose worker nodes get network namespaces and addresses of their
+    own (tests/netns_nodes.py; the module's NETNS_SYSTEM_CONFIG, if any, is Ray's system config).
+    Skips where namespaces cannot be made (not root, no `ip netns`)."""
+    import rays
+    from netns_nodes import NetnsNodes
+
+    from cluster.nodes import netns
+    try:
+        netns.check_available()
+    except netns.NetnsError as e:
+        pytest.skip(f"no network namespaces here: {e}")
+    rays.leave()
+    nodes = NetnsNodes(tmp_path_factory.mktemp("netns"),
+                       system_config=getattr(request.module, "NETNS_SYSTEM_CONFIG", None))
+    try:
+        nodes.connect()
+        yield nodes
+    finally:
+        left = nodes.shutdown()
+        assert left == [], f"left behind by the namespaced cluster: {left}"
+
+
+@pytest.fixture
+def netns_nodes(_module_netns_nodes):
+    """The module's namespaced Ray; the worker nodes (and namespaces) this test adds go after it."""
+    kept = set(_module_netns_nodes.nodes)
+    yield _module_netns_nodes
+    _module_netns_nodes.remove_all_but(kept)
+
+
 @pytest.fixture
 def ray_nodes(_module_nodes):
     """The module's multi-node Ray; the worker nodes this test adds are removed after it."""

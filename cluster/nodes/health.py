@@ -30,6 +30,7 @@ NODE_FAILURE_DETECTION = {
 }
 
 
-def system_config_flag() -> str:
-    """The ``ray start --head`` option that applies NODE_FAILURE_DETECTION."""
-    return f"--system-config={json.dumps(NODE_FAILURE_DETECTION, separators=(',', ':'))}"
+def system_config_flag(extra: dict | None = None) -> str:
+    """The ``ray start --head`` option that applies NODE_FAILURE_DETECTION (and ``extra`` on top)."""
+    config = {**NODE_FAILURE_DETECTION, **(extra or {})}
+    return f"--system-config={json.dumps(config, separators=(',', ':'))}"

@@ -12,6 +12,11 @@ started with the real ``ray start`` of this Python environment:
   logs and address file are this cluster's only, so a plain ``ray.init()`` elsewhere never
   joins it by accident.
 - Token authentication stays on (``RAY_AUTH_MODE=token``; the token is made if missing).
+- With ``netns`` (``--netns``) each worker node's raylet runs in a network namespace of its own
+  with its own address, on a bridge whose address is the head's (cluster/nodes/netns.py): the
+  nodes then reach each other only over TCP between their own addresses, as machines do. The
+  head, the driver, ``ray job submit`` and the dashboard stay in this machine's namespace, on
+  the bridge's address.
 - What it started is recorded in STATE_FILE. ``down`` stops exactly that: each node's raylet
   and its descendants and the GCS, found by node id (cluster/nodes/kill.py), and the head's
   other processes (dashboard, monitor, log monitors), which live in the sessions of our own
@@ -30,20 +35,21 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
+from cluster.nodes import netns
 from cluster.nodes.health import system_config_flag
 from cluster.nodes.kill import NodeNotFound, gcs_of, kill_node, node_processes
 from cluster.nodes.ports import held_port, wait_listening
+from cluster.nodes.stopping import processes as processes, running as running, stop  # re-exported
 from core.infra.errors import UserError
 
 STATE_FILE = ".tether-cluster.json"
 NODE_LABEL = "tether.node"              # worker-1, worker-2, ... (the head: head)
 START_TIMEOUT_S = 180.0                 # one `ray start` (a loaded laptop can take a minute)
 JOIN_TIMEOUT_S = 60.0                   # until every node is listed alive
-STOP_GRACE_S = 5.0                      # SIGTERM -> SIGKILL, per stage of `down`
-KILL_WAIT_S = 10.0
 EXCLUDES = [".venv", "runs", ".git"]
 _LABEL = re.compile(r"^[A-Za-z0-9]([\w./-]*[A-Za-z0-9])?=[\w./-]*$")
 
@@ -64,6 +70,7 @@ class State:
     started_at: float = 0.0
     workdir: str = "."
     client_port: int = 0                                      # the head's Ray Client server
+    net: dict | None = None                                   # --netns: netns.Net, recorded before made
 
 
 def parse_labels(text: str) -> dict:
@@ -104,10 +111,11 @@ def _port_taken(port: int) -> bool:
         return False
 
 
-def _start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
-    """`ray start ...` in a session of its own: everything it spawns inherits the session."""
+def _start(args: list[str], log: Path, env: dict, prefix: list[str] = ()) -> subprocess.Popen:
+    """`ray start ...` in a session of its own: everything it spawns inherits the session.
+    ``prefix``: what runs it (``ip netns exec <ns>``, which execs it: the same process)."""
     with open(log, "wb") as out:
-        return subprocess.Popen(_ray("start", *args), stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.Popen([*prefix, *_ray("start", *args)], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
@@ -124,60 +132,115 @@ def _finish(name: str, proc: subprocess.Popen, log: Path) -> None:
                                 f"(whole output: {log})")
 
 
-def _head_args(temp: Path, client_port: int) -> list[str]:
+def _head_args(temp: Path, client_port: int, host_ip: str | None, system_config: dict | None) -> list[str]:
+    own_address = [f"--node-ip-address={host_ip}", f"--dashboard-host={host_ip}"] if host_ip else []
     return ["--head", "--num-cpus=0", "--num-gpus=0", "--port=0", "--dashboard-port=0",
             "--dashboard-agent-listen-port=0", f"--ray-client-server-port={client_port}",
             "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats",
-            system_config_flag(), "--labels", f"{NODE_LABEL}=head"]
+            system_config_flag(system_config), "--labels", f"{NODE_LABEL}=head", *own_address]
 
 
-def _worker_args(gcs: str, cpus: int, labels: dict) -> list[str]:
+def _worker_args(gcs: str, cpus: int, labels: dict, ip: str | None) -> list[str]:
     text = ",".join(f"{k}={v}" for k, v in labels.items())
     return [f"--address={gcs}", f"--num-cpus={cpus}", "--num-gpus=0", "--dashboard-agent-listen-port=0",
-            "--disable-usage-stats", "--labels", text]
+            "--disable-usage-stats", "--labels", text, *([f"--node-ip-address={ip}"] if ip else [])]
 
 
-def up(cpus: list[int], labels: list[dict], *, client_port: int | None = None, workdir: Path) -> State:
+def host_ip(state: State) -> str:
+    """The head's address: the bridge's with --netns, else this machine's loopback."""
+    return state.net["host_ip"] if state.net else "127.0.0.1"
+
+
+def up(cpus: list[int], labels: list[dict], *, client_port: int | None = None, workdir: Path,
+       use_netns: bool = False, system_config: dict | None = None,
+       record: Callable[[State], None] = lambda state: None) -> State:
     """Start the head and one worker node per entry of ``cpus``; wait until all are alive.
-    ``client_port``: the head's Ray Client server's; None, one the OS chooses."""
+    ``client_port``: the head's Ray Client server's; None, one the OS chooses. ``use_netns``:
+    each worker in a network namespace of its own (cluster/nodes/netns.py). ``system_config``:
+    Ray's, on top of the fast node-failure detection. ``record(state)`` is called whenever
+    the state grows, first before anything is made, so a crash leaves what `down` needs."""
     if client_port is not None and _port_taken(client_port):
         raise LocalClusterError(f"port {client_port} (the head's Ray Client server) is in use, likely by "
                                 "another Ray head; choose a free one with --client-port=PORT")
+    net = None
+    if use_netns:
+        netns.check_available()
+        net = netns.plan(len(cpus), netns.free_subnet(netns.used_networks()))
     env = ray_env()
     _ensure_token(env)
     temp = Path(tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp" if os.path.isdir("/tmp") else None))
     state = State(temp_dir=str(temp), gcs_address="", dashboard_url="", head_id="", started_at=time.time(),
-                  workdir=str(workdir.resolve()))
+                  workdir=str(workdir.resolve()), net=netns.as_dict(net))
     try:
-        with held_port() if client_port is None else contextlib.nullcontext(client_port) as port:
-            head = _start(_head_args(temp, port), temp / "ray-start-head.log", env)
-            state.sessions.append(head.pid)
-            state.client_port = port
-            _finish("head", head, temp / "ray-start-head.log")
-            if not wait_listening(port, JOIN_TIMEOUT_S):  # a held port stays ours until it listens
-                raise LocalClusterError(f"the head's Ray Client server is not listening on port {port} after "
-                                        f"{JOIN_TIMEOUT_S:.0f}s; see the logs in {temp}/session_latest/logs")
-        state.gcs_address = (temp / "ray_current_cluster").read_text().strip()  # written by `ray start`
+        record(state)
+        if net is not None:
+            netns.create(net)
+        _start_head(state, client_port, env, system_config, record)
         for i, (n, extra) in enumerate(zip(cpus, labels), start=1):  # one at a time: concurrent
-            log = temp / f"ray-start-worker-{i}.log"             # starts race for socket names
-            proc = _start(_worker_args(state.gcs_address, n, {NODE_LABEL: f"worker-{i}", **extra}), log, env)
-            state.sessions.append(proc.pid)
-            _finish(f"worker-{i}", proc, log)
+            start_worker(state, f"worker-{i}", n, extra, env, record)  # starts race for socket names
         _join(state, len(cpus))
         state.pids = _pids(state)
+        record(state)
         return state
     except BaseException:
         stop(state)
         raise
 
 
+def _start_head(state: State, client_port: int | None, env: dict, system_config: dict | None,
+                record: Callable[[State], None]) -> None:
+    temp, ip = Path(state.temp_dir), state.net["host_ip"] if state.net else None
+    with held_port() if client_port is None else contextlib.nullcontext(client_port) as port:
+        head = _start(_head_args(temp, port, ip, system_config), temp / "ray-start-head.log", env)
+        state.sessions.append(head.pid)
+        state.client_port = port
+        record(state)
+        _finish("head", head, temp / "ray-start-head.log")
+        if not wait_listening(port, JOIN_TIMEOUT_S, host_ip(state)):  # a held port stays ours until it listens
+            raise LocalClusterError(f"the head's Ray Client server is not listening on port {port} after "
+                                    f"{JOIN_TIMEOUT_S:.0f}s; see the logs in {temp}/session_latest/logs")
+    state.gcs_address = (temp / "ray_current_cluster").read_text().strip()  # written by `ray start`
+    record(state)
+
+
+def start_worker(state: State, name: str, cpus: int, labels: dict, env: dict | None = None,
+                 record: Callable[[State], None] = lambda state: None) -> None:
+    """`ray start` one worker node labelled tether.node=``name``; with --netns in a namespace
+    of its own, planned, recorded and made here if ``state`` has none for it yet. Returns once
+    `ray start` has; the node joins the cluster a moment later."""
+    prefix, ip, log = [], None, Path(state.temp_dir) / f"ray-start-{name}.log"
+    net = netns.from_dict(state.net)
+    if net is not None:
+        if name not in net.nodes:
+            netns.add_node(net, name)
+            state.net = netns.as_dict(net)
+            record(state)
+            netns.create_node(net, name)
+        prefix, ip = netns.exec_prefix(net, name), net.nodes[name]["ip"]
+    proc = _start(_worker_args(state.gcs_address, cpus, {NODE_LABEL: name, **labels}, ip), log,
+                  env or ray_env(), prefix)
+    state.sessions.append(proc.pid)
+    record(state)
+    _finish(name, proc, log)
+
+
+def token_auth_on() -> None:
+    """Token auth for this process's connections to the cluster. Ray reads the mode when its
+    core library loads (tether cluster's main sets it before), and again on this refresh, for
+    a process that imported Ray earlier (a test session)."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
 def _connect(address: str):
-    """Join as a driver. Token auth must be on before Ray is first imported (it reads the
-    mode then): tether cluster's main sets it first thing."""
+    """Join as a driver, with token auth on."""
     import logging
 
-    os.environ["RAY_AUTH_MODE"] = "token"
     import ray
+
+    token_auth_on()
 
     try:
         return ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
@@ -220,7 +283,10 @@ def _own(labels: dict) -> dict:
 
 
 def save(state: State, path: Path) -> None:
-    path.write_text(json.dumps(asdict(state), indent=1) + "\n")
+    """Written whole or not at all (a reader, or a crash, never sees half a record)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(asdict(state), indent=1) + "\n")
+    partial.replace(path)
 
 
 def load(path: Path) -> State | None:
@@ -232,91 +298,6 @@ def load(path: Path) -> State | None:
     except (ValueError, TypeError) as e:
         raise LocalClusterError(f"{path} is not a tether cluster record ({e}); delete it if no cluster "
                                 "of ours runs") from None
-
-
-# ------------------------------------------------------------------------------ stopping
-
-def processes(state: State) -> tuple[list, list, list]:
-    """(raylets, everything else, the GCS) of the cluster, as running now."""
-    raylets, rest = [], {}
-    for node_id in filter(None, [state.head_id, *state.workers]):
-        try:
-            raylet, *descendants = node_processes(node_id)
-        except NodeNotFound:
-            continue
-        raylets.append(raylet)
-        rest.update((p.pid, p) for p in descendants)
-    try:
-        gcs = [gcs_of(state.head_id)] if state.head_id else []
-    except NodeNotFound:
-        gcs = []
-    for proc in _session_members(state):
-        rest.setdefault(proc.pid, proc)
-        for child in _children(proc):
-            rest.setdefault(child.pid, child)
-    skip = {p.pid for p in raylets + gcs} | {os.getpid()}
-    return raylets, [p for pid, p in rest.items() if pid not in skip], gcs
-
-
-def _session_members(state: State) -> list[psutil.Process]:
-    """Processes in the session of one of our `ray start`s that name this cluster (its temp
-    dir or GCS address): the head's dashboard, monitor, client server, the log monitors."""
-    marks = [m for m in (state.temp_dir, state.gcs_address) if m]
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if os.getsid(proc.pid) not in state.sessions:
-                continue
-        except OSError:
-            continue
-        cmdline = " ".join(proc.info["cmdline"] or ())
-        if any(m in cmdline for m in marks):
-            found.append(proc)
-    return found
-
-
-def _children(proc: psutil.Process) -> list[psutil.Process]:
-    try:
-        return proc.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def stop(state: State) -> list[int]:
-    """Stop the cluster's processes in `ray stop`'s order (raylets, the rest, the GCS last):
-    SIGTERM, then SIGKILL to what is left after STOP_GRACE_S. Returns the pids stopped."""
-    stages = processes(state)
-    for stage in stages:
-        _terminate(stage)
-    return [p.pid for stage in stages for p in stage]
-
-
-def _terminate(procs: list[psutil.Process]) -> None:
-    for signal_name, wait_s in (("terminate", STOP_GRACE_S), ("kill", KILL_WAIT_S)):
-        left = [p for p in procs if not _gone(p)]
-        for proc in left:
-            try:
-                getattr(proc, signal_name)()  # psutil checks the pid was not reused
-            except psutil.NoSuchProcess:
-                pass
-        deadline = time.monotonic() + wait_s
-        while left and time.monotonic() < deadline:
-            left = [p for p in left if not _gone(p)]
-            time.sleep(0.05)
-        if not left:
-            return
-
-
-def _gone(proc: psutil.Process) -> bool:
-    """Exited, or a zombie (our init may be slow to reap)."""
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def running(state: State) -> bool:
-    return any(processes(state))
 
 
 # ------------------------------------------------------------------------------ using it
@@ -332,7 +313,7 @@ def nodes(state: State) -> list[dict]:
         raise LocalClusterError(f"cannot reach the cluster's dashboard at {state.dashboard_url} "
                                 f"({type(e).__name__}); `tether cluster down` stops what is left of it") from None
     rows = [{"id": n.node_id, "name": n.labels.get(NODE_LABEL, "?"), "labels": _own(n.labels),
-             "cpus": n.resources_total.get("CPU", 0), "alive": n.state == "ALIVE"} for n in listed]
+             "cpus": n.resources_total.get("CPU", 0), "alive": n.state == "ALIVE", "ip": n.node_ip} for n in listed]
     return sorted(rows, key=lambda r: (r["name"] != "head", len(r["name"]), r["name"]))
 
 
@@ -358,6 +339,19 @@ def kill(state: State, name: str) -> tuple[str, list[int]]:
     except NodeNotFound:
         raise LocalClusterError(f"node {state.workers[node_id].get(NODE_LABEL)} ({node_id[:12]}) is not "
                                 "running any more (killed already?)") from None
+
+
+def set_link(state: State, name: str, *, up: bool) -> str:
+    """Take a worker node's link down (a network partition: its processes run on, unreachable)
+    or up again; returns the node's name. Only a cluster started with --netns has links."""
+    node_id = resolve(state, name)
+    worker = state.workers[node_id][NODE_LABEL]
+    net = netns.from_dict(state.net)
+    if net is None:
+        raise LocalClusterError("this cluster's nodes share one address (it was started without --netns); "
+                                "start one with `tether cluster up --netns` to cut a node's link")
+    (netns.restore if up else netns.cut)(net, worker)
+    return worker
 
 
 def submit_command(state: State, args: str = "run.steps=3") -> str:

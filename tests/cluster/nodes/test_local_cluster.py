@@ -134,9 +134,11 @@ def test_up_status_kill_node_down_leaves_other_ray_alone(cluster, env, other_ray
 
 
 def test_down_and_status_with_nothing_up(tmp_path, env):
-    for command in ("down", "status", "kill-node"):
-        args = [command, "worker-1"] if command == "kill-node" else [command]
+    for command in ("status", "kill-node", "cut-link"):
+        args = [command, "worker-1"] if command != "status" else [command]
         one_line_error(tether(tmp_path, env, *args), "no cluster is recorded here", "tether cluster up")
+    down = tether(tmp_path, env, "down")  # a second down, or one after a failed up: nothing to do
+    assert down.returncode == 0 and "nothing to stop" in down.stdout, down.stderr
 
 
 @pytest.mark.parametrize("args, words", [
@@ -160,3 +162,48 @@ def test_a_taken_client_port_is_named_with_the_flag_that_changes_it(tmp_path, en
         port = taken.getsockname()[1]
         one_line_error(tether(tmp_path, env, "up", f"--client-port={port}"), str(port), "--client-port")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_netns_up_gives_each_worker_its_own_address_and_down_removes_all_even_after_a_crash(tmp_path, env):
+    """`up --netns`: each worker node in a namespace of its own with an address on the bridge,
+    the head and dashboard on the bridge's address; a node's link cut and restored; `down`
+    removes every namespace and link, also after an `up` killed mid-way, and a second `down`
+    has nothing to do. Skips where namespaces cannot be made."""
+    from cluster.nodes import netns
+    try:
+        netns.check_available()
+    except netns.NetnsError as e:
+        pytest.skip(f"no network namespaces here: {e}")
+    crashed, home = tmp_path / "crashed", tmp_path / "home"
+    crashed.mkdir()
+    home.mkdir()
+    up = subprocess.Popen([str(TETHER), "cluster", "up", "--netns", "--workers", "2"], cwd=crashed, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120  # killed once it has made its namespaces (or finished)
+    while not (crashed / local.STATE_FILE).is_file() or not (local.load(crashed / local.STATE_FILE).net or {}):
+        assert up.poll() is None or (crashed / local.STATE_FILE).is_file(), "up ended without a record"
+        assert time.monotonic() < deadline, "up recorded no namespaces in 120 s"
+        time.sleep(0.05)
+    os.killpg(up.pid, 9)
+    up.wait()
+    try:
+        result = tether(home, env, "up", "--netns", "--workers", "1")
+        assert result.returncode == 0, result.stderr
+        info = json.loads(tether(home, env, "status", "--json").stdout)
+        net = netns.from_dict(info["net"])
+        head, worker = info["nodes"]
+        assert head["ip"] == net.host_ip != worker["ip"] == net.nodes["worker-1"]["ip"]
+        assert info["dashboard_url"] == f"http://{net.host_ip}:{info['dashboard_url'].rsplit(':', 1)[1]}"
+        assert wait_listening(int(info["dashboard_url"].rsplit(":", 1)[1]), 5, host=net.host_ip)
+        for command in ("cut-link", "restore-link"):
+            done = tether(home, env, command, "worker-1")
+            assert done.returncode == 0 and "worker-1" in done.stdout, done.stderr
+    finally:
+        for folder in (crashed, home):
+            state = local.load(folder / local.STATE_FILE)
+            down = tether(folder, env, "down")
+            assert down.returncode == 0, down.stderr
+            assert tether(folder, env, "down").returncode == 0  # again: nothing to do
+            if state is not None:
+                assert not local.running(state), f"left behind in {folder.name}"
+                shutil.rmtree(state.temp_dir, ignore_errors=True)
