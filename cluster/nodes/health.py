@@ -3,7 +3,9 @@
 Ray's GCS health-checks every raylet; a node is declared dead after
 ``health_check_failure_threshold`` missed checks, each ``health_check_period_ms`` apart.
 Until then an actor on a dead node looks alive: calls to it just wait. Ray's defaults
-(3 s x 5) take ~15 s to notice; tether's (1 s x 3, with a 1 s timeout) take ~3 s.
+(3 s x 5) take ~15 s to notice; tether's (1 s x 3, with a 1 s timeout) take ~3 s. A node cut
+off the network rather than dead answers no check at all, so each one waits out its timeout:
+~6 s with tether's settings (measured 5.6 s), 50-65 s with Ray's (a 10 s timeout).
 
 The cost: the GCS sends one small RPC per node per second instead of one per three, and a
 raylet that cannot answer for 3 s (a swapping or badly overloaded machine) is declared

@@ -15,76 +15,11 @@ import pytest
 import ray
 from accounting import Accounting
 from jobs import finish, rows, start, status, wait_for_step
+from node_runs import SPLIT, SPREAD_LEARNER, STORED, Cluster, label, on_call, print_rates
 
-from cluster.config.ppo import DEFAULT_CONFIG
 from cluster.runtime.loop.ledger import ChunkState
-from cluster.runtime.prepare import prepare
 
 pytestmark = pytest.mark.e2e
-
-# node name -> (its label, logical CPUs); each pool asks for its node's label
-NODES = {"gen": 1, "score": 2, "buffer": 1, "learn": 1}
-POOL_NODE = {"generator": "gen", "reference": "score", "reward": "score", "buffer": "buffer", "learner": "learn"}
-
-
-def label(node: str) -> dict:
-    return {f"tether.{node}": "yes"}
-
-
-class Cluster:
-    """The run's nodes by name (node ids), the spare, and the driver on top. ``nodes``: node
-    name -> logical CPUs; ``pools``: pool -> the node name it is pinned to."""
-
-    def __init__(self, ray_nodes, tmp_path, *overrides, spare_for=tuple(NODES), nodes=NODES, pools=POOL_NODE):
-        from cluster.config.ppo import load_config
-        from cluster.runtime.loop.driver import Driver
-        from cluster.runtime.observe.metrics import RunMetrics
-        from cluster.runtime.pools.launch import create_pools
-
-        self.nodes = ray_nodes
-        self.ids = {name: ray_nodes.add(num_cpus=cpus, labels=label(name)) for name, cpus in nodes.items()}
-        pinned = [f"{pool}.node_labels=tether.{node}=yes" for pool, node in pools.items()]
-        cfg = load_config(DEFAULT_CONFIG, ["model.dtype=float32", "run.eval_every=0", "run.samples_every=0",
-                                           "run.plot_every=0",
-                                           "resources.placement_timeout_s=60", *pinned, *overrides])
-        policy, tokenizer_path, tokenizer, train_set, _ = prepare(cfg)
-        self.pools = create_pools(cfg, policy_path=policy, tokenizer_path=tokenizer_path)
-        self.metrics = RunMetrics(run_dir=tmp_path, plot_every=0)
-        self.driver = Driver(cfg, pools=self.pools, dataset=train_set, eval_dataset=None, tokenizer=tokenizer,
-                             metrics=self.metrics)
-        # Joins after the pools are placed: nothing is on it until a node named in ``spare_for`` dies.
-        spare = {k: v for name in spare_for for k, v in label(name).items()}
-        self.spare = ray_nodes.add(num_cpus=sum(nodes[n] for n in spare_for), labels=spare)
-        self.killed_at = self._declared = None
-
-    def kill(self, name: str) -> None:
-        """SIGKILL the node whole, and watch for Ray declaring it dead (declared_at())."""
-        node_id, declared = self.ids[name], []
-        self.killed_at = time.perf_counter()
-        self.nodes.kill(node_id)
-
-        def watch():
-            while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
-                time.sleep(0.02)
-            declared.append(time.perf_counter())
-
-        self._declared = (threading.Thread(target=watch, daemon=True), declared)
-        self._declared[0].start()
-
-    def declared_at(self, timeout_s: float = 120.0) -> float:
-        """When Ray declared the last killed node dead (perf_counter), as this process saw it."""
-        thread, declared = self._declared
-        thread.join(timeout_s)
-        assert declared, f"Ray never declared the node dead within {timeout_s:.0f}s"
-        return declared[0]
-
-    def where(self, actor) -> str:
-        from cluster.runtime.pools.placement import ask_nodes
-        return ask_nodes({"actor": actor})["actor"]
-
-    def close(self):
-        self.metrics.close()
-        self.pools.shutdown()
 
 
 @pytest.fixture
@@ -302,7 +237,6 @@ def test_head_node_death_ends_the_job_and_resubmitting_resumes(tmp_path):
 # reference, the reward beside the buffer), each node then lost whole.
 # Every object goes to an object store (none inline in its owner's reply, as a real model's
 # rollouts and shards would not be), so a lost node takes its rollouts and shards with it.
-STORED = {"max_direct_call_object_size": 1024}
 PAIR = {"learner": "pair", "reference": "pair"}
 
 
@@ -324,19 +258,6 @@ def stored_run(tmp_path):
         for r in runs:
             r.close()
         nodes.shutdown()
-
-
-def on_call(obj, name: str, call: int, before) -> None:
-    """Run ``before()`` ahead of the ``call``-th call of ``obj.name`` (then the call itself)."""
-    original, calls = getattr(obj, name), []
-
-    def wrapped(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == call:
-            before()
-        return original(*args, **kwargs)
-
-    setattr(obj, name, wrapped)
 
 
 def test_losing_each_packed_node_in_turn_trains_every_prompt_once(stored_run, caplog):
@@ -375,3 +296,12 @@ def test_losing_each_packed_node_in_turn_trains_every_prompt_once(stored_run, ca
     assert account.lost_and_twice() == (0, 0) and len(account.trained) == 3 * 64
     assert [r["step"] for r in rows(c.metrics.run_dir) if r["step"]] == [1, 2, 3]
     print(f"\nlearner's node: rollback {c.driver.rollbacks[-1]['recovery_seconds']:.1f}s after the loss was noticed")
+
+
+@pytest.mark.slow
+def test_transfer_rates_on_one_address(stored_run):
+    """docs/performance.md's rates between nodes sharing this machine's address, for the run of
+    tests/e2e/test_netns_run.py::test_transfer_rates_across_the_bridge (no fault)."""
+    c = stored_run(*SPREAD_LEARNER, "run.steps=4", **SPLIT)
+    c.driver.run()
+    print_rates([r for r in rows(c.metrics.run_dir) if r["step"]])
