@@ -19,12 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
 from cluster.demo.pretrain import build_pretrained_policy
 from cluster.demo.sentiment import NEGATIVE_WORDS, PLACES, POSITIVE_WORDS, builtin_prompts, completion, is_positive
-from cluster.demo.tiny_models import cache_root, cached_build
+from cluster.demo.tiny_models import cache_root, cached_build, run_apart
 
 # The judge's prompt: reward.judge.template's default is the same text.
 JUDGE_TEMPLATE = "Prompt: {prompt}\nResponse: {response}\nScore:"
@@ -106,20 +107,13 @@ def judge_path(name: str) -> str:
 
 def build_judge() -> Path:
     """The tiny judge (HF format, tokenizer beside it), built on first use and cached."""
-    import torch
-
     base = build_pretrained_policy()
     key = hashlib.sha256(json.dumps({"base": str(base.name), "v": RECIPE_VERSION, "template": JUDGE_TEMPLATE,
                                      "steps": STEPS, "batch": BATCH_SIZE, "lr": LR, "seed": SEED},
                                     sort_keys=True).encode()).hexdigest()[:16]
 
-    def build(out: Path) -> None:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # a ~1M-param model: one thread beats spin-waiting on shared cores
-        try:
-            _train(base, out)
-        finally:
-            torch.set_num_threads(threads)
+    def build(out: Path) -> None:  # one thread: a ~1M-param model gains nothing from more
+        run_apart("cluster.demo.judge", str(base), str(out), what="the tiny judge")
 
     return cached_build(cache_root() / f"judge-{key}", build)
 
@@ -140,10 +134,20 @@ def greedy_verdicts(path: Path, rows: list[tuple[str, str, int]]) -> list[str]:
     return out
 
 
-if __name__ == "__main__":
+def _main() -> None:
+    if sys.argv[1:2] == ["--build"]:  # a build's own process (tiny_models.run_apart)
+        import torch
+
+        torch.set_num_threads(1)
+        _train(Path(sys.argv[2]), Path(sys.argv[3]))
+        return
     path = build_judge()
     rows = judge_rows(200, seed=123)
     said = greedy_verdicts(path, rows)
     agree = sum(s.strip() == str(v) for s, (_, _, v) in zip(said, rows))
     print("judge:", path, json.loads((path / "judge.json").read_text())["seconds"], "s")
     print(f"agrees with is_positive on {agree}/{len(rows)} held-out rows; e.g. {said[:8]}")
+
+
+if __name__ == "__main__":
+    _main()

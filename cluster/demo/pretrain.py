@@ -18,6 +18,8 @@ import contextlib
 import hashlib
 import json
 import math
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from cluster.demo.sentiment import corpus
-from cluster.demo.tiny_models import TinySpec, build_policy, cache_root, cached_build
+from cluster.demo.tiny_models import TinySpec, build_policy, cache_root, cached_build, run_apart
 
 if TYPE_CHECKING:
     import torch
@@ -129,6 +131,23 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
+def _pretrain_apart(base: Path, out: Path, *, one_thread: bool, **recipe) -> None:
+    """``_pretrain`` in a fresh interpreter (tiny_models.run_apart: the model's bits must not
+    depend on what the calling process loaded before); ``one_thread``: torch on one thread."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "recipe.json"
+        spec.write_text(json.dumps({"base": str(base), "out": str(out), "one_thread": one_thread, **recipe}))
+        run_apart("cluster.demo.pretrain", str(spec), what=f"the pre-trained policy {out.name}")
+
+
+def _build_from(spec_path: str) -> None:
+    """The child's side of ``_pretrain_apart``: the recipe from its JSON file."""
+    recipe = json.loads(Path(spec_path).read_text())
+    base, out, one_thread = Path(recipe.pop("base")), Path(recipe.pop("out")), recipe.pop("one_thread")
+    with _one_thread() if one_thread else contextlib.nullcontext():
+        _pretrain(base, out, **recipe)
+
+
 def pretrained_key(spec: TinySpec, steps: int, batch_size: int, lr: float, seed: int,
                    texts: list[str] | None = None) -> str:
     """The cache key of a pre-trained policy. `texts` other than the built-in corpus add a hash
@@ -201,17 +220,24 @@ def build_pretrained_policy(spec: TinySpec = TinySpec(), steps: int = DEFAULT_ST
     small = spec.vocab_size * h + spec.num_hidden_layers * (4 * h * h + 3 * h * f) < 5_000_000
 
     def build(out: Path) -> None:
-        with _one_thread() if small else contextlib.nullcontext():
-            _pretrain(base, out, steps=steps, batch_size=batch_size, lr=lr, seed=seed, texts=texts)
+        _pretrain_apart(base, out, steps=steps, batch_size=batch_size, lr=lr, seed=seed, texts=texts,
+                        one_thread=small)
 
     key = pretrained_key(spec, steps, batch_size, lr, seed, texts)
     return cached_build(cache_root() / f"policy-pretrained-{key}", build)
 
 
-if __name__ == "__main__":
+def _main() -> None:
+    if sys.argv[1:2] == ["--build"]:  # a build's own process (_pretrain_apart)
+        _build_from(sys.argv[2])
+        return
     path = build_pretrained_policy()
     stats = json.loads((path / "pretrain.json").read_text())
     print("pretrained policy:", path)
     print(f"steps {stats['steps']}  batch {stats['batch_size']}  {stats['seconds']} s  "
           f"final loss {stats['final_loss']}  corpus loss {corpus_loss(path):.3f}  "
           f"(random init {corpus_loss(stats['base']):.3f})")
+
+
+if __name__ == "__main__":
+    _main()

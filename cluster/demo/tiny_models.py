@@ -63,6 +63,22 @@ def cached_build(path: Path, build) -> Path:
     return path
 
 
+def run_apart(module: str, *args: str, what: str) -> None:
+    """``python -m module --build args...`` in a fresh interpreter on one thread: a trained tiny
+    model's bits must depend on nothing the calling process did before. (vLLM's CPU worker
+    replaces ``torch.set_num_threads`` with a no-op once it has bound its threads, so a build
+    after an in-process engine ran on every core instead of one: other rounding, another model;
+    the arithmetic task's policy then answered 15% of its prompts right instead of 29%.)"""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", module, "--build", *args], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"building {what} failed (exit {proc.returncode}): {tail}")
+
+
 def build_tokenizer(vocab_size: int = 1024) -> Path:
     """Byte-level BPE trained on the built-in corpus, with eos and pad tokens."""
     key = hashlib.sha256(f"tok-{vocab_size}-{FORMAT_VERSION}".encode()).hexdigest()[:16]

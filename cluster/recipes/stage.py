@@ -19,10 +19,10 @@ from cluster.job.command import job_main
 from cluster.job.errors import UserError
 from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.startup import connect_ray
-from cluster.runtime.models import resolve_model
 from cluster.runtime.observe.metrics import json_line, numbers  # the PPO run's JSON rules (NaN, numpy scalars)
 from cluster.runtime.observe.trackers import TrackerSet, check_trackers, open_trackers
 from cluster.runtime.pools.threads import node_cores, thread_env
+from cluster.runtime.state.models import resolve_model
 from core.infra.errors import user_input
 
 log = logging.getLogger("tether")

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from cluster.job.errors import UserError
-from cluster.runtime.models import resolve_model
+from cluster.runtime.state.models import resolve_model
 from core.infra.errors import type_and_first_line, user_input
 from core.modeling.architectures import check_policy_config, check_reward_config
 

@@ -11,9 +11,9 @@ from cluster.job.errors import Stopped, UserError
 from cluster.job.folder import make_run_dir, running, write_status
 from cluster.job.signals import StopSignals
 from cluster.job.startup import StartupClock, check_fits, connect_ray
-from cluster.runtime.models import prepare_teacher
 from cluster.runtime.observe.trackers import check_trackers, open_trackers
 from cluster.runtime.prepare import prepare, prepare_ptx
+from cluster.runtime.state.models import prepare_teacher
 from core.modeling.architectures import unsupported_model
 
 log = logging.getLogger("tether")

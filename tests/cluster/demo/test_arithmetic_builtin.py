@@ -48,12 +48,12 @@ def test_the_task_configs_name_only_built_in_inputs(name):
 def test_the_policy_is_built_once_into_the_cache(empty_cache, monkeypatch):
     """A few pre-training steps stand in for the task's 1000: the cache key covers them."""
     from cluster.demo import pretrain
-    from cluster.runtime.models import resolve_model
+    from cluster.runtime.state.models import resolve_model
 
     monkeypatch.setattr(arithmetic, "PRETRAIN_STEPS", 2)
     builds = []
-    real = pretrain._pretrain
-    monkeypatch.setattr(pretrain, "_pretrain", lambda *a, **k: (builds.append(a[1]), real(*a, **k)))
+    real = pretrain._pretrain_apart
+    monkeypatch.setattr(pretrain, "_pretrain_apart", lambda *a, **k: (builds.append(a[1]), real(*a, **k)))
     path = resolve_model(arithmetic.BUILTIN)
     assert path.startswith(str(empty_cache)) and len(builds) == 1
     assert json.loads(open(f"{path}/pretrain.json").read())["steps"] == 2

@@ -26,7 +26,7 @@ def test_sft_trains_an_adapter_and_ppo_starts_from_it(sft_lora):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from cluster.runtime.models import resolve_model
+    from cluster.runtime.state.models import resolve_model
 
     loss = [r["sft/loss"] for r in metrics(sft_lora) if "sft/loss" in r]
     print(f"sft LoRA: loss {loss[0]:.3f} -> {loss[-1]:.3f}")

@@ -21,7 +21,8 @@ def _batch(n: int = 8):
     zeros = np.zeros(n)
     return SimpleNamespace(scores=np.arange(n, dtype=float), kl_sums=zeros, response_lengths=zeros + 4,
                            truncated=zeros.astype(bool), buffer_depth=0, dropped_stale=0, staleness=zeros,
-                           token_staleness=zeros, partial=zeros, surplus=0, prompt_indices=None, samples=[])
+                           token_staleness=zeros, partial=zeros, surplus=0, prompt_indices=None, samples=[],
+                           components=None)
 
 
 def _row(filter_groups: bool) -> dict:
