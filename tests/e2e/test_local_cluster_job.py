@@ -23,7 +23,20 @@ BIN = Path(sys.executable).parent
 STEPS = 2
 
 
-def test_default_job_on_a_local_multi_node_cluster(tmp_path):
+# With --netns: each worker node in a network namespace with its own address, and the learner's
+# two ranks spread over two of them (their rendezvous and gloo on the nodes' addresses).
+NETNS = {False: ([], []), True: (["--netns", "--workers", "3"], ["learner.replicas=2", "learner.strategy=spread"])}
+
+
+@pytest.mark.parametrize("netns", [False, True], ids=["one-address", "netns"])
+def test_default_job_on_a_local_multi_node_cluster(tmp_path, netns):
+    up_args, job_args = NETNS[netns]
+    if netns:
+        from cluster.nodes.netns import NetnsError, check_available
+        try:
+            check_available()
+        except NetnsError as e:
+            pytest.skip(f"no network namespaces here: {e}")
     token = tmp_path / "token"
     token.write_text(secrets.token_hex(32))
     env = {**os.environ, "RAY_AUTH_TOKEN_PATH": str(token), "RAY_AUTH_MODE": "token",
@@ -37,14 +50,14 @@ def test_default_job_on_a_local_multi_node_cluster(tmp_path):
 
     temp_dir = None
     try:
-        assert (up := tether("up", "--workers", "2")).returncode == 0, up.stderr
+        assert (up := tether("up", "--workers", "2", *up_args)).returncode == 0, up.stderr
         temp_dir = local.load(home / local.STATE_FILE).temp_dir
         info = json.loads(tether("status", "--json").stdout)
         job = subprocess.run(
             [str(BIN / "ray"), "job", "submit", "--address", info["dashboard_url"], "--working-dir", ".",
              "--runtime-env-json", json.dumps({"excludes": local.EXCLUDES + ["*.egg-info", ".pytest_cache"]}),
              "--", "python", "-m", "cluster.train", f"run.steps={STEPS}", f"run.dir={run_dir.parent}",
-             f"run.name={run_dir.name}", "run.eval_every=0"],
+             f"run.name={run_dir.name}", "run.eval_every=0", *job_args],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, job.stdout[-3000:] + job.stderr[-2000:]
         steps = [json.loads(line).get("step") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -52,7 +65,7 @@ def test_default_job_on_a_local_multi_node_cluster(tmp_path):
         assert json.loads((run_dir / "status.json").read_text())["state"] == "succeeded"
         state = local.load(home / local.STATE_FILE)
         assert (down := tether("down")).returncode == 0, down.stderr
-        assert not any(local.processes(state))
+        assert not local.running(state)  # no process, and with --netns no namespace or link
     finally:
         state = local.load(home / local.STATE_FILE)
         if state is not None:
