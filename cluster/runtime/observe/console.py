@@ -13,7 +13,8 @@ Unless run.library_logs is true:
   errors, a replica that died, prompts skipped as too long for the model.
 * Ray's banners for a worker that died ("A worker died or was killed ...", many lines of ids
   and likely causes) and for a node marked dead ("The node with node id ... has been marked
-  dead because the detector has missed too many heartbeats") go to ``library.log`` too:
+  dead because the detector has missed too many heartbeats", and "Raylet is terminated ..."
+  with its log's last lines when a partitioned node returns) go to ``library.log`` too:
   tether's own line names the replica or node and what happens to its work. Ray's other
   messages from its raylet still reach the console.
 
@@ -30,7 +31,10 @@ TETHER_LOGGERS = ("tether", "cluster", "actors", "learner", "core")
 LIBRARY_LOG = "library.log"
 WORKER_DIED = "A worker died or was killed"
 NODE_DIED = "has been marked dead"  # "The node with node id ... has been marked dead because the detector ..."
-DEATH_BANNERS = (WORKER_DIED, NODE_DIED)
+# A node cut off the network that comes back: its raylet exits, and Ray reports it with the
+# last 20 lines of that raylet's log ("Raylet is terminated. Termination is unexpected. ...").
+RAYLET_DIED = "Raylet is terminated"
+DEATH_BANNERS = (WORKER_DIED, NODE_DIED, RAYLET_DIED)
 
 
 def is_tethers(record: logging.LogRecord) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import ray
 import ray._private.worker as ray_worker
 
-from cluster.runtime.observe.console import BANNER_REROUTE_TESTED, WORKER_DIED, death_banners_to_log
+from cluster.runtime.observe.console import BANNER_REROUTE_TESTED, RAYLET_DIED, WORKER_DIED, death_banners_to_log
 
 # Not the banner: a message of the raylet's that must still reach the console.
 OTHER = {"pid": "raylet", "ip": "127.0.0.1", "is_err": True, "lines": ["something else the raylet has to say"]}
@@ -60,3 +60,20 @@ def test_on_an_untested_ray_the_printer_is_left_alone(monkeypatch):
     original = ray_worker.print_to_stdstream
     with death_banners_to_log():
         assert ray_worker.print_to_stdstream is original
+
+
+@pytest.mark.unit
+def test_a_returning_nodes_raylet_termination_report_goes_to_the_log(monkeypatch, caplog):
+    """What Ray's driver printed when a node cut off the network came back and its raylet exited
+    (seen on a namespaced cluster: a 20-line dump of that raylet's log)."""
+    printed = []
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", lambda data, ignore_prefix: printed.append(data))
+    report = {"pid": "raylet", "ip": "10.163.111.1", "is_err": True, "lines": [
+        f"{RAYLET_DIED}. Termination is unexpected. Possible reasons include: (1) SIGKILL by the user or system "
+        "OOM killer, (2) Invalid memory access from Raylet causing SIGSEGV or SIGBUS, (3) Other termination "
+        "signals. Last 20 lines of the Raylet logs:", "    [state-dump] \tNodeManager.GcsCheckAlive - 1 total"]}
+    with caplog.at_level(logging.WARNING, logger="ray.raylet"), death_banners_to_log():
+        ray_worker.print_to_stdstream(report, ignore_prefix=False)
+        ray_worker.print_to_stdstream(OTHER, ignore_prefix=False)
+    assert printed == [OTHER]
+    assert [r.getMessage() for r in caplog.records if r.name == "ray.raylet"] == report["lines"]
