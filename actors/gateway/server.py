@@ -274,11 +274,10 @@ class Gateway:
         from ray.exceptions import RayActorError
 
         while True:
-            if session.replica not in self.generators:
-                if not self.generators:
-                    raise ApiError("no generator replica is alive to serve this call; retry once the pool has "
-                                   "replaced it", status=503, type="server_error", code="no_replica")
-                session.replica = min(self.generators, key=self._load)
+            if not self.generators:
+                raise ApiError("no generator replica is alive to serve this call; retry once the pool has "
+                               "replaced it", status=503, type="server_error", code="no_replica")
+            session.replica = self.route(session)
             handle = self.generators[session.replica]
             try:
                 call = handle.serve_turn.options(concurrency_group=AGENT_CALLS_GROUP).remote(prompt, room, key)
@@ -289,6 +288,13 @@ class Gateway:
             except asyncio.TimeoutError:
                 raise ApiError(f"the generator did not answer within {self.call_timeout_s:.0f}s", status=504,
                                type="server_error", code="timeout") from None
+
+    def route(self, session: Session) -> str:
+        """The live replica the session's next call goes to: its own while it lives (affinity:
+        that replica's prefix cache holds the session's history), else the least bound one."""
+        if session.replica in self.generators:
+            return session.replica
+        return min(self.generators, key=self._load)
 
     def _load(self, name: str) -> int:
         """Sessions bound to replica ``name`` (a new session goes to the least bound)."""
