@@ -123,3 +123,30 @@ def print_rates(steps: list[dict]) -> None:
         print(f"step {r['step']}: {r['transfer/cross_node_bytes'] / 1e6:.2f} MB pulled across nodes at "
               f"{pulled / 1e6:.1f} MB/s; weight push {r['perf/sync_bytes'] / 1e6:.2f} MB at {pushed / 1e6:.1f} MB/s; "
               f"step {r['perf/step_seconds']:.1f}s")
+
+
+def pull_rates(source: str, dest: str, megabytes: int = 64, times: int = 3) -> list[float]:
+    """Bytes/s of one ``megabytes`` MB object made on node ``source`` and pulled by a task on
+    node ``dest`` (a new object each time): the object stores' own rate between two nodes."""
+    import numpy as np
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def make(n):
+        return np.ones(n, dtype=np.uint8)
+
+    @ray.remote(num_cpus=0)
+    def pull(refs):
+        t0 = time.perf_counter()
+        data = ray.get(refs[0])
+        return data.nbytes / (time.perf_counter() - t0)
+
+    rates = []
+    for _ in range(times):
+        ref = make.options(scheduling_strategy=NodeAffinitySchedulingStrategy(source, soft=False)).remote(
+            megabytes << 20)
+        ray.wait([ref], fetch_local=False)
+        rates.append(ray.get(pull.options(scheduling_strategy=NodeAffinitySchedulingStrategy(dest, soft=False))
+                             .remote([ref])))
+        del ref
+    return rates

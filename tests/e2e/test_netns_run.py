@@ -14,7 +14,7 @@ import pytest
 import ray
 from accounting import Accounting
 from jobs import rows
-from node_runs import STORED, on_call, print_rates, split_run
+from node_runs import STORED, on_call, print_rates, pull_rates, split_run
 
 from cluster.nodes.ports import wait_listening
 
@@ -155,6 +155,8 @@ def test_transfer_rates_across_the_bridge(run):
     c = run("run.steps=4")
     c.driver.run()
     print_rates([r for r in rows(c.metrics.run_dir) if r["step"]])
+    rates = pull_rates(c.ids["gen"], c.ids["rb"])
+    print("64 MB object pulled between two nodes: " + ", ".join(f"{r / 1e6:.0f}" for r in rates) + " MB/s")
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import ray
 from accounting import Accounting
 from jobs import finish, rows, start, status, wait_for_step
-from node_runs import SPLIT, SPREAD_LEARNER, STORED, Cluster, label, on_call, print_rates
+from node_runs import SPLIT, SPREAD_LEARNER, STORED, Cluster, label, on_call, print_rates, pull_rates
 
 from cluster.runtime.loop.ledger import ChunkState
 
@@ -305,3 +305,5 @@ def test_transfer_rates_on_one_address(stored_run):
     c = stored_run(*SPREAD_LEARNER, "run.steps=4", **SPLIT)
     c.driver.run()
     print_rates([r for r in rows(c.metrics.run_dir) if r["step"]])
+    rates = pull_rates(c.ids["gen"], c.ids["rb"])
+    print("64 MB object pulled between two nodes: " + ", ".join(f"{r / 1e6:.0f}" for r in rates) + " MB/s")
