@@ -81,7 +81,7 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     for name, what in (("cut-link", "take a worker node's link down: a network partition (--netns)"),
                        ("restore-link", "bring a cut worker node's link up again (--netns)")):
         link = sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + (
-            ". Its processes run on; a node cut longer than Ray's failure detection (~3 s) is declared "
+            ". Its processes run on; a node cut longer than Ray's failure detection (~6 s for a cut node) is declared "
             "dead, and on its return its raylet exits."))
         link.add_argument("node", help="the node's name (worker-2), id or a unique prefix of its id")
     return ap
@@ -189,7 +189,7 @@ def cmd_kill_node(args, path: Path) -> int:
 def cmd_cut_link(args, path: Path) -> int:
     name = local.set_link(_recorded(path), args.node, up=False)
     print(f"tether: cut the link of {name}: it is partitioned from the other nodes until "
-          f"`tether cluster restore-link {name}`; Ray declares it dead after ~3 s")
+          f"`tether cluster restore-link {name}`; Ray declares it dead if it stays cut for ~6 s")
     return EXIT_DONE
 
 
