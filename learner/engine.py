@@ -34,6 +34,16 @@ def without_imports(modules: tuple[str, ...]):
                 del sys.modules[m]
 
 
+def unused_at_initialize(ds_config: dict) -> tuple[str, ...]:
+    """UNUSED_AT_INITIALIZE where DeepSpeed guards the import; none where it does not: its bf16
+    optimizer (bf16 below ZeRO-2) and its ZeRO-3 optimizer import Muon in their constructors
+    without a guard, so a block there fails the engine's build."""
+    stage = ds_config["zero_optimization"]["stage"]
+    if stage == 3 or (ds_config["bf16"]["enabled"] and stage < 2):
+        return ()
+    return UNUSED_AT_INITIALIZE
+
+
 def import_deepspeed():
     """deepspeed, imported without the optional modules a rank never uses (UNUSED_AT_IMPORT)."""
     if "deepspeed" in sys.modules:
@@ -63,7 +73,7 @@ def build_engine(model: str, config: RankConfig, world_size: int, *, load: Calla
     # A plain closure: LambdaLR then leaves it out of its state_dict (checkpoints stay picklable).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s))
     ds_config = config.deepspeed_config(world_size, sum(p.numel() for p in trainable))
-    with without_imports(UNUSED_AT_INITIALIZE):
+    with without_imports(unused_at_initialize(ds_config)):
         engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config, dist_init_required=False)
     if world_size == 1 and config.zero_stage == 0:

@@ -27,6 +27,9 @@ worker = LearnerWorker(rank=0, world_size=1, model=str(build_policy()), config={
 assert worker.engine is not None
 assert "deepspeed.runtime.zero.muon.muon_optimizer" not in sys.modules
 assert "torch._inductor.compile_fx" not in sys.modules, "something compiled"
+# bf16 below ZeRO-2 and ZeRO-3 build optimizers that import Muon unguarded: those still build
+for config in ({"zero_stage": 0, "dtype": "bfloat16"}, {"zero_stage": 3}):
+    assert LearnerWorker(rank=0, world_size=1, model=str(build_policy()), config=config).engine is not None
 import mlflow  # the marks are gone: a tracker in this process still gets it
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 print("ok")
