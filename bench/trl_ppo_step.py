@@ -12,6 +12,9 @@ Phases are timed by wrapping the trainer module's own helpers: `batch_generation
 (generate), the no-grad `forward` of the reference and `get_reward` of the value and
 reward models (score); learn is the rest of the step (log-probs from the generation
 scores, GAE, whitening, the PPO epochs).
+
+--ragged (the workload's policy ends its responses at EOS): TRL stops at EOS (stop_token="eos"),
+and pads with the tokenizer's own pad token, which that policy never samples.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="bfloat16: fp32 weights under bf16 autocast (the trainer's bf16=True, plus generation "
                          "and scoring, which the trainer runs outside its autocast)")
+    ap.add_argument("--ragged", action="store_true", help="stop each response at the policy's EOS")
     return ap.parse_args(argv)
 
 
@@ -58,8 +62,10 @@ class Phases:
         return timed
 
 
-def bench_tokenizer(path: str, vocab_size: int):
-    """The workload's tokenizer with a pad id the model cannot sample.
+def bench_tokenizer(path: str, vocab_size: int, ragged: bool = False):
+    """The workload's tokenizer with a pad id the model cannot sample (``ragged``: its own, which the
+    stopping policy never samples; a pad id past the vocabulary would be fed back to the model as
+    the next token of a row that has stopped).
 
     TRL ends a response at its first pad token (and masks the rest); the policy may sample
     any of its `vocab_size` ids, pad included, which would cut some responses short on
@@ -69,11 +75,13 @@ def bench_tokenizer(path: str, vocab_size: int):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if ragged:
+        return tok
     fill = [f"<|bench-unused-{i}|>" for i in range(vocab_size - len(tok))]
     tok.add_special_tokens({"additional_special_tokens": fill})
     tok.add_special_tokens({"pad_token": "<|bench-pad|>"})
     assert tok.pad_token_id == vocab_size, (tok.pad_token_id, vocab_size)
-    tok.padding_side = "left"
     return tok
 
 
@@ -105,7 +113,8 @@ def ppo_config(args, out_dir: str):
         per_device_train_batch_size=args.prompts, gradient_accumulation_steps=1,
         num_mini_batches=args.minibatches, num_ppo_epochs=args.epochs,
         local_rollout_forward_batch_size=args.prompts, total_episodes=args.prompts * args.steps,
-        response_length=args.new_tokens, stop_token=None, stop_token_id=None,  # no EOS stop, no truncation
+        response_length=args.new_tokens, stop_token_id=None,
+        stop_token="eos" if args.ragged else None,  # fixed: no EOS stop, no truncation
         temperature=1.0, missing_eos_penalty=None, num_sample_generations=0,
         kl_coef=0.05, kl_estimator="k1", whiten_rewards=False, cliprange=0.2, cliprange_value=0.2,
         vf_coef=0.1, gamma=1.0, lam=0.95,
@@ -174,7 +183,7 @@ def main(argv=None) -> int:
 
     wl = json.loads(open(args.workload).read())
     torch.manual_seed(args.seed)
-    tok = bench_tokenizer(wl["tokenizer"], wl["vocab_size"])
+    tok = bench_tokenizer(wl["tokenizer"], wl["vocab_size"], args.ragged)
     dataset = Dataset.from_dict({"input_ids": wl["prompt_ids"]})
     policy, ref, reward, value = load_models(wl, tok)
     config = ppo_config(args, tempfile.mkdtemp(prefix="tether-bench-trl-"))
@@ -190,7 +199,7 @@ def main(argv=None) -> int:
 
 
 def _record_shape(fn, shapes):
-    """Count the response tokens TRL generated (no EOS stop: every row is response_length)."""
+    """Count the response tokens TRL generated: through each row's EOS, where it stops (--ragged)."""
     def recorded(model, queries, *args, **kwargs):
         query_responses, logits = fn(model, queries, *args, **kwargs)
         responses = query_responses[:, queries.shape[1]:]

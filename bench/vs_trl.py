@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.vs_trl --prompts 4 --new-tokens 8 --steps 1   # smoke: minutes
     .venv/bin/python -m bench.vs_trl --print-command                   # tether's side by hand
     .venv/bin/python -m bench.vs_trl --dtype bfloat16                  # both sides in bf16
+    .venv/bin/python -m bench.vs_trl --ragged                          # responses end at EOS, spread lengths
 
 Builds the workload (bench/workload.py), makes TRL's virtualenv on first use
 (.bench-venv-trl, pinned by constraints/bench-trl.txt), then runs in rounds, interleaved:
@@ -15,6 +16,10 @@ tokens/s, start-up, peak RSS per actor), the ratios, and writes runs/bench/vs_tr
 configuration at that precision (fp32 weights under bf16 autocast for its PPO epochs, its
 generation and its scoring). The record starts with this machine's fp32 and bf16 matmul
 peaks, measured in the same run (bench/peak.py).
+--ragged: the policy (bench/stopping_policy.py) ends its responses at EOS at spread lengths
+(mean about half the budget, some cut at it), sampled so on both sides: tether stops at EOS
+(generator.sampling.ignore_eos=false), TRL with stop_token="eos"; the record then gives each
+side's response tokens per step, since the two samplers draw different lengths.
 Figures mean something only on a quiet machine: the record keeps the load average.
 """
 from __future__ import annotations
@@ -59,6 +64,8 @@ def parse_args(argv):
                     help="tether pool CPUs, e.g. generator=8,learner=4 (default: as shipped, no hand-tuning)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="both sides' precision (tether: model.dtype; TRL: bf16 autocast)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="a policy that ends its responses at EOS at spread lengths, on both sides")
     ap.add_argument("--out", default="runs/bench/vs_trl.json")
     ap.add_argument("--print-command", action="store_true", help="print tether's cluster.train command and exit")
     args = ap.parse_args(argv)
@@ -108,7 +115,7 @@ def trl_python() -> Path:
 def run_trl(workload: Path, args, n_steps: int) -> dict:
     cmd = [str(trl_python()), str(ROOT / "bench" / "trl_ppo_step.py"), "--workload", str(workload),
            "--steps", str(n_steps), "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
-           "--dtype", args.dtype]
+           "--dtype", args.dtype, *(["--ragged"] if args.ragged else [])]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out, mem, wall = run_command(cmd, env, "TRL")
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{\"")]
@@ -135,6 +142,8 @@ def tether_command(wl: dict, args, critic: str, cpus: dict, n_steps: int, run_di
         o.append(f"learner.critic_model={wl['value']}")
     if critic == "none":  # critic-free: the same update without a value model (no groups: n=1 here)
         o.append("ppo.advantage=reinforce_pp")
+    if args.ragged:  # responses end where the policy samples EOS
+        o.append("generator.sampling.ignore_eos=false")
     return [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs" / "bench-30m.yaml"), *o, *extra]
 
 
@@ -227,7 +236,7 @@ def work_floor(trl: dict) -> dict:
     return {"separate": 1.0, "shared": (gen + score + learn / 2) / (gen + score + learn)}
 
 
-def report(summary: dict) -> str:
+def report(summary: dict, ragged: bool = False) -> str:
     head = (f"{'':24}{'step s':>8}{'gen':>7}{'score':>7}{'learn':>7}{'sync':>7}{'other':>7}{'sync %':>7}"
             f"{'tok/s':>8}{'start s':>9}")
     rows = [head]
@@ -235,24 +244,34 @@ def report(summary: dict) -> str:
         rows.append(f"{LABELS[side]:24}{s['step_seconds']:8.2f}" + "".join(f"{s[f'{p}_seconds']:7.2f}" for p in PHASES)
                     + f"{100 * s['sync_seconds'] / s['step_seconds']:7.1f}"
                     + f"{s['rollout_tokens_per_s']:8.0f}{s['startup_seconds']:9.1f}")
-    if "trl" in summary:
-        floor = work_floor(summary["trl"])
-        for side in ("separate", "shared"):
-            if side in summary:
-                t, s = summary["trl"], summary[side]
-                rows.append(f"ratio TRL/{LABELS[side]}: step time {t['step_seconds'] / s['step_seconds']:.2f}x, "
-                            f"rollout tokens/s {s['rollout_tokens_per_s'] / t['rollout_tokens_per_s']:.2f}x; "
-                            f"{LABELS[side]}/TRL {s['step_seconds'] / t['step_seconds']:.2f}x "
-                            f"(equal-speed work floor {floor[side]:.2f}x)")
+    rows += ratio_rows(summary, ragged)
     rows.append("peak RSS per actor (MiB):")
     for side, s in summary.items():
         mem = ", ".join(f"{role} {b / 2**20:.0f}" for role, b in sorted(s["peak_rss_bytes"].items()))
         rows.append(f"  {LABELS[side]}: {mem}")
     for side, s in summary.items():
-        if s["tokens_per_step"] != s["expected_tokens_per_step"]:
+        if ragged:
+            rows.append(f"{LABELS[side]}: {s['tokens_per_step']} response tokens a step "
+                        f"({s['tokens_per_step'] / s['expected_tokens_per_step']:.2f} of the budget)")
+        elif s["tokens_per_step"] != s["expected_tokens_per_step"]:
             rows.append(f"warning: {LABELS[side]} generated {s['tokens_per_step']} tokens a step, not "
                         f"{s['expected_tokens_per_step']} (responses stopped early?)")
     return "\n".join(rows)
+
+
+def ratio_rows(summary: dict, ragged: bool) -> list[str]:
+    """Each tether side against TRL, with the equal-speed floor where both do the same work
+    (not on the ragged workload: TRL pads every batch to its longest response, tether packs)."""
+    if "trl" not in summary:
+        return []
+    floor, t, rows = work_floor(summary["trl"]), summary["trl"], []
+    for side in [s for s in ("separate", "shared", "none") if s in summary]:
+        s = summary[side]
+        bound = "" if ragged or side not in floor else f" (equal-speed work floor {floor[side]:.2f}x)"
+        rows.append(f"ratio TRL/{LABELS[side]}: step time {t['step_seconds'] / s['step_seconds']:.2f}x, "
+                    f"rollout tokens/s {s['rollout_tokens_per_s'] / t['rollout_tokens_per_s']:.2f}x; "
+                    f"{LABELS[side]}/TRL {s['step_seconds'] / t['step_seconds']:.2f}x{bound}")
+    return rows
 
 
 def matmul_peaks() -> dict[str, float]:
@@ -269,7 +288,7 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         cpus = parse_pool_cpus(args.pool_cpus)
         from bench.workload import build_workload
-        wl_path = build_workload(prompts=max(256, 4 * args.prompts))
+        wl_path = build_workload(prompts=max(256, 4 * args.prompts), ragged=args.ragged)
         wl = json.loads(wl_path.read_text())
         stamp = time.strftime("%Y%m%d-%H%M%S")
         n_steps = 1 + args.steps
@@ -292,7 +311,7 @@ def main(argv=None) -> int:
                     run_dir = ROOT / "runs" / "bench" / f"vs_trl-{stamp}-{side}-{rnd}"
                     runs[side].append(run_tether(wl, args, side, cpus, n_steps, run_dir))
         summary = {side: summarise(r, args.new_tokens, args.prompts) for side, r in runs.items()}
-        text = report(summary) + f"\n({args.dtype}; matmul peak " + ", ".join(
+        text = report(summary, args.ragged) + f"\n({args.dtype}; matmul peak " + ", ".join(
             f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()) + ")"
         print(text)
         record = {"time": stamp, "host": platform.node(), "cpus": os.cpu_count(), "load_before": load_before,
@@ -300,7 +319,7 @@ def main(argv=None) -> int:
                   "load_after": os.getloadavg(), "args": {k: v for k, v in vars(args).items() if k != "print_command"},
                   "pool_cpus": cpus, "workload": {k: v for k, v in wl.items() if k != "prompt_ids"},
                   "summary": summary, "runs": runs, "report": text,
-                  "work_floor": work_floor(summary["trl"]) if "trl" in summary else None}
+                  "work_floor": work_floor(summary["trl"]) if "trl" in summary and not args.ragged else None}
         out = ROOT / args.out
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=1, default=float))

@@ -9,6 +9,9 @@ that are exactly `prompt_tokens` tokens long and survive a decode/encode round t
 tether (which tokenizes text) and TRL (which takes token ids) feed the same ids. The TRL
 side runs in another virtualenv, so workload.json is plain data and this file is the
 only one that knows how it was made.
+
+``ragged=True``: the same, with the policy (and reference) replaced by bench/stopping_policy.py's,
+which ends its responses at EOS at spread lengths; workload.json then says ``"ragged": true``.
 """
 from __future__ import annotations
 
@@ -43,11 +46,14 @@ def _prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
                      "lower --prompt-tokens")
 
 
-def build_workload(*, prompts: int = 256, prompt_tokens: int = 16, seed: int = 0) -> Path:
+def build_workload(*, prompts: int = 256, prompt_tokens: int = 16, seed: int = 0, ragged: bool = False) -> Path:
     """The workload folder (built once per setting, then reused); returns workload.json's path."""
+    from bench.stopping_policy import HAZARD
+
     policy, reward = build_policy(SPEC_BENCH_32M), build_reward_model(SPEC_BENCH_32M)
-    key = hashlib.sha256(json.dumps([FORMAT, SPEC_BENCH_32M.key("policy"), prompts, prompt_tokens, seed])
-                         .encode()).hexdigest()[:16]
+    setting = [FORMAT, SPEC_BENCH_32M.key("policy"), prompts, prompt_tokens, seed]
+    setting += ["stops", HAZARD] if ragged else []  # the fixed workload keeps its folder
+    key = hashlib.sha256(json.dumps(setting).encode()).hexdigest()[:16]
 
     def build(out: Path) -> None:
         from transformers import AutoTokenizer
@@ -58,11 +64,17 @@ def build_workload(*, prompts: int = 256, prompt_tokens: int = 16, seed: int = 0
             for row in ids:
                 f.write(json.dumps({"prompt": tok.decode(row)}) + "\n")
         final = cache_root() / f"bench-workload-{key}"
+        sampled = policy
+        if ragged:
+            from bench.stopping_policy import build_stopping_policy
+            (out / "policy").mkdir()
+            build_stopping_policy(policy, out / "policy", ids, eos=tok.eos_token_id, pad=tok.pad_token_id, seed=seed)
+            sampled = final / "policy"
         (out / "workload.json").write_text(json.dumps({
-            "policy": str(policy), "reference": str(policy), "reward": str(reward), "value": str(reward),
+            "policy": str(sampled), "reference": str(sampled), "reward": str(reward), "value": str(reward),
             "tokenizer": str(policy), "prompts_path": str(final / "prompts.jsonl"), "prompt_ids": ids,
             "prompt_tokens": prompt_tokens, "seed": seed, "vocab_size": SPEC_BENCH_32M.vocab_size,
-            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}, indent=None))
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "ragged": ragged}, indent=None))
 
     final = cache_root() / f"bench-workload-{key}"
     if not (final / "workload.json").exists():  # cached_build keys on config.json, which this folder lacks
