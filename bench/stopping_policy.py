@@ -6,12 +6,15 @@ that raises EOS's logit by the same amount at every position, so a response stop
 roughly the same probability (``HAZARD``) after each token: lengths spread from 1 to the budget
 (geometric, mean about 1 / HAZARD), the same distribution for every sampler of these weights
 (vLLM in tether, HF ``generate`` in TRL). Sampled on the workload's 64 prompts with a budget of
-128 tokens: mean 64, median 53, 12 of 64 rows cut at the budget.
+128 tokens: mean 56, median 42, 9 of 64 rows cut at the budget.
 
 How: hidden dimension ``d`` (the last) carries the constant ``FEATURE`` in every token's
 embedding, and no layer writes to it (the rows ``d`` of every attention and MLP output
-projection are zeroed), so the final residual's ``d`` is that constant at every position; the
-final norm's weight at ``d`` scales it to about 1. The embeddings are tied, so the logit of
+projection are zeroed), so the final residual's ``d`` is that constant at every position, about
+1 after the final norm. The constant is large (25x the embeddings' scale) so that what the PPO
+steps of a benchmark write into those rows leaves the rate where it was: with 0.02 and a norm
+weight of 25 instead, a first update made the second step's policy another one (approx KL 30).
+The embeddings are tied, so the logit of
 token v gets (that feature) x E[v, d]: the same for every token but EOS, whose E[eos, d] is
 set (by bisection) to give ``HAZARD`` on average, and the pad token, pushed out of reach (TRL
 ends a response at its first pad token). Everything else is the random policy: the same
@@ -22,8 +25,8 @@ from __future__ import annotations
 from pathlib import Path
 
 HAZARD = 1 / 64        # the mean probability of EOS after each response token
-FEATURE = 0.02         # the constant feature's value in every embedding (the embeddings' own scale)
-NORM_GAIN = 25.0       # the final norm's weight on it: FEATURE x NORM_GAIN / rms(residual) ~ 1
+FEATURE = 0.5          # the constant feature in every embedding: large against what training writes into it
+NORM_GAIN = 1.0        # the final norm's weight on it (FEATURE / rms(residual) is about 1 already)
 PAD_OFFSET = -30.0     # the pad token's logit offset: never sampled
 
 

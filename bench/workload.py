@@ -48,11 +48,11 @@ def _prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
 
 def build_workload(*, prompts: int = 256, prompt_tokens: int = 16, seed: int = 0, ragged: bool = False) -> Path:
     """The workload folder (built once per setting, then reused); returns workload.json's path."""
-    from bench.stopping_policy import HAZARD
+    from bench.stopping_policy import FEATURE, HAZARD, NORM_GAIN
 
     policy, reward = build_policy(SPEC_BENCH_32M), build_reward_model(SPEC_BENCH_32M)
     setting = [FORMAT, SPEC_BENCH_32M.key("policy"), prompts, prompt_tokens, seed]
-    setting += ["stops", HAZARD] if ragged else []  # the fixed workload keeps its folder
+    setting += ["stops", HAZARD, FEATURE, NORM_GAIN] if ragged else []  # the fixed workload keeps its folder
     key = hashlib.sha256(json.dumps(setting).encode()).hexdigest()[:16]
 
     def build(out: Path) -> None:
