@@ -39,6 +39,7 @@ def start_engine(model: str, engine, *, tensor_parallel: int, seed: int, on_gpu:
     On a GPU vLLM takes ``gpu_memory_utilization`` of the device; on CPU the KV cache is given
     in bytes (the fraction-of-memory knob breaks a second engine on one machine)."""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    address_from_ray()
     from vllm import LLM
 
     kwargs = dict(model=model, dtype=engine.dtype or "float32", max_model_len=engine.max_model_len,
@@ -55,3 +56,17 @@ def start_engine(model: str, engine, *, tensor_parallel: int, seed: int, on_gpu:
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(engine.max_model_len, engine.max_num_seqs, 4096)
     return LLM(**kwargs)
+
+
+def address_from_ray() -> None:
+    """VLLM_HOST_IP := this node's address as Ray knows it, unless the user set it.
+
+    vLLM finds its own address by a UDP connect towards a public one, which picks the
+    interface of the default route: none on a node in a private network (vLLM then falls
+    back to 0.0.0.0), another interface than Ray's on a multi-homed node (its Ray executor
+    then cannot match its driver to Ray's nodes). Ray's address is the one peers reach."""
+    if "VLLM_HOST_IP" in os.environ:
+        return
+    import ray
+    if ray.is_initialized():
+        os.environ["VLLM_HOST_IP"] = ray.util.get_node_ip_address()

@@ -44,14 +44,13 @@ class Partition:
         self.nodes, self.node_id, self.times = nodes, node_id, {}
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self, after_s: float = 0.0) -> None:
-        self.after_s = after_s
+    def start(self) -> None:
+        """Cut now, in the caller (ahead of the call it is hooked to: on_call), then watch."""
+        self.times["cut"] = time.perf_counter()
+        self.nodes.cut(self.node_id)
         self.thread.start()
 
     def _run(self) -> None:
-        time.sleep(self.after_s)  # into the call it was started beside (the update), not a readiness wait
-        self.times["cut"] = time.perf_counter()
-        self.nodes.cut(self.node_id)
         try:
             self.times["declared"] = self.nodes.wait_dead(self.node_id)
         finally:
@@ -105,6 +104,9 @@ def test_a_partition_of_a_learner_rank_and_the_reference_is_survived_once(run, n
                 "gloo": os.environ.get("GLOO_SOCKET_IFNAME")}
 
     views = ray.get([w.apply.remote(rank_view, None) for w in ranks])
+    gen = c.pools.generators.first()  # vLLM's own address is the node's, not a failed public lookup
+    assert ray.get(gen.__ray_call__.remote(lambda _: __import__("os").environ.get("VLLM_HOST_IP"))) == \
+        netns_nodes.ip(ids["gen"])
     assert {c.where(w) for w in ranks} == {ids["pair"], ids["rank"]}, "the ranks share a node"
     assert {v["ip"] for v in views} == {netns_nodes.ip(ids["pair"]), netns_nodes.ip(ids["rank"])}
     assert views[1]["master"] == views[0]["ip"] and {v["gloo"] for v in views} == {"eth0"}, views
@@ -116,7 +118,7 @@ def test_a_partition_of_a_learner_rank_and_the_reference_is_survived_once(run, n
     generating = threading.Thread(target=blip, args=(netns_nodes, ids["gen"]))
     on_call(c.driver.rollouts, "_score", 1, generating.start)  # while the step's other chunks generate
     partition = Partition(netns_nodes, ids["pair"])
-    on_call(c.pools.learner, "train", 2, lambda: partition.start(after_s=0.2))  # step 2's update
+    on_call(c.pools.learner, "train", 2, partition.start)  # step 2's update starts with the node cut
     logged = time_steps(c)
     c.driver.run()
     generating.join(30)
