@@ -33,6 +33,12 @@ class _Call:
     output: object = None
     version: int = 0
     error: Optional[BaseException] = None
+    then: Optional[Callable[["_Call"], None]] = None  # called in the driver's thread once it ends
+
+    def end(self) -> None:
+        self.done.set()
+        if self.then is not None:
+            self.then(self)
 
 
 class AdmittedCalls:
@@ -56,14 +62,24 @@ class AdmittedCalls:
 
     def sample(self, prompt: list[int], params: Callable[[], tuple]) -> tuple[object, int]:
         """-> (vLLM's finished RequestOutput, the version when it was admitted)."""
-        call = _Call(prompt=list(prompt), params=params)
-        with self._wake:
-            self._queue.append(call)
-            self._wake.notify()
+        call = self._queued(_Call(prompt=list(prompt), params=params))
         call.done.wait()
         if call.error is not None:
             raise call.error
         return call.output, call.version
+
+    def submit(self, prompt: list[int], params: Callable[[], tuple],
+               then: Callable[[object, int, Optional[BaseException]], None]) -> None:
+        """``sample`` without waiting: ``then(output, version, error)`` is called in the driver's
+        thread when the call ends (it must be quick and must not raise)."""
+        self._queued(_Call(prompt=list(prompt), params=params,
+                           then=lambda call: then(call.output, call.version, call.error)))
+
+    def _queued(self, call: _Call) -> _Call:
+        with self._wake:
+            self._queue.append(call)
+            self._wake.notify()
+        return call
 
     def _drive_forever(self) -> None:
         while True:
@@ -87,13 +103,13 @@ class AdmittedCalls:
                             if out.finished and out.request_id in running:
                                 call = running.pop(out.request_id)
                                 call.output = out
-                                call.done.set()
+                                call.end()
             except BaseException as e:  # noqa: BLE001 - answered to every call it stopped; the driver goes on
                 with turn(), contextlib.suppress(Exception):  # the first error is the one to see
                     self._engine.abort_request(list(running))
                 for call in running.values():
                     call.error = e
-                    call.done.set()
+                    call.end()
 
     def _admit(self, running: dict[str, _Call]) -> None:
         """The queued calls into the engine; one the engine refuses is answered with its error."""
@@ -108,7 +124,7 @@ class AdmittedCalls:
                 self._engine.add_request(rid, tokens_input(call.prompt), params, lora_request=self._adapter())
             except Exception as e:  # noqa: BLE001 - this call's own fault (its params, its prompt)
                 call.error = e
-                call.done.set()
+                call.end()
                 continue
             running[rid] = call
             self.admitted += 1

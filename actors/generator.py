@@ -29,7 +29,8 @@ from actors import kept_set
 from actors.admitted_calls import AGENT_CALLS_CONCURRENCY, AGENT_CALLS_GROUP, AdmittedCalls
 from actors.engine_turns import EngineTurns
 from actors.environments.config import EnvConfig
-from actors.environments.episodes import Turn, episode_runner
+from actors.environments.episodes import Turn
+from actors.environments.runners import episode_runner
 from actors.gateway.producer import agent_episodes
 from actors.generation import GenerationResult, GenerationSummary, request_seed, token_versions
 from actors.weight_receiver import GPU_TRANSFER, EngineWeights
@@ -209,7 +210,7 @@ class Generator:
         """generate() as multi-turn episodes (actors/environments/episodes.py): the policy's tokens count."""
         incomplete = self._incomplete_kept_sets
         rollouts, counts = self.episodes.play(keep, self.columns, self._llm.get_tokenizer(), self.sampling.n,
-                                              self.sample_turns, self.weights.version())
+                                              self.episodes.sampler(self), self.weights.version())
         tokens = sum(r.trained_tokens for r in rollouts)
         self._generated_total += tokens
         return GenerationResult(rollouts, GenerationSummary(
@@ -241,19 +242,31 @@ class Generator:
         """One call of a gateway session (actors/gateway): ``prompt`` continued by at most ``room``
         tokens, seeded as a turn of ``sample_turns`` with ``key``, admitted into the engine while
         it runs other calls (actors/admitted_calls.py). The gateway calls it in AGENT_CALLS_GROUP."""
+        out, version = self._admitted().sample(prompt, self._one_turn_params(room, key))
+        return self._turn(out, version)
+
+    def admit_turn(self, prompt: list[int], room: int, key: tuple[int, int, int], then) -> None:
+        """``serve_turn`` without waiting, for episodes played at their own pace
+        (actors/environments/continuous.py): ``then(Turn or the error)`` once its request ends."""
+        def ended(out, version, error):
+            try:
+                then(error if error is not None else self._turn(out, version))
+            except Exception as e:  # noqa: BLE001 - reading the output failed: the turn's error
+                then(e)
+        self._admitted().submit(prompt, self._one_turn_params(room, key), ended)
+
+    def _admitted(self) -> AdmittedCalls:
         if self._calls is None:
             with self._calls_made:
                 if self._calls is None:
                     self._calls = AdmittedCalls(engine=self._llm.llm_engine, turns=self._turns,
                                                 adapter=lambda: self.weights.adapter,
                                                 stepping=self.partial_rollouts, name=self.name)
+        return self._calls
+
+    def _one_turn_params(self, room: int, key: tuple[int, int, int]):
         kept_set.check_vocab(self.sampling.top_k, self.sampling.top_p, self._vocab_size, self.name)
-
-        def params():
-            return self._turn_params([room], [key])[0], self.weights.version()
-
-        out, version = self._calls.sample(prompt, params)
-        return self._turn(out, version)
+        return lambda: (self._turn_params([room], [key])[0], self.weights.version())
 
     def _turn(self, out, version: int) -> Turn:
         """A finished one-completion request as a Turn; ``version`` where vLLM labelled no token."""

@@ -7,6 +7,7 @@ from core.infra.schema import ConfigError, config_class, setting
 
 EnvReward = Literal["environment", "pool"]
 RewardPlacement = Literal["episode", "turn"]
+Schedule = Literal["rounds", "continuous"]
 
 
 @config_class
@@ -28,6 +29,13 @@ class EnvConfig:
                    "token | turn = each turn's reward on that turn's last token (credit per turn: GAE "
                    "bootstraps across turns, the group estimators compare each turn's return with the "
                    "same turn of the group's other samples; the score is still the sum)")
+    schedule: Schedule = setting(
+        "rounds", "with env.environment: rounds = every live episode's next turn sampled in one call, then "
+                  "their steps in one round (a redispatched or resumed chunk samples the same tokens) | "
+                  "continuous = each episode at its own pace: a turn enters the running engine as soon as its "
+                  "episode has one to take and goes to its environment as soon as it ends (faster; the "
+                  "same seeds and distribution, but what a turn is batched with depends on timing, so a "
+                  "redispatched chunk need not sample the same tokens)")
     max_turns: int = setting(4, "policy turns per episode at most")
     max_tokens: int = setting(512, "response tokens per episode at most, observations included")
     max_turn_tokens: int = setting(0, "tokens per turn at most (a turn also ends at EOS); 0 = "

@@ -27,9 +27,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from actors.environments.config import EnvConfig
 from actors.environments.transcript import ObservationTokens
-from actors.environments.workers import EnvironmentWorkers
+from actors.environments.workers import EnvironmentWorkers, Outcome
 from core.rollout import Rollout, spliced_kept_ids
 
 
@@ -133,6 +132,22 @@ class EpisodeRunner:
 
     def run(self, prompts: list[tuple[list[int], int, str, dict]], n: int, sample: Sample) -> list[Episode]:
         """``n`` episodes of each (prompt ids, prompt index, prompt text, columns); -> the episodes."""
+        episodes = self._begin(prompts, n)
+        for _ in range(self.max_turns):
+            live = [ep for ep in episodes if not ep.done and not ep.error]
+            if not live:
+                break
+            self._turn(live, sample)
+        self._call({ep.episode_id: ("close",) for ep in episodes if not ep.error})
+        return episodes
+
+    @staticmethod
+    def sampler(generator) -> Sample:
+        """What ``run`` samples with, of a generator (actors/generator.py): a round at a time."""
+        return generator.sample_turns
+
+    def _begin(self, prompts: list[tuple[list[int], int, str, dict]], n: int) -> list[Episode]:
+        """The episodes of ``run``'s prompts, reset."""
         episodes = []
         for ids, index, _, _ in prompts:
             for k in range(n):
@@ -140,12 +155,6 @@ class EpisodeRunner:
                 self._next_id += 1
         texts = {ep.episode_id: prompts[i // n][2:] for i, ep in enumerate(episodes)}
         self._reset(episodes, texts)
-        for _ in range(self.max_turns):
-            live = [ep for ep in episodes if not ep.done and not ep.error]
-            if not live:
-                break
-            self._turn(live, sample)
-        self._call({ep.episode_id: ("close",) for ep in episodes if not ep.error})
         return episodes
 
     def play(self, prompts: list[tuple[list[int], int]], columns, tokenizer, n: int, sample: Sample,
@@ -178,65 +187,61 @@ class EpisodeRunner:
                     ep.error = str(e)
 
     def _turn(self, live: list[Episode], sample: Sample) -> None:
-        room = [min(self.max_turn_tokens, self.max_tokens - len(ep.response),
-                    self.max_context - len(ep.prompt_ids) - len(ep.response)) for ep in live]
+        room = [self._room(ep) for ep in live]
         for ep in [ep for ep, r in zip(live, room) if r < 1]:
             ep.done = True  # no room for another turn (a first turn: an empty, untrained episode)
         live, room = [ep for ep, r in zip(live, room) if r >= 1], [r for r in room if r >= 1]
         if not live:
             return
-        turns = sample([ep.prompt_ids + ep.response for ep in live], room,
-                       [(ep.prompt_index, ep.sample_index, ep.turns) for ep in live])
+        turns = sample([ep.prompt_ids + ep.response for ep in live], room, [self._key(ep) for ep in live])
         answering = {}
         for ep, turn in zip(live, turns):
-            ep.add(turn.token_ids, turn.logprobs, trained=True, versions=turn.versions, kept_ids=turn.kept_ids)
-            ep.turns += 1
-            # A turn that ended on its end-of-turn token ended, wherever it ended (at the budget, at
-            # max_turns): the environment answers it. Only a turn cut before its end truncates.
-            if not turn.token_ids or turn.token_ids[-1] != self.observations.end_of_turn_id:
-                ep.done, ep.finish_reason = True, "length"
-            else:
-                ep.finish_reason = "stop"
-                answering[ep.episode_id] = ("step", self.decode(turn.token_ids))
+            request = self._took(ep, turn)
+            if request is not None:
+                answering[ep.episode_id] = request
         out = self._call(answering)
         for ep in live:
-            if ep.episode_id not in out:
-                continue
-            got = out[ep.episode_id]
-            if not got.ok:
-                ep.error = got.error
-                continue
-            ep.info = got.result.info
-            if got.result.reward is not None:
-                ep.rewards.append((len(ep.response) - 1, got.result.reward))
-            if got.result.done:
-                ep.done, ep.finish_reason = True, "stop"
-            elif got.result.observation is not None and ep.turns < self.max_turns:
-                obs = self.observations.ids(got.result.observation)
-                if len(ep.response) + len(obs) >= self.max_tokens:
-                    ep.done = True  # the observation leaves no room for a turn: end on the policy's
-                else:
-                    ep.add(obs, None, trained=False)
+            if ep.episode_id in out:
+                self._answered(ep, out[ep.episode_id])
 
+    def _room(self, ep: Episode) -> int:
+        """Tokens the episode's next turn may take (< 1: none)."""
+        return min(self.max_turn_tokens, self.max_tokens - len(ep.response),
+                   self.max_context - len(ep.prompt_ids) - len(ep.response))
 
-def episode_runner(env: EnvConfig, tokenizer, *, max_context: int, max_new_tokens: int,
-                   name: str) -> EpisodeRunner:
-    """The runner a generator plays episodes with, from the ``env`` section; observations
-    rendered by the policy's ``tokenizer``; a turn is at most ``max_new_tokens`` where
-    env.max_turn_tokens is 0."""
-    workers = EnvironmentWorkers(env.environment, key="env.environment", workers=env.workers,
-                                 step_timeout_s=env.step_timeout_s, memory_mb=env.memory_mb)
-    try:
-        observations = ObservationTokens(tokenizer, role=env.observation_role, plain_format=env.plain_format,
-                                         name=f"{name}'s tokenizer")
-    except ValueError:
-        workers.close()
-        raise
-    return EpisodeRunner(workers=workers, observations=observations,
-                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                         max_turns=env.max_turns, max_tokens=env.max_tokens,
-                         max_turn_tokens=env.turn_tokens(max_new_tokens), max_context=max_context,
-                         by_turn=env.reward_placement == "turn")
+    @staticmethod
+    def _key(ep: Episode) -> tuple[int, int, int]:
+        """What the episode's next turn is seeded by: (prompt index, sample index, turn)."""
+        return ep.prompt_index, ep.sample_index, ep.turns
+
+    def _took(self, ep: Episode, turn: Turn) -> Optional[tuple]:
+        """The policy's turn into the episode -> the request its environment answers, or None."""
+        ep.add(turn.token_ids, turn.logprobs, trained=True, versions=turn.versions, kept_ids=turn.kept_ids)
+        ep.turns += 1
+        # A turn that ended on its end-of-turn token ended, wherever it ended (at the budget, at
+        # max_turns): the environment answers it. Only a turn cut before its end truncates.
+        if not turn.token_ids or turn.token_ids[-1] != self.observations.end_of_turn_id:
+            ep.done, ep.finish_reason = True, "length"
+            return None
+        ep.finish_reason = "stop"
+        return "step", self.decode(turn.token_ids)
+
+    def _answered(self, ep: Episode, got: Outcome) -> None:
+        """The environment's answer to the episode's turn into the episode."""
+        if not got.ok:
+            ep.error = got.error
+            return
+        ep.info = got.result.info
+        if got.result.reward is not None:
+            ep.rewards.append((len(ep.response) - 1, got.result.reward))
+        if got.result.done:
+            ep.done, ep.finish_reason = True, "stop"
+        elif got.result.observation is not None and ep.turns < self.max_turns:
+            obs = self.observations.ids(got.result.observation)
+            if len(ep.response) + len(obs) >= self.max_tokens:
+                ep.done = True  # the observation leaves no room for a turn: end on the policy's
+            else:
+                ep.add(obs, None, trained=False)
 
 
 # The info numbers an environment may report at an episode's last step, summed over episodes.

@@ -5,7 +5,9 @@ imports the environment class once (actors/environments/base.py) and holds the i
 episodes given to it, one instance per episode, by the episode's id. ``call`` runs one round of requests:
 ``("reset", prompt, columns)`` starts an episode, ``("step", action)`` and ``("close",)`` go to
 a running one. One worker's requests run one after another, the workers side by side, and
-each request waits at most ``step_timeout_s``.
+each request waits at most ``step_timeout_s``. ``submit`` and ``poll`` are the same without the
+round: requests join the queues whenever they come, and each poll returns what has been
+answered (episodes at their own pace: actors/environments/continuous.py).
 
 Each answer is an ``Outcome``: the checked result, or why the episode ended invalid. The
 user's code raised or returned something invalid (``error``; counted as ``malformed_actions``
@@ -99,7 +101,8 @@ class EnvironmentWorkers:
         self._faults = {"errors": 0, "malformed_actions": 0, "lost": 0}  # the pool counts the rest
         self._home: dict[int, Slot] = {}  # running episode -> the worker holding its instance
         self._lost: dict[int, str] = {}   # episode -> why its worker is gone
-        self._lock = threading.Lock()
+        self._queues: dict[Slot, list] = {}  # worker -> (episode, op, payload) not yet sent to it
+        self._lock = threading.RLock()
         self._pool = WorkerPool("from actors.environments.workers import _entry; _entry()",
                                 [spec, key, self.memory_mb], start_timeout_s=START_TIMEOUT_S)
         try:
@@ -134,17 +137,36 @@ class EnvironmentWorkers:
         """One round: episode id -> ("reset", prompt, columns) | ("step", action) | ("close",);
         -> episode id -> Outcome, for every request."""
         with self._lock:
+            out = self.submit(requests)
+            while self.pending:
+                out.update(self.poll())
+            return out
+
+    def submit(self, requests: dict[int, tuple]) -> dict[int, Outcome]:
+        """Queue requests (as ``call`` takes them) behind those already queued -> the ones answered
+        at once (an episode lost with its worker, or not running); ``poll`` answers the rest."""
+        with self._lock:
             out: dict[int, Outcome] = {}
-            queues: dict[Slot, list] = {}  # worker -> (episode, op, payload) still to send this round
             for episode, (op, *payload) in requests.items():
-                self._route(episode, op, payload[0] if op == "step" else tuple(payload), queues, out)
-            while any(queues.values()) or self._pool.busy():
-                for slot, queue in queues.items():
-                    if slot.job is None and queue:
-                        request = queue.pop(0)
-                        self._pool.send(slot, request, request[:2], self.step_timeout_s)
-                for event in self._pool.wait_once():
-                    self._record(event, queues, out)
+                self._route(episode, op, payload[0] if op == "step" else tuple(payload), self._queues, out)
+            return out
+
+    @property
+    def pending(self) -> int:
+        """Requests queued or running."""
+        return sum(map(len, self._queues.values())) + sum(s.job is not None for s in self._pool.slots)
+
+    def poll(self, wake=None) -> dict[int, Outcome]:
+        """Send queued requests to idle workers, then wait until one answers, dies or runs out of
+        time, or ``wake`` (a readable file descriptor) is -> the Outcomes that came."""
+        with self._lock:
+            out: dict[int, Outcome] = {}
+            for slot, queue in self._queues.items():
+                if slot.job is None and queue:
+                    request = queue.pop(0)
+                    self._pool.send(slot, request, request[:2], self.step_timeout_s)
+            for event in self._pool.wait_once(wake):
+                self._record(event, self._queues, out)
             return out
 
     def _route(self, episode: int, op: str, payload, queues: dict, out: dict) -> None:
@@ -189,7 +211,7 @@ class EnvironmentWorkers:
             self._home.pop(other)
             if other != episode:
                 self._lost[other] = f"environment {self.spec}: lost with its worker, which {reason}"
-        for other, _, _ in queues.pop(w, []):  # this round's requests it had not sent yet
+        for other, _, _ in queues.pop(w, []):  # the requests it had not been sent yet
             if other not in out:
                 self._faults["lost"] += 1
                 out[other] = Outcome(error=self._lost.pop(other), lost=True)
@@ -201,4 +223,4 @@ class EnvironmentWorkers:
     def close(self) -> None:
         """Ask each worker to stop, then SIGKILL whatever has not, and reap them all."""
         self._pool.close()
-        self._home = {}
+        self._home, self._queues = {}, {}

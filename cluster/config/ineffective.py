@@ -40,7 +40,7 @@ def changed(section, prefix: str) -> Iterator[tuple[str, object]]:
 # The env.* keys that act on an environment's episodes alone (the policy's turns, how observations
 # are rendered) and the one that acts on an agent's alone.
 ENVIRONMENT_ONLY = ("max_turns", "max_turn_tokens", "step_timeout_s", "observation_role", "plain_format",
-                    "reward_placement")
+                    "reward_placement", "schedule")
 AGENT_ONLY = ("episode_timeout_s", "episodes_per_worker", "tool_parser")
 
 

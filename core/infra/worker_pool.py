@@ -140,17 +140,19 @@ class WorkerPool:
     def busy(self) -> bool:
         return any(s.job is not None for s in self.slots)
 
-    def wait_once(self) -> list[Event]:
-        """Wait until a worker with a job or one starting sends something, or the first deadline
-        passes; read what came (a first message updates its slot's state) -> the jobs' events.
-        A starting worker past its start time is killed ("late")."""
+    def wait_once(self, wake: int | None = None) -> list[Event]:
+        """Wait until a worker with a job or one starting sends something, the first deadline
+        passes, or ``wake`` (a file descriptor; its user drains it) is readable; read what came
+        (a first message updates its slot's state) -> the jobs' events. A starting worker past its
+        start time is killed ("late")."""
         listening = [s for s in self.slots if s.job is not None or self.starting(s)]
-        if not listening:
+        if not listening and wake is None:
             return []
         now = time.monotonic()
-        deadline = min(0.0 if s.broken else s.deadline if s.job is not None else s.started + self.start_timeout_s
-                       for s in listening)
-        ready = wait([s.conn for s in listening], timeout=max(0.0, deadline - now))
+        deadline = min((0.0 if s.broken else s.deadline if s.job is not None else s.started + self.start_timeout_s
+                        for s in listening), default=None)
+        ready = wait([s.conn for s in listening] + ([] if wake is None else [wake]),
+                     timeout=None if deadline is None else max(0.0, deadline - now))
         events = [self._read(s) for s in listening if s.conn in ready or s.broken]
         now = time.monotonic()
         for s in listening:

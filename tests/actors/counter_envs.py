@@ -32,3 +32,28 @@ class Counter:
 class NoStep:
     def reset(self, prompt, columns):
         return None
+
+
+class Relay:
+    """Two roles, by the prompt's columns: "go" answers at once and, at its ``after``-th step,
+    leaves ``marker``; "wait" holds its first step until the marker is there (a minute at most),
+    so it ends only if other episodes' turns go on while its environment works. Each ends with
+    reward 1 at its ``turns``-th step."""
+
+    def reset(self, prompt, columns):
+        self.role, self.marker = columns["role"], columns["marker"]
+        self.after, self.turns, self.n = int(columns.get("after", 2)), int(columns.get("turns", 3)), 0
+        return None
+
+    def step(self, action):
+        self.n += 1
+        if self.role == "go" and self.n == self.after:
+            open(self.marker, "w").close()
+        if self.role == "wait" and self.n == 1:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.marker) and time.monotonic() < deadline:
+                time.sleep(0.01)  # polling the condition, bounded
+            if not os.path.exists(self.marker):
+                raise RuntimeError("no marker: the other episodes did not go on meanwhile")
+        done = self.n >= self.turns
+        return f"ok {self.n}", (1.0 if done else None), done, {}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from actors.environments.episodes import EpisodeRunner
+from actors.environments.runners import SCHEDULES
 from actors.environments.transcript import ObservationTokens
 from actors.environments.workers import EnvironmentWorkers
 from actors.generator import Generator
@@ -44,22 +45,36 @@ def generator(policy, in_process_engines):
                      engine={"max_model_len": 256, "kv_cache_bytes": 16 << 20})
 
 
-def test_a_transcript_keeps_the_sampled_tokens_and_the_observations_exactly(generator, policy, tokenizer):
+def recorded(generator, schedule: str, sampled: dict):
+    """The generator's sampler for ``schedule``, noting each turn's ids by its key."""
+    if schedule == "rounds":
+        def sample(transcripts, room, keys):
+            turns = generator.sample_turns(transcripts, room, keys)
+            sampled.update({key: t.token_ids for key, t in zip(keys, turns)})
+            return turns
+        return sample
+
+    def admit(transcript, room, key, then):
+        def noted(turn):
+            sampled[key] = getattr(turn, "token_ids", None)
+            then(turn)
+        generator.admit_turn(transcript, room, key, noted)
+    return admit
+
+
+@pytest.mark.parametrize("schedule", ["rounds", "continuous"])
+def test_a_transcript_keeps_the_sampled_tokens_and_the_observations_exactly(generator, policy, tokenizer, schedule):
+    """Played in rounds or each episode at its own pace (its turns admitted into the running engine)."""
     from learner.batch import collate
     from learner.policy import PolicyWithValueHead
 
     observations = ObservationTokens(tokenizer)
     sampled = {}  # (prompt index, sample index, turn) -> the ids vLLM returned
-
-    def sample(transcripts, room, keys):
-        turns = generator.sample_turns(transcripts, room, keys)
-        sampled.update({key: t.token_ids for key, t in zip(keys, turns)})
-        return turns
-
+    sample = recorded(generator, schedule, sampled)
     workers = EnvironmentWorkers("counter_envs:Counter", workers=2, step_timeout_s=30.0)
     try:
-        runner = EpisodeRunner(workers=workers, observations=observations, decode=tokenizer.decode,
-                               max_turns=4, max_tokens=120, max_turn_tokens=20)
+        runner = SCHEDULES[schedule](workers=workers, observations=observations, decode=tokenizer.decode,
+                                     max_turns=4, max_tokens=120, max_turn_tokens=20)
         prompts = [(tokenizer(p)["input_ids"], i, p, {"start": i}) for i, p in enumerate(PROMPTS)]
         episodes = runner.run(prompts, 2, sample)
     finally:
@@ -87,7 +102,8 @@ def test_a_transcript_keeps_the_sampled_tokens_and_the_observations_exactly(gene
         learner, _, _ = model.response_logprobs_values(batch, with_entropy=False)
     trained = batch.response_mask != 0
     gap = float((learner - batch.behaviour_logprobs)[trained].abs().max())
-    print(f"{int(trained.sum())} policy tokens over {len(rollouts)} transcripts: max |learner - vLLM| = {gap:.1e}")
+    print(f"{schedule}: {int(trained.sum())} policy tokens over {len(rollouts)} transcripts: "
+          f"max |learner - vLLM| = {gap:.1e}")
     assert gap < 1e-3 and int(trained.sum()) == sum(r.trained_tokens for r in rollouts)
 
 

@@ -19,7 +19,7 @@ def test_episodes_are_off_by_default_and_their_budget_is_the_learners_horizon():
 @pytest.mark.parametrize("overrides, says", [
     (["env.max_turns=0"], "env.max_turns=0"), (["env.step_timeout_s=0"], "env.step_timeout_s=0"),
     (["env.plain_format=x"], "env.plain_format must hold {observation}"),
-    (["env.reward=judge"], "env.reward")])
+    (["env.reward=judge"], "env.reward"), (["env.schedule=lockstep"], "env.schedule")])
 def test_settings_episodes_cannot_run_with_are_one_line(overrides, says):
     with pytest.raises(ConfigError) as e:
         load_config(None, ON + overrides).validate()

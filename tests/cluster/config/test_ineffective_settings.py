@@ -31,6 +31,8 @@ AGENT = ["env.agent=cluster.demo.arithmetic:second_chance_agent"]
     (["env.episode_timeout_s=10"], "env.episode_timeout_s=10", "set env.environment or env.agent"),
     (AGENT + ["env.max_turns=2"], "env.max_turns=2", "no effect on the episodes of env.agent="),
     (AGENT + ["env.observation_role=tool"], "env.observation_role='tool'", "no effect on the episodes of env.agent"),
+    (AGENT + ["env.schedule=continuous"], "env.schedule='continuous'", "no effect on the episodes of env.agent"),
+    (["env.schedule=continuous"], "env.schedule='continuous'", "set env.environment"),
     (EPISODES + ["env.episode_timeout_s=10"], "env.episode_timeout_s=10",
      "no effect on the episodes of env.environment="),
     (AGENT + URL, "reward.url=", "set env.reward=pool"),
