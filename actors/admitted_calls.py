@@ -5,6 +5,9 @@ in a thread of the generator's ``AGENT_CALLS_GROUP``. ``AdmittedCalls.sample`` q
 call and waits; one driver thread steps the engine while any call runs, adding the queued
 ones before each step, so a call joins the batch already running (continuous batching)
 rather than waiting for it to finish, and answers each call as soon as its request ends.
+``submit`` is the same without waiting: the generator's own episodes played at their own pace
+(env.schedule=continuous, actors/environments/continuous.py) admit their turns through it, and
+hear of each one's end in a callback.
 
 The driver takes the engine as generate does (actors/engine_turns.py): with partial rollouts
 one turn per engine step (a push lands between two steps), otherwise for as long as any
