@@ -148,3 +148,24 @@ def test_a_turn_waits_for_its_own_environment_only_when_continuous(tmp_path, sch
         assert wait.error is None and (wait.turns, wait.score) == (3, 1.0)
     else:
         assert "did not answer within env.step_timeout_s=2 s" in wait.error
+
+
+def test_an_engine_error_fails_the_continuous_call_once_every_admitted_turn_is_back():
+    """The engine failing one turn fails the call with that error, after the turns already
+    admitted have come back (none is left calling into a finished call)."""
+    sample, back = admitted([7, 7, 7]), []
+
+    def admit(transcript, room, key, then):
+        if key == (1, 0, 1):  # the second prompt's second turn
+            threading.Thread(target=then, args=(RuntimeError("the engine broke"),)).start()
+            return
+        sample(transcript, room, key, lambda turn: (back.append(key), then(turn)))
+
+    workers = EnvironmentWorkers("counter_envs:Counter", workers=2, step_timeout_s=5.0)
+    try:
+        prompts = [([1, 2, 3], i, "silent", {}) for i in range(3)]
+        with pytest.raises(RuntimeError, match="the engine broke"):
+            runner(workers, schedule="continuous").run(prompts, 1, admit)
+        assert workers.pending == 0 and len(back) >= 3
+    finally:
+        workers.close()
