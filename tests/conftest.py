@@ -260,6 +260,18 @@ def _nothing_outlives_the_test(request):
     _assert_nothing_left(before, request.node.nodeid)
 
 
+@pytest.fixture(autouse=True)
+def _gloo_interface_restored():
+    """A learner rank built in this process names its gloo interface in os.environ
+    (learner/rendezvous.py): the next test, and the raylets it starts, must not inherit it."""
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    yield
+    if before is None:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    else:
+        os.environ["GLOO_SOCKET_IFNAME"] = before
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _nothing_outlives_the_module(request):
     before = _ray_state()

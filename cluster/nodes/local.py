@@ -217,8 +217,9 @@ def start_worker(state: State, name: str, cpus: int, labels: dict, env: dict | N
             record(state)
             netns.create_node(net, name)
         prefix, ip = netns.exec_prefix(net, name), net.nodes[name]["ip"]
+    env = env or ray_env()
     proc = _start(_worker_args(state.gcs_address, cpus, {NODE_LABEL: name, **labels}, ip), log,
-                  env or ray_env(), prefix)
+                  netns.node_env(env) if net is not None else env, prefix)
     state.sessions.append(proc.pid)
     record(state)
     _finish(name, proc, log)

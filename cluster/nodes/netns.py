@@ -186,6 +186,17 @@ def pids(net: Net) -> list[int]:
     return found
 
 
+# Settings that name the host's own network (its interfaces, its address): a namespace has none of
+# them (its interfaces are lo and the veth end, found by the node's address), so its processes
+# must choose their own (learner/rendezvous.py, core/modeling/vllm_engine.py).
+HOST_NETWORK_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "VLLM_HOST_IP")
+
+
+def node_env(env: dict) -> dict:
+    """``env`` for a process started in a node's namespace: the host's network choices left out."""
+    return {k: v for k, v in env.items() if k not in HOST_NETWORK_KEYS}
+
+
 def exec_prefix(net: Net, name: str) -> list[str]:
     """The command prefix that runs a program inside the node's namespace."""
     return ["ip", "netns", "exec", net.node(name)["netns"]]

@@ -13,6 +13,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -42,6 +43,29 @@ def test_the_subnet_overlaps_nothing_used_and_names_fit_linux():
     assert netns.from_dict(netns.as_dict(net)) == net
     with pytest.raises(netns.NetnsError, match="worker-1"):
         net.node("worker-99")
+
+
+@pytest.mark.unit
+def test_a_namespaced_raylet_gets_none_of_the_hosts_network_choices(monkeypatch, tmp_path):
+    """GLOO_SOCKET_IFNAME=lo in the caller's environment (a host setting, or a learner rank built
+    earlier in this process) would bind a namespaced rank to its own loopback, unreachable from
+    the other nodes; the namespace's processes choose by their node's address instead."""
+    from cluster.nodes import local
+
+    started = {}
+
+    def start(args, log, env, prefix=()):
+        started.update(env=env, prefix=prefix)
+        return types.SimpleNamespace(pid=0)  # what start_worker reads of the process
+    monkeypatch.setattr(local, "_start", start)
+    monkeypatch.setattr(local, "_finish", lambda *a: None)
+    net = netns.plan(1, ipaddress.ip_network("10.99.0.0/24"))
+    state = local.State(temp_dir=str(tmp_path), gcs_address="10.99.0.1:6379", dashboard_url="", head_id="",
+                        started_at=0.0, workdir=str(tmp_path), net=netns.as_dict(net))
+    env = {"PATH": "/bin", "GLOO_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "192.0.2.1", "KEEP": "1"}
+    local.start_worker(state, "worker-1", 1, {}, env)
+    assert started["prefix"] and not set(started["env"]) & set(netns.HOST_NETWORK_KEYS)
+    assert started["env"]["KEEP"] == "1"
 
 
 @pytest.mark.unit
