@@ -66,6 +66,11 @@ class AgentEpisodes:
         self._batches = itertools.count()
         self._run = uuid.uuid4().hex[:8]  # a replacement of this generator opens sessions of other ids
 
+    @staticmethod
+    def sampler(generator) -> None:
+        """The gateway samples an agent's calls (Generator.serve_turn): play takes no sampler."""
+        return None
+
     def play(self, prompts: list[tuple[list[int], int]], columns, tokenizer, n: int, *_) -> tuple[list[Rollout], dict]:
         """``n`` episodes of each (prompt ids, prompt index), the agent given the prompt's text and
         its row of ``columns`` -> their rollouts and counts (as the episode runner's play; the
