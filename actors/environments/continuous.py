@@ -80,9 +80,11 @@ class ContinuousEpisodes(EpisodeRunner):
         try:
             def admit(ep: Episode) -> int:
                 """The episode's next turn into the engine -> 1, or 0 where the episode is over."""
+                if ep.done or ep.error or ep.turns >= self.max_turns or errors:
+                    return 0
                 room = self._room(ep)
-                if ep.done or ep.error or ep.turns >= self.max_turns or errors or room < 1:
-                    ep.done = ep.done or (room < 1 and not ep.error)
+                if room < 1:
+                    ep.done = True  # no room for another turn, as in rounds
                     return 0
                 sample(ep.prompt_ids + ep.response, room, self._key(ep),
                        lambda turn: (ended.put((ep, turn)), wake.set()))
@@ -119,10 +121,9 @@ class ContinuousEpisodes(EpisodeRunner):
         request = self._took(ep, turn)
         if request is None:
             return 0
-        if request[0] == "step":
-            self._env_steps += 1
-        answered = self.workers.submit({ep.episode_id: request})
-        for got in answered.values():  # lost with its worker, answered at once
-            self._answered(ep, got)
-            return admit(ep)
-        return 0
+        self._env_steps += 1
+        got = self.workers.submit({ep.episode_id: request}).get(ep.episode_id)
+        if got is None:  # sent: poll answers it
+            return 0
+        self._answered(ep, got)  # lost with its worker: answered at once
+        return admit(ep)

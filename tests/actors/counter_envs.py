@@ -36,9 +36,9 @@ class NoStep:
 
 class Relay:
     """Two roles, by the prompt's columns: "go" answers at once and, at its ``after``-th step,
-    leaves ``marker``; "wait" holds its first step until the marker is there (a minute at most),
-    so it ends only if other episodes' turns go on while its environment works. Each ends with
-    reward 1 at its ``turns``-th step."""
+    writes a byte into the FIFO ``marker``; "wait" holds its first step until that byte can be
+    read (a minute at most), so it ends only if other episodes' turns go on while its
+    environment works. Each ends with reward 1 at its ``turns``-th step."""
 
     def reset(self, prompt, columns):
         self.role, self.marker = columns["role"], columns["marker"]
@@ -46,14 +46,20 @@ class Relay:
         return None
 
     def step(self, action):
+        import select
+
         self.n += 1
         if self.role == "go" and self.n == self.after:
-            open(self.marker, "w").close()
+            # Held open by this instance: the byte stays in the FIFO whenever "wait" opens it.
+            self.fifo = os.open(self.marker, os.O_RDWR | os.O_NONBLOCK)
+            os.write(self.fifo, b"x")
         if self.role == "wait" and self.n == 1:
-            deadline = time.monotonic() + 60
-            while not os.path.exists(self.marker) and time.monotonic() < deadline:
-                time.sleep(0.01)  # polling the condition, bounded
-            if not os.path.exists(self.marker):
+            fd = os.open(self.marker, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                readable, _, _ = select.select([fd], [], [], 60)
+            finally:
+                os.close(fd)
+            if not readable:
                 raise RuntimeError("no marker: the other episodes did not go on meanwhile")
         done = self.n >= self.turns
         return f"ok {self.n}", (1.0 if done else None), done, {}

@@ -2,6 +2,7 @@
 workers: done, max_turns, the token budget (the transcript still ends on a policy token), and
 an environment that hangs or raises, which ends that episode invalid and no other."""
 
+import os
 import threading
 
 import numpy as np
@@ -136,6 +137,7 @@ def test_a_turn_waits_for_its_own_environment_only_when_continuous(tmp_path, sch
     continuously, go's turns and steps go on meanwhile and both end; in rounds, go's next turn
     waits for the round that wait's step holds, which runs out of env.step_timeout_s."""
     marker = str(tmp_path / "go-took-its-turns")
+    os.mkfifo(marker)
     workers = EnvironmentWorkers("counter_envs:Relay", workers=2, step_timeout_s=30.0 if waited else 2.0)
     try:
         prompts = [([1, 2, 3], i, "silent", {"role": role, "marker": marker, "after": 3})
