@@ -27,6 +27,7 @@ import numpy as np
 
 from actors import kept_set
 from actors.admitted_calls import AGENT_CALLS_CONCURRENCY, AGENT_CALLS_GROUP, AdmittedCalls
+from actors.engine_thread import EngineThread, OnEngineThread
 from actors.engine_turns import EngineTurns
 from actors.environments.config import EnvConfig
 from actors.environments.episodes import Turn
@@ -47,7 +48,7 @@ from core.sampling import is_truncated
 log = logging.getLogger(__name__)
 
 
-def engine_process_env(*, num_gpus: float, tensor_parallel: int) -> dict[str, str]:
+def engine_process_env(*, num_gpus: float, tensor_parallel: int, enforce_eager: bool = True) -> dict[str, str]:
     """Environment for an actor that hosts a Generator: where vLLM runs its engine.
 
     On CPU with one worker, vLLM's engine core and its worker run inside the actor's own
@@ -56,10 +57,15 @@ def engine_process_env(*, num_gpus: float, tensor_parallel: int) -> dict[str, st
     inter-process hops, and killing the actor takes the whole engine with it. GPU engines
     keep vLLM's own process layout. Only for actors: an in-process engine initialises
     torch.distributed in its process, which must not be one that also hosts a learner.
+
+    An eager CPU engine also runs without torch.compile at all: vLLM compiles its sampler's
+    token-rank count even with enforce_eager, which costs ~1.9 s of CPU at the first call
+    with logprobs (so in every run's step 0, on the critical path of start-up) for a kernel
+    that is one comparison and a sum.
     """
     if num_gpus or tensor_parallel != 1:
         return {}
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **({"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {})}
 
 
 def actor_class():
@@ -85,7 +91,6 @@ class Generator:
         env: multi-turn episodes (the env section; actors/environments/episodes.py) instead of
         single responses, the environments given each prompt row's ``columns``; with env.agent,
         the agent's calls go through ``gateway`` (a Gateway actor, actors/gateway) to this generator."""
-        fit_threads()
         model = resolve_model_path(model, name)
         if weight_sync not in TRANSPORTS:
             raise ValueError(f"{name}: weight_sync={weight_sync!r} is unknown; use {TRANSPORT_NAMES}")
@@ -104,7 +109,9 @@ class Generator:
                              "this generator has no GPU: use 'cpu' or give it num_gpus")
         t0 = time.perf_counter()
         check_served(model)  # one line for an architecture vLLM does not serve, not a failed engine
-        self._llm = self._start_engine(model)
+        self._engine_thread = EngineThread(name)  # built, stepped and loaded on one thread (its module says why)
+        self._engine_thread.call(fit_threads)
+        self._llm = OnEngineThread(self._engine_thread.call(self._start_engine, model), self._engine_thread)
         self.weights = EngineWeights(llm=self._llm, turns=self._turns, name=name, weight_sync=weight_sync,
                                      partial_rollouts=self.partial_rollouts)
         self.start_seconds = time.perf_counter() - t0

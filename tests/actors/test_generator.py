@@ -244,22 +244,25 @@ def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer)
     import psutil
     import ray
 
-    from actors.generator import engine_process_env
+    from actors.admitted_calls import AGENT_CALLS_GROUP
+    from actors.generator import actor_class, engine_process_env
     from cluster.config.ppo import load_config
     from cluster.runtime.pools.pool import pool_env
 
     assert engine_process_env(num_gpus=1, tensor_parallel=1) == {}  # GPU engines keep vLLM's layout
     assert engine_process_env(num_gpus=0, tensor_parallel=2) == {}
+    assert "TORCHDYNAMO_DISABLE" not in engine_process_env(num_gpus=0, tensor_parallel=1, enforce_eager=False)
     env = pool_env(load_config(None, []), "generator", 1)  # what the pools give a CPU generator
     import rays
     rays.shared()
-    gen = ray.remote(num_cpus=1)(Generator).options(runtime_env={"env_vars": env}).remote(
+    gen = actor_class().options(num_cpus=1, runtime_env={"env_vars": env}).remote(
         model=policy_path, sampling={"max_new_tokens": 8, "seed": 3},
         engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20})
     try:
         pid = ray.get(gen.health.remote())["pid"]
         helpers = [p.name() for p in psutil.Process(pid).children(recursive=True)]
         assert helpers == [], f"the engine runs in helper processes: {helpers}"
+        ray.get(gen.__ray_call__.remote(_record_forward_threads))
         before = ray.get(gen.generate.remote(encode(tokenizer, PROMPTS))).rollouts
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
@@ -270,8 +273,26 @@ def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer)
         assert ray.get(gen.load_weights.remote(1, to_buckets(named, 256 << 10)))["version"] == 1
         after = ray.get(gen.generate.remote(encode(tokenizer, PROMPTS))).rollouts
         assert max_gap(model.eval(), after, 1.0) < 1e-3 < max_gap(model, before, 1.0)
+        ray.get(gen.serve_turn.options(concurrency_group=AGENT_CALLS_GROUP).remote([5, 6, 7], 4, (0, 0, 0)))
+        # Every forward pass, whichever group asked (sampling, the gateway's admitted calls), ran
+        # on the thread that built the engine: one OpenMP team in the process.
+        seen, built = ray.get(gen.__ray_call__.remote(lambda g: (g.forward_threads, g._engine_thread.ident)))
+        assert seen == {built}, f"forward passes ran on {len(seen)} threads"
+        # an eager engine compiled nothing, not even vLLM's sampler kernels (seconds of CPU at step 0)
+        compiled = ray.get(gen.__ray_call__.remote(lambda _: "torch._inductor.compile_fx" in __import__("sys").modules))
+        assert not compiled, "the eager engine torch.compiled something"
     finally:
         ray.kill(gen)
+
+
+def _record_forward_threads(generator) -> None:
+    """Collect, on ``generator.forward_threads``, the thread of each forward pass of its model."""
+    import threading
+
+    generator.forward_threads = seen = set()
+    def hook(worker):
+        worker.model_runner.model.register_forward_pre_hook(lambda *_: seen.add(threading.get_ident()))
+    generator._llm.collective_rpc(hook)
 
 
 def test_lm_head_repack_is_gated_on_the_vllm_release(monkeypatch, caplog):

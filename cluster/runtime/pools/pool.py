@@ -68,7 +68,8 @@ def pool_env(cfg: TetherConfig, pool: str, threads: int) -> dict:
     env = {**actor_env(cfg), **thread_env(threads, vllm=engine)}
     if engine:
         tp = cfg.generator.tensor_parallel if pool == "generator" else 1
-        env.update(engine_process_env(num_gpus=getattr(cfg, pool).num_gpus, tensor_parallel=tp))
+        eager = (cfg.generator.engine if pool == "generator" else cfg.reward.judge.engine).enforce_eager
+        env.update(engine_process_env(num_gpus=getattr(cfg, pool).num_gpus, tensor_parallel=tp, enforce_eager=eager))
     return env
 
 
