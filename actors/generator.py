@@ -27,7 +27,6 @@ import numpy as np
 
 from actors import kept_set
 from actors.admitted_calls import AGENT_CALLS_CONCURRENCY, AGENT_CALLS_GROUP, AdmittedCalls
-from actors.engine_thread import EngineThread, OnEngineThread
 from actors.engine_turns import EngineTurns
 from actors.environments.config import EnvConfig
 from actors.environments.episodes import Turn
@@ -91,6 +90,7 @@ class Generator:
         env: multi-turn episodes (the env section; actors/environments/episodes.py) instead of
         single responses, the environments given each prompt row's ``columns``; with env.agent,
         the agent's calls go through ``gateway`` (a Gateway actor, actors/gateway) to this generator."""
+        fit_threads()
         model = resolve_model_path(model, name)
         if weight_sync not in TRANSPORTS:
             raise ValueError(f"{name}: weight_sync={weight_sync!r} is unknown; use {TRANSPORT_NAMES}")
@@ -109,9 +109,7 @@ class Generator:
                              "this generator has no GPU: use 'cpu' or give it num_gpus")
         t0 = time.perf_counter()
         check_served(model)  # one line for an architecture vLLM does not serve, not a failed engine
-        self._engine_thread = EngineThread(name)  # built, stepped and loaded on one thread (its module says why)
-        self._engine_thread.call(fit_threads)
-        self._llm = OnEngineThread(self._engine_thread.call(self._start_engine, model), self._engine_thread)
+        self._llm = self._start_engine(model)  # built, stepped and loaded on a thread of its own
         self.weights = EngineWeights(llm=self._llm, turns=self._turns, name=name, weight_sync=weight_sync,
                                      partial_rollouts=self.partial_rollouts)
         self.start_seconds = time.perf_counter() - t0

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
+from core.infra.threads import fit_threads
 from core.modeling.architectures import UnsupportedModel
+from core.modeling.engine_thread import EngineThread, OnEngineThread
 
 
 def check_served(model: str, key: str = "model.policy") -> None:
@@ -35,6 +37,8 @@ def check_served(model: str, key: str = "model.policy") -> None:
 def start_engine(model: str, engine, *, tensor_parallel: int, seed: int, on_gpu: bool, **extra):
     """vLLM's ``LLM`` over ``model``, sized by ``engine`` (core.modeling.engine_config.EngineConfig): the
     engine every vLLM role (a generator, a judge) starts, ``extra`` its own LLM arguments.
+    Built on a thread of its own, and returned as an ``OnEngineThread``: every call runs on
+    that thread, whichever thread makes it (core/modeling/engine_thread.py says why).
 
     On a GPU vLLM takes ``gpu_memory_utilization`` of the device; on CPU the KV cache is given
     in bytes (the fraction-of-memory knob breaks a second engine on one machine)."""
@@ -55,7 +59,9 @@ def start_engine(model: str, engine, *, tensor_parallel: int, seed: int, on_gpu:
         # step's token budget holds the longest one.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(engine.max_model_len, engine.max_num_seqs, 4096)
-    return LLM(**kwargs)
+    thread = EngineThread(f"vllm-{os.path.basename(str(model).rstrip('/'))}")
+    thread.call(fit_threads)  # a new thread starts at the process's initial OpenMP thread count
+    return OnEngineThread(thread.call(LLM, **kwargs), thread)
 
 
 def address_from_ray() -> None:

@@ -276,7 +276,7 @@ def test_cpu_generator_actor_hosts_its_engine_in_process(policy_path, tokenizer)
         ray.get(gen.serve_turn.options(concurrency_group=AGENT_CALLS_GROUP).remote([5, 6, 7], 4, (0, 0, 0)))
         # Every forward pass, whichever group asked (sampling, the gateway's admitted calls), ran
         # on the thread that built the engine: one OpenMP team in the process.
-        seen, built = ray.get(gen.__ray_call__.remote(lambda g: (g.forward_threads, g._engine_thread.ident)))
+        seen, built = ray.get(gen.__ray_call__.remote(lambda g: (g.forward_threads, g._llm.engine_thread.ident)))
         assert seen == {built}, f"forward passes ran on {len(seen)} threads"
         # an eager engine compiled nothing, not even vLLM's sampler kernels (seconds of CPU at step 0)
         compiled = ray.get(gen.__ray_call__.remote(lambda _: "torch._inductor.compile_fx" in __import__("sys").modules))

@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from actors.engine_thread import EngineThread, OnEngineThread
+from core.modeling.engine_thread import EngineThread, OnEngineThread
 
 pytestmark = pytest.mark.unit
 
