@@ -211,6 +211,13 @@ def gold_source(reward) -> RewardSource:
     return RewardSource(SOURCES["function"], reward.gold)
 
 
+def judge_engines(reward, source: RewardSource) -> list:
+    """The EngineConfig of each judge engine a reward replica of ``source`` hosts (``reward``: its
+    RewardConfig): reward.judge's own, or each judge among reward.sources."""
+    own = [reward.judge.engine] if source.type.engine else []
+    return own + [engine for p in source.parts for engine in judge_engines(p.config, p.source)]
+
+
 def reward_source(cfg) -> RewardSource:
     """The source of the scores the run trains on (``cfg``: a TetherConfig)."""
     if cfg.env.enabled and cfg.env.reward == "environment":

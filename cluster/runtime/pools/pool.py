@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from actors.generator import engine_process_env
+from actors.rewards.source import judge_engines, reward_source
 from cluster.config.labels import parse_labels
 from cluster.config.ppo import TetherConfig
 from cluster.runtime.pools.buffer_slot import BufferSlot
@@ -63,13 +64,17 @@ def actor_env(cfg: TetherConfig) -> dict:
 
 def pool_env(cfg: TetherConfig, pool: str, threads: int) -> dict:
     """Environment variables of one actor of a rollout-side pool: every actor's, its planned
-    threads (cluster/runtime/pools/threads.py) and, for a generator or a judge, where vLLM runs its engine."""
-    engine = pool == "generator" or (pool == "reward" and cfg.reward.judge.model is not None)  # a judge's too
-    env = {**actor_env(cfg), **thread_env(threads, vllm=engine)}
-    if engine:
+    threads (cluster/runtime/pools/threads.py) and, for a generator or a reward replica with a
+    judge (its own or one of reward.sources), where vLLM runs its engine."""
+    if pool == "generator":
+        engines = [cfg.generator.engine]
+    else:
+        engines = judge_engines(cfg.reward, reward_source(cfg)) if pool == "reward" else []
+    env = {**actor_env(cfg), **thread_env(threads, vllm=bool(engines))}
+    if engines:
         tp = cfg.generator.tensor_parallel if pool == "generator" else 1
-        eager = (cfg.generator.engine if pool == "generator" else cfg.reward.judge.engine).enforce_eager
-        env.update(engine_process_env(num_gpus=getattr(cfg, pool).num_gpus, tensor_parallel=tp, enforce_eager=eager))
+        env.update(engine_process_env(num_gpus=getattr(cfg, pool).num_gpus, tensor_parallel=tp,
+                                      enforce_eager=all(e.enforce_eager for e in engines)))
     return env
 
 

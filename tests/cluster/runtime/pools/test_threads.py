@@ -51,6 +51,12 @@ def test_a_judge_replica_hosts_an_engine_like_a_generator():
     on_gpu = pool_env(load_config(None, [*judge, "reward.num_gpus=1"]), "reward", 2)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in on_gpu
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in pool_env(load_config(None, []), "reward", 1)  # a function
+    # a judge among reward.sources is hosted as reward.judge is; an engine that compiles keeps torch.compile
+    parts = ["reward.function=null", "reward.sources=[{name: fmt, function: 'cluster.demo.arithmetic:well_formed'}, "
+             "{name: judge, judge: {model: 'builtin:judge', engine: {enforce_eager: false}}}]"]
+    env = pool_env(load_config(None, parts), "reward", 2)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "TORCHDYNAMO_DISABLE" not in env
+    assert pool_env(load_config(None, judge), "reward", 2)["TORCHDYNAMO_DISABLE"] == "1"
 
 
 @pytest.mark.unit
