@@ -48,8 +48,9 @@ class AdmittedCalls:
     """One engine's admission queue; ``sample`` blocks until its call's request finishes."""
 
     def __init__(self, *, engine, turns: EngineTurns, adapter: Callable[[], object], stepping: bool,
-                 name: str) -> None:
-        self._engine, self._turns, self._adapter = engine, turns, adapter
+                 name: str, on_engine: Callable = lambda fn, *args: fn(*args)) -> None:
+        """on_engine(fn, *args): runs fn where the engine runs (EngineThread.call), once a step."""
+        self._engine, self._turns, self._adapter, self._on_engine = engine, turns, adapter, on_engine
         self._stepping, self._name = stepping, name
         self._queue: list[_Call] = []
         self._wake = threading.Condition()
@@ -98,21 +99,28 @@ class AdmittedCalls:
             try:
                 while True:
                     with turn():
-                        self._admit(running)
-                        if not running:
+                        if not self._on_engine(self._step, running):
                             return
-                        self.largest_batch = max(self.largest_batch, len(running))
-                        for out in self._engine.step():
-                            if out.finished and out.request_id in running:
-                                call = running.pop(out.request_id)
-                                call.output = out
-                                call.end()
             except BaseException as e:  # noqa: BLE001 - answered to every call it stopped; the driver goes on
                 with turn(), contextlib.suppress(Exception):  # the first error is the one to see
-                    self._engine.abort_request(list(running))
+                    self._on_engine(self._engine.abort_request, list(running))
                 for call in running.values():
                     call.error = e
                     call.end()
+
+    def _step(self, running: dict[str, _Call]) -> bool:
+        """The queued calls admitted, one engine step, the calls it finished answered -> whether
+        any call ran. One hop to the engine's thread a step, not one per request."""
+        self._admit(running)
+        if not running:
+            return False
+        self.largest_batch = max(self.largest_batch, len(running))
+        for out in self._engine.step():
+            if out.finished and out.request_id in running:
+                call = running.pop(out.request_id)
+                call.output = out
+                call.end()
+        return True
 
     def _admit(self, running: dict[str, _Call]) -> None:
         """The queued calls into the engine; one the engine refuses is answered with its error."""

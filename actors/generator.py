@@ -266,7 +266,8 @@ class Generator:
                 if self._calls is None:
                     self._calls = AdmittedCalls(engine=self._llm.llm_engine, turns=self._turns,
                                                 adapter=lambda: self.weights.adapter,
-                                                stepping=self.partial_rollouts, name=self.name)
+                                                stepping=self.partial_rollouts, name=self.name,
+                                                on_engine=self._llm.engine_thread.call)
         return self._calls
 
     def _one_turn_params(self, room: int, key: tuple[int, int, int]):

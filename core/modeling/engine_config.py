@@ -42,6 +42,10 @@ class EngineConfig:
     kv_cache_bytes: int = setting(64 << 20, "KV cache size in bytes; explicit: the fraction-of-memory knob "
                                             "breaks a 2nd engine on CPU")
     max_num_seqs: int = setting(64, "sequences the engine schedules at once")
+    block_size: Optional[int] = setting(None, "KV cache block in tokens; the prefix cache keeps whole blocks only, so "
+                                              "a transcript shorter than a block is prefilled again each turn; a "
+                                              "multiple of 32. null = 32 on CPU (vLLM's CPU default, 128, keeps no "
+                                              "short transcript), vLLM's default on a GPU")
     enforce_eager: bool = setting(True, "no torch.compile: engine start dominates at tiny sizes")
     gpu_memory_utilization: float = setting(0.5, "GPU only: fraction of the device vLLM may take")
     max_lora_rank: int = setting(0, "the largest LoRA adapter rank the engine serves; 0 = no adapters (a job "
@@ -56,6 +60,9 @@ class EngineConfig:
         if self.max_lora_rank and self.max_lora_rank not in ENGINE_LORA_RANKS:
             raise ValueError(f"{at}.max_lora_rank={self.max_lora_rank} is not a rank vLLM serves; use 0 or one "
                              f"of {list(ENGINE_LORA_RANKS)}")
+        if self.block_size is not None and (self.block_size < 32 or self.block_size % 32):
+            raise ValueError(f"{at}.block_size={self.block_size} is not a block every vLLM backend takes: use a "
+                             "multiple of 32 (vLLM's CPU attention needs one), or null")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{at}.gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")

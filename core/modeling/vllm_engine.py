@@ -13,6 +13,8 @@ from core.infra.threads import fit_threads
 from core.modeling.architectures import UnsupportedModel
 from core.modeling.engine_thread import EngineThread, OnEngineThread
 
+CPU_BLOCK_SIZE = 32  # the least KV block vLLM's CPU attention takes
+
 
 def check_served(model: str, key: str = "model.policy") -> None:
     """UnsupportedModel unless vLLM serves ``model`` as a text-only generator."""
@@ -51,7 +53,12 @@ def start_engine(model: str, engine, *, tensor_parallel: int, seed: int, on_gpu:
                   enforce_eager=engine.enforce_eager, seed=seed, **extra)
     if on_gpu:
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+        if engine.block_size is not None:
+            kwargs["block_size"] = engine.block_size
     else:
+        # vLLM's CPU default block (128 tokens) leaves a multi-turn transcript or an agent's
+        # conversation shorter than that out of the prefix cache: each turn prefilled it whole.
+        kwargs["block_size"] = engine.block_size or CPU_BLOCK_SIZE
         kwargs["kv_cache_memory_bytes"] = engine.kv_cache_bytes
         # A prompt whose prefill is split over two engine steps rewinds its seeded sampler by
         # an offset, which vLLM's CPU generators do not have (RuntimeError "CPU Generator does

@@ -207,6 +207,16 @@ def test_too_long_prompts_are_skipped_and_counted(generator, tokenizer):
         generator.generate([])
 
 
+def test_a_transcript_served_again_comes_from_the_prefix_cache(generator):
+    """A multi-turn transcript's next turn prefills only what is new: a CPU engine keeps KV
+    blocks of 32 tokens (vLLM's CPU default of 128 kept no transcript shorter than that)."""
+    transcript = [int(t) for t in np.arange(70) % 500 + 2]
+    first = generator.serve_turn(transcript, 4, (0, 0, 0))
+    again = generator.serve_turn(transcript + first.token_ids, 4, (0, 0, 1))
+    assert first.cached_tokens == 0
+    assert again.cached_tokens >= 64
+
+
 def test_bad_model_paths(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Generator(model=str(tmp_path / "nope"))

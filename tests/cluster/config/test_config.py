@@ -61,6 +61,7 @@ def test_exponent_without_a_dot_is_a_number():
     (["run.steps=2.5"], "run.steps must be int"),
     (["generator.engine.dtype=[1]"], "generator.engine.dtype must be str"),
     (["generator.engine.dtype=fp8"], "generator.engine.dtype='fp8' is not one of ['float32', 'bfloat16', 'float16']"),
+    (["generator.engine.block_size=16"], "generator.engine.block_size=16 is not a block every vLLM backend takes"),
     (["model.dtype=fp16"], "model.dtype='fp16' is unknown; use one of auto, float32, bfloat16"),
     (["learner.dtype=float16"], "learner.dtype='float16' is unknown; use one of float32, bfloat16"),
     (["ppo.temperature=0.5"], "unknown key ppo.temperature"),
