@@ -12,8 +12,10 @@ How: hidden dimension ``d`` (the last) carries the constant ``FEATURE`` in every
 embedding, and no layer writes to it (the rows ``d`` of every attention and MLP output
 projection are zeroed), so the final residual's ``d`` is that constant at every position, about
 1 after the final norm. The constant is large (25x the embeddings' scale) so that what the PPO
-steps of a benchmark write into those rows leaves the rate where it was: with 0.02 and a norm
+steps of a benchmark write into those rows leaves the policy whole: with 0.02 and a norm
 weight of 25 instead, a first update made the second step's policy another one (approx KL 30).
+The updates still move the rate: tether's policy averaged 51 tokens before its first update
+and 60-65 after (bench.vs_trl reports each side's response tokens a step for that reason).
 The embeddings are tied, so the logit of
 token v gets (that feature) x E[v, d]: the same for every token but EOS, whose E[eos, d] is
 set (by bisection) to give ``HAZARD`` on average, and the pad token, pushed out of reach (TRL
