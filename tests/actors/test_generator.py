@@ -217,6 +217,25 @@ def test_a_transcript_served_again_comes_from_the_prefix_cache(generator):
     assert again.cached_tokens >= 64
 
 
+def test_a_prompt_the_prefix_cache_holds_samples_what_a_cold_engine_samples(policy_path, in_process_engines):
+    """A chunk played again on a fresh replica finds nothing in its cache that the first replica
+    held (other chunks' prompts sharing a prefix: a system prompt), so a cache hit must not
+    change what is sampled: same tokens, same log-probs, in bf16."""
+    gen = in_process_engines.hold(Generator(
+        model=policy_path, sampling={"temperature": 1.0, "max_new_tokens": 12, "n": 2, "seed": 3},
+        engine={"max_model_len": 128, "kv_cache_bytes": 16 << 20, "dtype": "bfloat16"}))
+    shared = [int(t) for t in np.arange(64) * 7 % 400 + 5]  # two whole 32-token blocks
+    prompts, others = [shared + [11, 12, 13], shared + [21]], [shared + [31, 32], shared + [41, 42, 43]]
+    cold = gen.generate(prompts, prompt_indices=[0, 1]).rollouts
+    gen.generate(others, prompt_indices=[5, 6])
+    warm = gen.generate(prompts, prompt_indices=[0, 1])
+    assert warm.rollouts and all(r.prompt_index in (0, 1) for r in warm.rollouts)
+    for a, b in zip(cold, warm.rollouts):
+        assert a.response_ids.tolist() == b.response_ids.tolist()
+        np.testing.assert_array_equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    assert gen.serve_turn(prompts[0], 2, (0, 0, 0)).cached_tokens >= 64  # the warm calls found the blocks held
+
+
 def test_bad_model_paths(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Generator(model=str(tmp_path / "nope"))
