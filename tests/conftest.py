@@ -1,6 +1,7 @@
 import contextlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,11 @@ def pytest_unconfigure(config):
     # Ray (tests/rays.py) goes, if a test started it.
     if "rays" in sys.modules:
         sys.modules["rays"].stop()
+    if _PREBUILD is not None:
+        sys.modules["model_prebuild"].stop(_PREBUILD)
+
+
+_PREBUILD = None  # the background model builds (tests/model_prebuild.py), when the session started them
 
 
 @pytest.hookimpl(trylast=True)
@@ -94,6 +100,10 @@ def pytest_collection_finish(session):
     DeepSpeed start would then wait on for ever."""
     if session.config.option.collectonly or all(item.get_closest_marker("unit") for item in session.items):
         return
+    import model_prebuild  # the tiny models built on the idle core meanwhile (tests/model_prebuild.py)
+
+    global _PREBUILD
+    _PREBUILD = model_prebuild.start(Path(session.config.rootpath) / ".test-results" / "model-prebuild.log")
     import torch
     if torch.cuda.is_available():  # the GPU tier's learner runs on CUDA: no CPU op to build
         return

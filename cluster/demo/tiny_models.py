@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.demo.sentiment import corpus
-from core.infra.files import publish_dir
+from core.infra.files import held_lock, publish_dir
 
 FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
 EOS_TOKEN = "<|endoftext|>"
@@ -55,12 +56,22 @@ def cache_root() -> Path:
 
 
 def cached_build(path: Path, build) -> Path:
-    """Build into a temp dir beside `path`, then rename: readers never see half a model."""
-    if (path / "config.json").exists() or (path / "tokenizer.json").exists():
+    """Build into a temp dir beside `path`, then rename: readers never see half a model. A build
+    of `path` under way in another process (the test suite's prebuilder, a second run) is waited
+    for, not done twice."""
+    if _built(path):
         return path
-    with publish_dir(path, shared=True) as tmp:  # other processes may build the same model at once
-        build(tmp)
+    with held_lock(path.parent / f".{path.name}.lock"):
+        if not _built(path):
+            for left in path.parent.glob(f".{path.name}-*"):  # a killed builder's: none runs but us
+                shutil.rmtree(left, ignore_errors=True)
+            with publish_dir(path, shared=True) as tmp:
+                build(tmp)
     return path
+
+
+def _built(path: Path) -> bool:
+    return (path / "config.json").exists() or (path / "tokenizer.json").exists()
 
 
 def run_apart(module: str, *args: str, what: str) -> None:

@@ -53,3 +53,19 @@ def publish_dir(final: Union[str, Path], *, shared: bool = False) -> Iterator[Pa
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def held_lock(path: Union[str, Path]) -> Iterator[None]:
+    """An exclusive lock on the file ``path`` (made if missing) for the block; another process
+    asking for it waits. The kernel drops it when its holder dies, so a crash leaves none held."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
