@@ -98,12 +98,10 @@ def pytest_collection_finish(session):
     build found up to date), here in the pytest process. Built on first use instead, the build
     could fall in a learner rank that a fault test SIGKILLs, whose lock file every later
     DeepSpeed start would then wait on for ever."""
-    runs = [item for item in session.items
-            if not item.get_closest_marker("unit") and not item.get_closest_marker("skip")]
-    if session.config.option.collectonly or not runs:  # a gpu-tier run without CUDA runs none (tests/test_gpu_check.py)
-        return
     import model_prebuild  # the tiny models built on the idle core meanwhile (tests/model_prebuild.py)
 
+    if session.config.option.collectonly or not model_prebuild.wanted(session.items):
+        return
     global _PREBUILD
     _PREBUILD = model_prebuild.start(Path(session.config.rootpath) / ".test-results" / "model-prebuild.log")
     import torch

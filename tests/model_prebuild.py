@@ -36,6 +36,13 @@ def builds() -> list:
     return out
 
 
+def wanted(items) -> bool:
+    """Whether a session's selected tests include one that runs services: neither a unit test
+    nor skipped. A gpu-tier run without CUDA, as tests/test_gpu_check.py starts inside the
+    suite, skips all of its tests: a prebuild of its own would overwrite the suite's log."""
+    return any(not item.get_closest_marker("unit") and not item.get_closest_marker("skip") for item in items)
+
+
 def start(log: Path) -> subprocess.Popen:
     """This module in a process (and process group) of its own, its output in ``log``."""
     log.parent.mkdir(parents=True, exist_ok=True)
